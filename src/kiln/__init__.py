@@ -1,0 +1,26 @@
+"""kiln: a durable job engine for AI generation work."""
+
+from kiln.app import App, TaskKind
+from kiln.config import Settings
+from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError
+from kiln.models import Output, Task, TaskEvent, Timeouts
+from kiln.retry import RetryPolicy
+from kiln.states import Event, Status
+
+__all__ = [
+    "App",
+    "Event",
+    "KilnError",
+    "LeaseLost",
+    "Output",
+    "Permanent",
+    "RetryPolicy",
+    "Retryable",
+    "Settings",
+    "Status",
+    "Task",
+    "TaskError",
+    "TaskEvent",
+    "TaskKind",
+    "Timeouts",
+]

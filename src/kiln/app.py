@@ -1,0 +1,507 @@
+"""App: the task-kind registry, the wiring of store and storage, and the engine's policy.
+
+Every status change goes through :meth:`App.apply`, which checks the state table first
+(an illegal transition is refused and counted, never applied) and then asks the store
+for one fenced compare-and-set with its event rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+
+from kiln import canonical
+from kiln.bus import EventHub, Message, ProgressEvent
+from kiln.config import Settings
+from kiln.errors import (
+    AlreadyFinal,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    NotInReview,
+    NotRetryable,
+    UnknownKind,
+)
+from kiln.models import JSON, NewTask, Output, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
+from kiln.retry import RetryPolicy
+from kiln.states import CLAIMABLE, FINAL, RUNNING, Event, IllegalTransition, Status, check
+from kiln.storage import Storage, open_storage, verify
+from kiln.store import Change, LeaderToken, Store, open_store
+
+log = logging.getLogger("kiln")
+
+HandlerResult = Output | Sequence[Output] | None
+Handler = Callable[..., Awaitable[HandlerResult]]
+ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskKind:
+    """A registered kind of task: its handler and the policies the engine applies to it."""
+
+    name: str
+    handler: Handler
+    params: type[pydantic.BaseModel] | None = None
+    resources: dict[str, int] = field(default_factory=dict)
+    timeouts: Timeouts | None = None
+    retry: RetryPolicy | None = None
+    review: ReviewCheck | None = None
+    normalize: Callable[[JSON], JSON] | None = None
+
+    def validate(self, params: Any) -> JSON:
+        """Validated, canonical params (defaults applied) as plain JSON."""
+        if self.params is None:
+            if not isinstance(params, dict):
+                raise InvalidRequest("params must be a JSON object")
+            return dict(params)
+        try:
+            model = self.params.model_validate(params)
+        except pydantic.ValidationError as exc:
+            details = [
+                {"loc": ["params", *map(str, err["loc"])], "msg": err["msg"], "type": err["type"]}
+                for err in exc.errors()
+            ]
+            raise InvalidRequest(f"invalid params for {self.name}", details=details) from None
+        data: JSON = model.model_dump(mode="json", exclude_none=True)
+        return self.normalize(data) if self.normalize else data
+
+    def parse(self, params: JSON) -> Any:
+        return params if self.params is None else self.params.model_validate(params)
+
+
+class App:
+    """kiln as a library: ``app = kiln.App(database=..., storage=...)``.
+
+    Register kinds with :meth:`task`, then ``async with app:`` to open the store, and
+    :meth:`submit`, :meth:`get`, :meth:`cancel`, :meth:`retry`, :meth:`watch`. Run
+    workers and the supervisor with :meth:`worker` and :meth:`supervisor`.
+    """
+
+    def __init__(
+        self,
+        database: str | None = None,
+        storage: str | None = None,
+        *,
+        settings: Settings | None = None,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
+        store: Store | None = None,
+        storage_backend: Storage | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        if database:
+            self.settings = self.settings.with_(database_url=database)
+        if storage:
+            self.settings = self.settings.with_(storage_url=storage)
+        self.kinds: dict[str, TaskKind] = {}
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.retry_policy = RetryPolicy(self.settings.retry_base_s, self.settings.retry_max_s)
+        self._store = store
+        self._storage = storage_backend
+        self._hub: EventHub | None = None
+        self._wake: asyncio.Event | None = None
+        self.illegal_transitions = 0
+
+    # registry
+
+    def task(
+        self,
+        name: str,
+        *,
+        params: type[pydantic.BaseModel] | None = None,
+        resources: dict[str, int] | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        review: ReviewCheck | None = None,
+        normalize: Callable[[JSON], JSON] | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Register ``handler(ctx, params)`` for tasks of kind ``name``."""
+
+        def register(handler: Handler) -> Handler:
+            if name in self.kinds:
+                raise ValueError(f"task kind {name!r} is already registered")
+            self.kinds[name] = TaskKind(
+                name, handler, params, dict(resources or {}), timeouts, retry, review, normalize
+            )
+            return handler
+
+        return register
+
+    def kind(self, name: str) -> TaskKind:
+        try:
+            return self.kinds[name]
+        except KeyError:
+            raise UnknownKind(f"no task kind {name!r} is registered") from None
+
+    # lifecycle
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(
+                self.settings.resolved_database_url,
+                clock=self.clock,
+                synchronous=self.settings.sqlite_synchronous,
+            )
+        return self._store
+
+    @property
+    def storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = open_storage(self.settings.resolved_storage_url)
+        return self._storage
+
+    @property
+    def hub(self) -> EventHub:
+        if self._hub is None:
+            self._hub = EventHub(self.store)
+        return self._hub
+
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set when this process made work claimable; workers in this process wait on it."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    def now(self) -> float:
+        return self.store.clock()
+
+    async def open(self) -> App:
+        _ = self.store, self.storage
+        return self
+
+    async def close(self) -> None:
+        if self._hub is not None:
+            await self._hub.close()
+        if self._store is not None:
+            await self._store.close()
+
+    async def __aenter__(self) -> App:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _written(self, events: Sequence[TaskEvent]) -> None:
+        if self._hub is not None and events:
+            self._hub.poke()
+        if any(e.status in CLAIMABLE for e in events):
+            self.wake.set()
+
+    # the one way a status changes
+
+    async def apply(
+        self,
+        task: Task,
+        event: Event,
+        target: Status | None = None,
+        *,
+        fields: dict[str, Any] | None = None,
+        error: JSON | None = None,
+        fenced: bool = False,
+        bump_epoch: bool = False,
+        leader: LeaderToken | None = None,
+        retry_error: JSON | None = None,
+        counters: Sequence[tuple[str, str]] = (),
+    ) -> Task:
+        """Apply ``event`` to ``task`` as read: CAS on its status (and epoch when fenced).
+
+        With ``retry_error`` the failure may schedule the next attempt in the same
+        transaction (``fail``/``expire`` then ``schedule_retry``).
+        """
+        try:
+            to = check(task.status, event, target)
+        except IllegalTransition as exc:
+            self.illegal_transitions += 1
+            await self.store.bump("illegal_transitions", f"{task.status}>{exc.target or '?'}")
+            log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
+            raise
+        steps = [(event, to)]
+        changes = dict(fields or {})
+        if to in FINAL or to in CLAIMABLE:
+            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
+        if retry_error is not None:
+            changes["error"] = retry_error
+            counters = [*counters, ("failures", f"{task.tenant}:{retry_error['code']}")]
+            due = None
+            if retry_error.get("retryable"):
+                policy = self.kinds[task.kind].retry if task.kind in self.kinds else None
+                due = (policy or self.retry_policy).next_retry_at(task, self.now(), self.rng)
+            if due is not None:
+                steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
+                changes.update(next_retry_at=due, ready_at=due)
+        change = Change(
+            task_id=task.id,
+            expect_status=task.status,
+            expect_epoch=task.epoch if (fenced or leader is not None) else None,
+            steps=tuple(steps),
+            fields=changes,
+            error=error if error is not None else retry_error,
+            bump_epoch=bump_epoch,
+            fenced=fenced,
+            leader=leader,
+            counters=tuple(counters),
+        )
+        updated, events = await self.store.apply(change)
+        for e in events:
+            log.info(
+                "transition",
+                extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
+                       "from": e.from_status, "to": e.status, "event": str(e.event),
+                       "dwell_s": e.dwell_s},
+            )  # fmt: skip
+        self._written(events)
+        return updated
+
+    # submission
+
+    async def submit(
+        self,
+        kind: str,
+        params: Any,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        idempotency_key: str | None = None,
+        dedup: bool = True,
+        priority: int = 0,
+        max_attempts: int = 3,
+        deadline_s: float = 86400,
+        timeouts: Timeouts | None = None,
+        metadata: JSON | None = None,
+        inputs: list[JSON] | None = None,
+    ) -> SubmitResult:
+        """Create a task, or return the one this request already made (see API.md)."""
+        task_kind = self.kind(kind)
+        clean = task_kind.validate(params)
+        timeouts = timeouts or task_kind.timeouts or Timeouts()
+        inputs = inputs or []
+        body = {
+            "kind": kind,
+            "params": clean,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "deadline_s": deadline_s,
+            "dedup": dedup,
+            "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
+            "metadata": metadata or {},
+            "inputs": [i["sha256"] for i in inputs],
+        }
+        new = NewTask(
+            id=canonical.new_task_id(),
+            tenant=tenant,
+            kind=kind,
+            params=clean,
+            fingerprint=canonical.digest(body),
+            idempotency_key=idempotency_key,
+            dedup_key=(
+                canonical.dedup_key(kind, clean, [i["sha256"] for i in inputs]) if dedup else None
+            ),
+            priority=priority,
+            max_attempts=max_attempts,
+            deadline_s=deadline_s,
+            timeouts=timeouts,
+            metadata=metadata or {},
+            inputs=inputs,
+        )
+        result = await self.store.submit(new)
+        if result.created:
+            log.info("transition", extra={"task_id": result.task.id, "event": "submit",
+                                          "to": "PENDING", "attempt": 0})  # fmt: skip
+            if self._hub is not None:
+                self._hub.poke()
+            self.wake.set()
+        return result
+
+    # reads
+
+    async def get(self, task_id: str, tenant: str | None = None) -> Task:
+        """The task, or NotFound, also when it belongs to another tenant."""
+        task = await self.store.get(task_id)
+        if task is None or (tenant is not None and task.tenant != tenant):
+            raise NotFound(f"no task {task_id!r}")
+        return task
+
+    async def queue_position(self, task: Task) -> int | None:
+        return await self.store.queue_position(task)
+
+    # user actions
+
+    async def cancel(self, task_id: str, tenant: str | None = None) -> Task:
+        """Cancel now when nothing runs; otherwise ask the worker (cancel_requested)."""
+        for _ in range(20):
+            task = await self.get(task_id, tenant)
+            if task.final:
+                raise AlreadyFinal(f"task {task_id} is already {task.status}")
+            try:
+                if task.status in RUNNING:
+                    if task.cancel_requested:
+                        return task
+                    return await self.store.request_cancel(task.id)
+                return await self.apply(task, Event.CANCEL)
+            except Conflict:
+                continue
+        raise Conflict(f"task {task_id} keeps changing; try again")
+
+    async def retry(self, task_id: str, tenant: str | None = None) -> Task:
+        """Manual retry of a final FAILED, TIMEOUT or CANCELLED task: due now."""
+        for _ in range(20):
+            task = await self.get(task_id, tenant)
+            if task.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
+                raise NotRetryable(f"task {task_id} is {task.status}; only final FAILED, "
+                                   "TIMEOUT or CANCELLED tasks can be retried")  # fmt: skip
+            now = self.now()
+            fields = {
+                "max_attempts": max(task.max_attempts, task.attempt) + 1,
+                "finished_at": None,
+                "next_retry_at": now,
+                "ready_at": now,
+                "cancel_requested": 0,
+                "cancel_requested_at": None,
+                "deadline_at": max(task.deadline_at, now + task.deadline_s),
+            }
+            try:
+                return await self.apply(task, Event.RETRY, fields=fields)
+            except Conflict:
+                continue
+        raise Conflict(f"task {task_id} keeps changing; try again")
+
+    async def review(self, task_id: str, decision: str, reason: str | None = None) -> Task:
+        """An admin's moderation decision on a task in NEEDS_REVIEW."""
+        if decision not in ("approve", "reject"):
+            raise InvalidRequest("decision must be 'approve' or 'reject'")
+        task = await self.get(task_id)
+        if task.status is not Status.NEEDS_REVIEW:
+            raise NotInReview(f"task {task_id} is {task.status}, not NEEDS_REVIEW")
+        outputs = [StoredOutput.from_json(o) for o in (task.result or {}).get("outputs", [])]
+        try:
+            if decision == "approve":
+                if all([await verify(self.storage, o) for o in outputs]) and outputs:
+                    return await self.apply(task, Event.APPROVE, fields={"error": None})
+                error = {"code": "result_lost", "message": "outputs are missing or corrupt",
+                         "retryable": False}  # fmt: skip
+            else:
+                error = {"code": "content_rejected",
+                         "message": reason or "rejected by a moderator", "retryable": False}  # fmt: skip
+            updated = await self.apply(
+                task, Event.REJECT, error=error, fields={"error": error},
+                counters=[("failures", f"{task.tenant}:{error['code']}")],
+            )  # fmt: skip
+        except Conflict:
+            raise NotInReview(f"task {task_id} left NEEDS_REVIEW") from None
+        for output in outputs:
+            await self.storage.delete(output.key)
+        return updated
+
+    # streams
+
+    async def watch(
+        self,
+        task_id: str | None = None,
+        *,
+        tenant: str | None = None,
+        after: int | None = None,
+        replay: bool = True,
+    ) -> AsyncIterator[Message]:
+        """Status events (replayed from the log, then live) and live progress.
+
+        For one task the stream ends after its final event; the tenant feed never ends.
+        """
+        async with self.hub.subscribe(task_id=task_id, tenant=tenant) as sub:
+            last = after or 0
+            if task_id is None and after is None and not replay:
+                last = self.hub.last_seq
+            history = await self._history(task_id, tenant, last)
+            for event in history:
+                last = event.seq
+                yield event
+            if task_id is not None and history and history[-1].final:
+                return
+            if task_id is not None and not history:
+                task = await self.store.get(task_id)
+                if task is not None and task.final:
+                    return
+            while True:
+                message = await sub.queue.get()
+                if sub.lagged:
+                    sub.lagged = False
+                    for event in await self._history(task_id, tenant, last):
+                        last = event.seq
+                        yield event
+                        if task_id is not None and event.final:
+                            return
+                    continue
+                if isinstance(message, TaskEvent):
+                    if message.seq <= last:
+                        continue
+                    last = message.seq
+                yield message
+                if task_id is not None and message.final:
+                    return
+
+    async def _history(self, task_id: str | None, tenant: str | None, after: int) -> list[TaskEvent]:
+        found: list[TaskEvent] = []
+        while True:
+            page = await self.store.events(task_id=task_id, tenant=tenant, after=after, limit=1000)
+            found += page
+            if len(page) < 1000:
+                return found
+            after = page[-1].seq
+
+    async def wait(self, task_id: str, *, timeout_s: float | None = None) -> Task:
+        """Wait until the task is final and return it."""
+
+        async def follow() -> Task:
+            async for _ in self.watch(task_id):
+                pass
+            return await self.get(task_id)
+
+        return await asyncio.wait_for(follow(), timeout_s)
+
+    def publish_progress(self, event: ProgressEvent) -> None:
+        if self._hub is not None:
+            self._hub.publish(event)
+
+    # processes
+
+    def worker(self, **options: Any) -> Any:
+        from kiln.worker import Worker
+
+        return Worker(self, **options)
+
+    def supervisor(self, **options: Any) -> Any:
+        from kiln.supervisor import Supervisor
+
+        return Supervisor(self, **options)
+
+
+async def call_review(check_fn: ReviewCheck, params: Any, outputs: list[Output]) -> bool:
+    verdict = check_fn(params, outputs)
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    return bool(verdict)
+
+
+@contextlib.asynccontextmanager
+async def running(*coros: Awaitable[None]) -> AsyncIterator[list[asyncio.Task[None]]]:
+    """Run background loops for the duration of a block, then cancel them."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        yield tasks
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t

@@ -1,0 +1,159 @@
+"""In-process fan-out of task events, fed by one tail of the store's event log.
+
+Every status event reaches subscribers through the tail, in ``seq`` order, whichever
+process wrote it; a local write only pokes the tail so it reads at once. Progress is not
+persisted on every step: a local worker publishes it directly, and progress saved by
+workers in other processes is picked up by the same tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.models import JSON, TaskEvent
+from kiln.store import Store
+
+log = logging.getLogger("kiln.bus")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    task_id: str
+    tenant: str
+    status: str
+    stage: str | None
+    progress: JSON | None
+    preview: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return False
+
+    def to_json(self) -> JSON:
+        body: JSON = {
+            "type": "progress",
+            "task_id": self.task_id,
+            "status": self.status,
+            "stage": self.stage,
+            "progress": self.progress,
+        }
+        if self.preview is not None:
+            body["preview"] = self.preview
+        return body
+
+
+Message = TaskEvent | ProgressEvent
+
+
+class Subscription:
+    def __init__(self, hub: EventHub, task_id: str | None, tenant: str | None) -> None:
+        self.hub = hub
+        self.task_id = task_id
+        self.tenant = tenant
+        self.queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=2000)
+        self.lagged = False
+
+    def wants(self, message: Message) -> bool:
+        if self.task_id is not None:
+            return message.task_id == self.task_id
+        return self.tenant is None or message.tenant == self.tenant
+
+    def offer(self, message: Message) -> None:
+        try:
+            self.queue.put_nowait(message)
+        except asyncio.QueueFull:
+            self.lagged = True  # the reader re-reads the log from its last seq
+
+    def close(self) -> None:
+        self.hub.subscribers.discard(self)
+
+
+class EventHub:
+    def __init__(self, store: Store, *, poll_interval_s: float = 0.1) -> None:
+        self.store = store
+        self.poll_interval_s = poll_interval_s
+        self.subscribers: set[Subscription] = set()
+        self.local_progress: set[str] = set()
+        self.last_seq = 0
+        self._progress_since = 0.0
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    def poke(self) -> None:
+        self._poke.set()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kiln-event-tail")
+        await self._started.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @contextlib.asynccontextmanager
+    async def subscribe(
+        self, *, task_id: str | None = None, tenant: str | None = None
+    ) -> AsyncIterator[Subscription]:
+        await self.start()
+        sub = Subscription(self, task_id, tenant)
+        self.subscribers.add(sub)
+        try:
+            yield sub
+        finally:
+            sub.close()
+
+    def publish(self, message: Message) -> None:
+        for sub in list(self.subscribers):
+            if sub.wants(message):
+                sub.offer(message)
+
+    async def _run(self) -> None:
+        self.last_seq = await self.store.last_seq()
+        self._progress_since = self.store.clock()
+        self._started.set()
+        while True:
+            try:
+                await self._poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event_tail_failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), self.poll_interval_s)
+            self._poke.clear()
+
+    async def _poll(self) -> None:
+        while True:
+            batch = await self.store.events(after=self.last_seq, limit=1000)
+            for event in batch:
+                self.last_seq = event.seq
+                self.publish(event)
+            if len(batch) < 1000:
+                break
+        if not self.subscribers:
+            self._progress_since = self.store.clock()
+            return
+        for task in await self.store.progressed(since=self._progress_since):
+            self._progress_since = max(self._progress_since, task.progress_at or 0.0)
+            if task.id in self.local_progress or task.final:
+                continue
+            self.publish(
+                ProgressEvent(
+                    task.id, task.tenant, str(task.status), task.stage, task.progress()
+                )
+            )
+
+
+def event_json(message: Any) -> JSON:
+    data: JSON = message.to_json()
+    return data

@@ -1,0 +1,58 @@
+"""Canonical forms: request fingerprints, dedup keys and task ids."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def canonical_json(value: Any) -> str:
+    """One byte-exact JSON text per value: sorted keys, no spaces, UTF-8."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def dedup_key(kind: str, params: dict[str, Any], input_hashes: list[str]) -> str:
+    """Same kind, same canonical params and same input bytes: same work."""
+    return digest({"kind": kind, "params": params, "inputs": sorted(input_hashes)})
+
+
+class _IdClock:
+    """Time-ordered ids: 48 bits of milliseconds then 80 bits, monotonic in a process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next(self) -> int:
+        with self._lock:
+            value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+            if value <= self._last:
+                value = self._last + 1
+            self._last = value
+            return value
+
+
+_ids = _IdClock()
+
+
+def new_id(prefix: str) -> str:
+    value = _ids.next()
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return prefix + "".join(reversed(chars))
+
+
+def new_task_id() -> str:
+    return new_id("tsk_")

@@ -1,0 +1,109 @@
+"""Settings: the only code that reads ``KILN_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import InvalidRequest
+
+RESERVED_TENANTS = frozenset({"admin"})
+
+
+def parse_api_keys(raw: str | None) -> dict[str, str]:
+    """``tenant:key,tenant:key`` → {key: tenant}. The tenant name ``admin`` is reserved."""
+    keys: dict[str, str] = {}
+    if not raw:
+        return keys
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tenant, sep, key = item.partition(":")
+        tenant, key = tenant.strip(), key.strip()
+        if not sep or not tenant or not key:
+            raise InvalidRequest(f"KILN_API_KEYS entry {item!r} is not tenant:key")
+        if tenant in RESERVED_TENANTS:
+            raise InvalidRequest(f"KILN_API_KEYS may not use the reserved tenant {tenant!r}")
+        if key in keys:
+            raise InvalidRequest("KILN_API_KEYS lists the same key twice")
+        keys[key] = tenant
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    data_dir: Path = Path("./kiln-data")
+    database_url: str | None = None
+    storage_url: str | None = None
+    lease_ttl_s: float = 30.0
+    supervisor_interval_s: float = 1.0
+    api_keys: dict[str, str] = field(default_factory=dict)
+    admin_key: str | None = None
+    api_key: str | None = None
+    retry_base_s: float = 1.0
+    retry_max_s: float = 60.0
+    cancel_grace_s: float = 10.0
+    max_body_bytes: int = 1_048_576
+    max_upload_bytes: int = 20_971_520
+    max_image_pixels: int = 40_000_000
+    metrics_port: int | None = None
+    sqlite_synchronous: str = "NORMAL"
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'kiln.db').as_posix()}"
+
+    @property
+    def resolved_storage_url(self) -> str:
+        if self.storage_url:
+            return self.storage_url
+        return (self.data_dir / "results").resolve().as_uri()
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys) or self.admin_key is not None
+
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+
+        def num(name: str, default: float) -> float:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                value = float(raw)
+            except ValueError:
+                raise InvalidRequest(f"{name} must be a number, got {raw!r}") from None
+            if value <= 0:
+                raise InvalidRequest(f"{name} must be positive, got {raw!r}")
+            return value
+
+        metrics = env.get("KILN_METRICS_PORT")
+        return cls(
+            data_dir=Path(env.get("KILN_DATA_DIR") or "./kiln-data"),
+            database_url=env.get("KILN_DATABASE_URL") or None,
+            storage_url=env.get("KILN_STORAGE_URL") or None,
+            lease_ttl_s=num("KILN_LEASE_TTL", 30.0),
+            supervisor_interval_s=num("KILN_SUPERVISOR_INTERVAL", 1.0),
+            api_keys=parse_api_keys(env.get("KILN_API_KEYS")),
+            admin_key=env.get("KILN_ADMIN_KEY") or None,
+            api_key=env.get("KILN_API_KEY") or None,
+            retry_base_s=num("KILN_RETRY_BASE_S", 1.0),
+            retry_max_s=num("KILN_RETRY_MAX_S", 60.0),
+            cancel_grace_s=num("KILN_CANCEL_GRACE_S", 10.0),
+            max_body_bytes=int(num("KILN_MAX_BODY_BYTES", 1_048_576)),
+            max_upload_bytes=int(num("KILN_MAX_UPLOAD_BYTES", 20_971_520)),
+            max_image_pixels=int(num("KILN_MAX_IMAGE_PIXELS", 40_000_000)),
+            metrics_port=int(metrics) if metrics else None,
+            sqlite_synchronous=(env.get("KILN_SQLITE_SYNCHRONOUS") or "NORMAL").upper(),
+        )

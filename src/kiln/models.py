@@ -1,0 +1,188 @@
+"""Records: frozen dataclasses the store returns and the engine passes around.
+
+Times are float seconds since the epoch inside the engine (the clock is injectable);
+``iso()`` renders them as RFC 3339 UTC at the edges.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.states import FINAL, Event, Status
+
+JSON = dict[str, Any]
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    moment = dt.datetime.fromtimestamp(ts, tz=dt.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    waiting_s: float = 600.0
+    generating_s: float = 600.0
+    uploading_s: float = 120.0
+
+    def for_status(self, status: Status) -> float | None:
+        return {
+            Status.WAITING_FOR_RESOURCE: self.waiting_s,
+            Status.GENERATING: self.generating_s,
+            Status.UPLOADING: self.uploading_s,
+        }.get(status)
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """What a submission asks for, validated and canonical."""
+
+    id: str
+    tenant: str
+    kind: str
+    params: JSON
+    fingerprint: str
+    idempotency_key: str | None
+    dedup_key: str | None
+    priority: int
+    max_attempts: int
+    deadline_s: float
+    timeouts: Timeouts
+    metadata: JSON = field(default_factory=dict)
+    inputs: list[JSON] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    id: str
+    tenant: str
+    kind: str
+    status: Status
+    params: JSON
+    metadata: JSON
+    inputs: list[JSON]
+    priority: int
+    attempt: int
+    max_attempts: int
+    epoch: int
+    version: int
+    idempotency_key: str | None
+    dedup_key: str | None
+    fingerprint: str
+    lease_owner: str | None
+    lease_expires_at: float | None
+    state_deadline_at: float | None
+    deadline_s: float
+    deadline_at: float
+    timeouts: Timeouts
+    stage: str | None
+    progress_step: int | None
+    progress_total: int | None
+    progress_at: float | None
+    cancel_requested: bool
+    cancel_requested_at: float | None
+    next_retry_at: float | None
+    ready_at: float
+    result_prefix: str | None
+    error: JSON | None
+    result: JSON | None
+    created_at: float
+    updated_at: float
+    status_since: float
+    started_at: float | None
+    finished_at: float | None
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    def progress(self) -> JSON | None:
+        if self.progress_total is None or self.progress_step is None:
+            return None
+        total = max(self.progress_total, 1)
+        return {
+            "step": self.progress_step,
+            "total": self.progress_total,
+            "fraction": round(min(self.progress_step / total, 1.0), 4),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """One persisted status change; ``seq`` is global and increasing."""
+
+    seq: int
+    id: str
+    task_id: str
+    tenant: str
+    event: Event
+    from_status: Status | None
+    status: Status
+    attempt: int
+    epoch: int
+    error: JSON | None
+    at: float
+    dwell_s: float | None
+    final: bool
+
+    def to_json(self) -> JSON:
+        return {
+            "seq": self.seq,
+            "task_id": self.task_id,
+            "type": "status",
+            "event": str(self.event),
+            "from": None if self.from_status is None else str(self.from_status),
+            "status": str(self.status),
+            "attempt": self.attempt,
+            "final": self.final,
+            "error": self.error,
+            "at": iso(self.at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One file a handler produced."""
+
+    name: str
+    data: bytes
+    content_type: str = "application/octet-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredOutput:
+    name: str
+    key: str
+    content_type: str
+    size: int
+    sha256: str
+
+    def to_json(self) -> JSON:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "content_type": self.content_type,
+            "size": self.size,
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_json(cls, raw: JSON) -> StoredOutput:
+        return cls(
+            name=str(raw["name"]),
+            key=str(raw["key"]),
+            content_type=str(raw["content_type"]),
+            size=int(raw["size"]),
+            sha256=str(raw["sha256"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    task: Task
+    created: bool
+    replayed: bool = False
+    deduplicated: bool = False

@@ -1,0 +1,57 @@
+"""Retry policy: which errors retry, and when the next attempt is due."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pydantic
+
+from kiln.errors import TaskError
+from kiln.models import JSON, Task
+
+#: Exceptions that mean the handler itself is wrong: another attempt would fail the same way.
+PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (
+    TypeError,
+    AttributeError,
+    NameError,
+    NotImplementedError,
+    pydantic.ValidationError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter: uniform(0, min(max_s, base_s * 2**(attempt-1)))."""
+
+    base_s: float = 1.0
+    max_s: float = 60.0
+
+    def delay_s(self, attempt: int, rng: random.Random) -> float:
+        ceiling = min(self.max_s, self.base_s * 2 ** max(attempt - 1, 0))
+        return rng.uniform(0, ceiling)
+
+    def next_retry_at(self, task: Task, now: float, rng: random.Random) -> float | None:
+        """When the next attempt is due, or None when the task must stay failed."""
+        if task.attempt >= task.max_attempts:
+            return None
+        due = now + self.delay_s(task.attempt, rng)
+        if due >= task.deadline_at:
+            return None
+        return due
+
+
+def classify(exc: BaseException) -> JSON:
+    """The task error record for an exception a handler raised.
+
+    ``kiln.Retryable`` and ``kiln.Permanent`` say it themselves. Programming errors
+    (TypeError, AttributeError, NameError, NotImplementedError, pydantic's
+    ValidationError) are permanent: retrying cannot fix code. Everything else (I/O,
+    timeouts, out-of-memory, upstream errors) is retryable, code ``internal_error``.
+    """
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, TaskError):
+        return {"code": exc.code, "message": message, "retryable": exc.retryable}
+    retryable = not isinstance(exc, PROGRAMMING_ERRORS)
+    return {"code": "internal_error", "message": f"{type(exc).__name__}: {message}",
+            "retryable": retryable}  # fmt: skip

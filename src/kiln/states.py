@@ -1,0 +1,187 @@
+"""The task state machine as data.
+
+One declarative table, :data:`TRANSITIONS`, is the single source of truth: the engine
+builds its compare-and-set guards from it, the docs diagram is generated from it
+(:func:`mermaid`), and the tests enumerate it. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    PENDING = "PENDING"
+    WAITING_FOR_RESOURCE = "WAITING_FOR_RESOURCE"
+    GENERATING = "GENERATING"
+    UPLOADING = "UPLOADING"
+    NEEDS_REVIEW = "NEEDS_REVIEW"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+    RETRYING = "RETRYING"
+    TIMEOUT = "TIMEOUT"
+    CANCELLED = "CANCELLED"
+
+
+class Event(StrEnum):
+    SUBMIT = "submit"
+    CLAIM = "claim"
+    ACQUIRE = "acquire"
+    GENERATED = "generated"
+    UPLOADED = "uploaded"
+    APPROVE = "approve"
+    REJECT = "reject"
+    FAIL = "fail"
+    SCHEDULE_RETRY = "schedule_retry"
+    EXPIRE = "expire"
+    RECOVER = "recover"
+    CANCEL = "cancel"
+    STOPPED = "stopped"
+    FORCE_CANCEL = "force_cancel"
+    RETRY = "retry"
+    DEADLINE = "deadline"
+
+
+class Actor(StrEnum):
+    API = "api"
+    WORKER = "worker"
+    SUPERVISOR = "supervisor"
+    ENGINE = "engine"
+    ADMIN = "admin"
+
+
+S = Status
+
+#: Statuses in which a worker holds the task under a lease.
+RUNNING: frozenset[Status] = frozenset({S.WAITING_FOR_RESOURCE, S.GENERATING, S.UPLOADING})
+#: Statuses a worker may claim from (RETRYING only once due).
+CLAIMABLE: frozenset[Status] = frozenset({S.PENDING, S.RETRYING})
+#: Statuses in which a task rests for good unless a manual retry revives it. FAILED and
+#: TIMEOUT are final "when not retried": a scheduled retry moves them on to RETRYING in the
+#: same transaction, so a task never rests in them while a retry is planned.
+FINAL: frozenset[Status] = frozenset({S.SUCCESS, S.FAILED, S.TIMEOUT, S.CANCELLED})
+ACTIVE: frozenset[Status] = frozenset(set(Status) - FINAL)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One row of the transition table."""
+
+    event: Event
+    sources: frozenset[Status]
+    targets: frozenset[Status]
+    actor: Actor
+    fenced: bool
+    doc: str
+
+
+def _rule(
+    event: Event,
+    sources: Iterable[Status],
+    targets: Iterable[Status],
+    actor: Actor,
+    doc: str,
+    *,
+    fenced: bool = False,
+) -> Rule:
+    return Rule(event, frozenset(sources), frozenset(targets), actor, fenced, doc)
+
+
+TRANSITIONS: tuple[Rule, ...] = (
+    _rule(Event.SUBMIT, (), (S.PENDING,), Actor.API, "atomic insert-or-get on idempotency and dedup keys"),
+    _rule(Event.CLAIM, CLAIMABLE, (S.WAITING_FOR_RESOURCE,), Actor.WORKER,
+          "attempt+1, epoch+1, lease set, result location reserved"),
+    _rule(Event.ACQUIRE, (S.WAITING_FOR_RESOURCE,), (S.GENERATING,), Actor.WORKER,
+          "resource slot held", fenced=True),
+    _rule(Event.GENERATED, (S.GENERATING,), (S.UPLOADING,), Actor.WORKER, "", fenced=True),
+    _rule(Event.UPLOADED, (S.UPLOADING,), (S.SUCCESS, S.NEEDS_REVIEW), Actor.WORKER,
+          "every output verified in storage", fenced=True),
+    _rule(Event.APPROVE, (S.NEEDS_REVIEW,), (S.SUCCESS,), Actor.ADMIN, "outputs verified again"),
+    _rule(Event.REJECT, (S.NEEDS_REVIEW,), (S.FAILED,), Actor.ADMIN,
+          "content_rejected, final; outputs deleted"),
+    _rule(Event.FAIL, RUNNING, (S.FAILED,), Actor.WORKER, "reason code, retryable flag",
+          fenced=True),
+    _rule(Event.SCHEDULE_RETRY, (S.FAILED, S.TIMEOUT), (S.RETRYING,), Actor.ENGINE,
+          "same transaction; retryable, attempts left, deadline allows"),
+    _rule(Event.EXPIRE, RUNNING, (S.TIMEOUT,), Actor.SUPERVISOR,
+          "lease lost or state timeout; epoch+1"),
+    _rule(Event.RECOVER, (S.GENERATING, S.UPLOADING), (S.SUCCESS,), Actor.SUPERVISOR,
+          "complete verified outputs found at the attempt's location; epoch+1"),
+    _rule(Event.CANCEL, (S.PENDING, S.RETRYING, S.NEEDS_REVIEW), (S.CANCELLED,), Actor.API,
+          "a running task only gets cancel_requested"),
+    _rule(Event.STOPPED, RUNNING, (S.CANCELLED,), Actor.WORKER,
+          "the worker saw cancel_requested", fenced=True),
+    _rule(Event.FORCE_CANCEL, RUNNING, (S.CANCELLED,), Actor.SUPERVISOR,
+          "cancel_requested older than the grace period; epoch+1"),
+    _rule(Event.RETRY, (S.FAILED, S.TIMEOUT, S.CANCELLED), (S.RETRYING,), Actor.API,
+          "manual retry; max_attempts+1, due now"),
+    _rule(Event.DEADLINE, CLAIMABLE, (S.TIMEOUT,), Actor.SUPERVISOR,
+          "the task's overall deadline passed"),
+)  # fmt: skip
+
+RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}
+
+
+class IllegalTransition(Exception):
+    """The table forbids applying ``event`` to a task in ``status``."""
+
+    def __init__(self, status: Status | None, event: Event, target: Status | None = None) -> None:
+        self.status = status
+        self.event = event
+        self.target = target
+        super().__init__(f"event {event} is not allowed from {status} to {target}")
+
+
+def check(status: Status | None, event: Event, target: Status | None = None) -> Status:
+    """Return the target status of ``event`` from ``status``, or raise IllegalTransition.
+
+    ``target`` picks one target when the event has several (``uploaded``).
+    """
+    rule = RULES[event]
+    allowed_source = status in rule.sources if rule.sources else status is None
+    if not allowed_source:
+        raise IllegalTransition(status, event, target)
+    if target is None:
+        if len(rule.targets) != 1:
+            raise IllegalTransition(status, event, target)
+        (target,) = rule.targets
+    elif target not in rule.targets:
+        raise IllegalTransition(status, event, target)
+    return target
+
+
+def is_allowed(status: Status | None, event: Event, target: Status | None = None) -> bool:
+    try:
+        check(status, event, target)
+    except IllegalTransition:
+        return False
+    return True
+
+
+def is_final(status: Status) -> bool:
+    return status in FINAL
+
+
+def replay(events: Iterable[tuple[Event, Status | None, Status]]) -> Status | None:
+    """Fold a task's (event, from, to) log into its status, checking every step."""
+    status: Status | None = None
+    for event, source, target in events:
+        if source != status:
+            raise IllegalTransition(status, event, target)
+        status = check(status, event, target)
+    return status
+
+
+def mermaid() -> str:
+    """The state diagram as Mermaid text, generated from :data:`TRANSITIONS`."""
+    lines = ["stateDiagram-v2"]
+    for rule in TRANSITIONS:
+        sources = sorted(rule.sources) or ["[*]"]
+        for source in sources:
+            for target in sorted(rule.targets):
+                lines.append(f"    {source} --> {target}: {rule.event}")
+    for status in sorted(FINAL):
+        lines.append(f"    {status} --> [*]")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,95 @@
+"""The Storage protocol: where outputs live, and how a complete attempt is recognised.
+
+Layout: ``tasks/<task id>/<attempt>-<epoch>/<output name>`` plus ``manifest.json``
+written last, so recovery and reconciliation can tell a complete upload from a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+from kiln.models import StoredOutput
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class Storage(Protocol):
+    """A flat key space of immutable objects with atomic writes."""
+
+    url: str
+
+    async def put(self, key: str, data: bytes) -> None: ...
+
+    async def get(self, key: str) -> bytes: ...
+
+    async def stat(self, key: str) -> ObjectInfo | None: ...
+
+    async def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+
+    def local_path(self, key: str) -> Path | None: ...
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def verify(storage: Storage, output: StoredOutput) -> bool:
+    """True when the object exists with the recorded size and sha256."""
+    info = await storage.stat(output.key)
+    if info is None or info.size != output.size:
+        return False
+    try:
+        data = await storage.get(output.key)
+    except FileNotFoundError:
+        return False
+    return len(data) == output.size and sha256_hex(data) == output.sha256
+
+
+async def write_manifest(
+    storage: Storage, prefix: str, outputs: list[StoredOutput], *, flagged: bool
+) -> None:
+    body = {"outputs": [o.to_json() for o in outputs], "flagged": flagged}
+    await storage.put(f"{prefix}/{MANIFEST}", json.dumps(body, sort_keys=True).encode())
+
+
+async def read_complete_manifest(storage: Storage, prefix: str) -> list[StoredOutput] | None:
+    """The outputs of a complete, verified, unflagged upload at ``prefix``; else None."""
+    try:
+        raw = await storage.get(f"{prefix}/{MANIFEST}")
+        body = json.loads(raw)
+        outputs = [StoredOutput.from_json(item) for item in body["outputs"]]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    if body.get("flagged") or not outputs:
+        return None
+    for output in outputs:
+        if not output.key.startswith(prefix + "/") or not await verify(storage, output):
+            return None
+    return outputs
+
+
+def open_storage(url: str) -> Storage:
+    """Open the storage a URL names: ``file:///abs/path`` or a plain directory path."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("file", ""):
+        from kiln.storage.local import LocalStorage
+
+        path = parsed.path if parsed.scheme == "file" else url
+        return LocalStorage(Path(path))
+    if parsed.scheme == "s3":
+        raise NotImplementedError("S3 storage is not part of this build yet")
+    raise ValueError(f"unsupported storage URL {url!r}: use file:///path")

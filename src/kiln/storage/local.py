@@ -1,0 +1,82 @@
+"""Local directory storage: temp file, fsync, rename; readers never see a torn object."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from kiln.storage import ObjectInfo
+
+
+class LocalStorage:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or any(part in ("", ".", "..") for part in parts) or "\\" in key:
+            raise ValueError(f"invalid object key {key!r}")
+        return self.root.joinpath(*parts)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+    async def put(self, key: str, data: bytes) -> None:
+        await asyncio.to_thread(self._put, self._path(key), data)
+
+    @staticmethod
+    def _put(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    async def get(self, key: str) -> bytes:
+        return await asyncio.to_thread(self._path(key).read_bytes)
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        try:
+            size = (await asyncio.to_thread(path.stat)).st_size
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key, size)
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._path(key).unlink, missing_ok=True)
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        base = self.root
+        found = await asyncio.to_thread(self._walk, base, prefix)
+        for info in found:
+            yield info
+
+    def _walk(self, base: Path, prefix: str) -> list[ObjectInfo]:
+        start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
+        found = []
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                if name.startswith(".tmp-"):
+                    continue
+                path = Path(dirpath) / name
+                key = path.relative_to(base).as_posix()
+                if key.startswith(prefix):
+                    found.append(ObjectInfo(key, path.stat().st_size))
+        return sorted(found, key=lambda info: info.key)

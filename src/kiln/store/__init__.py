@@ -1,0 +1,148 @@
+"""The Store protocol: the atomic primitives every backend implements.
+
+Policy (which event applies, retry backoff, dedup rules) lives above, in the engine; a
+backend only knows how to apply a compare-and-set change with its event rows atomically,
+how to insert-or-get a submission, and how to find what is due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
+from kiln.states import Event, Status
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderToken:
+    """Proof of leadership: writes made with it are refused once another leader took over."""
+
+    name: str
+    owner: str
+    epoch: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One compare-and-set on a task plus the event rows of its status changes.
+
+    The UPDATE matches only ``(task_id, expect_status, expect_epoch)``; ``steps`` chain
+    from ``expect_status`` (``fail`` then ``schedule_retry`` is two steps, one
+    transaction). ``fields`` are the columns to set besides status and bookkeeping.
+    """
+
+    task_id: str
+    expect_status: Status
+    expect_epoch: int | None
+    steps: tuple[tuple[Event, Status], ...]
+    fields: dict[str, Any] = field(default_factory=dict)
+    error: JSON | None = None
+    bump_epoch: bool = False
+    fenced: bool = False
+    leader: LeaderToken | None = None
+    counters: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    stage: str | None
+    step: int | None
+    total: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """What a supervisor sweep must act on, each list bounded by the sweep's limit."""
+
+    lease_expired: list[Task]
+    state_expired: list[Task]
+    deadline_passed: list[Task]
+    cancel_overdue: list[Task]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    counts: dict[str, int]
+    failures: dict[str, int]
+    dwell_seconds: dict[str, dict[str, float]]
+    ghosts: int
+    oldest_ready_at: float | None
+
+
+class Store(Protocol):
+    """A durable home for tasks, their event log, idempotency records and leaders."""
+
+    clock: Clock
+
+    async def submit(self, new: NewTask) -> SubmitResult: ...
+
+    async def get(self, task_id: str) -> Task | None: ...
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]: ...
+
+    async def claim(
+        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+    ) -> list[Task]: ...
+
+    async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]: ...
+
+    async def heartbeat(
+        self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
+    ) -> Task: ...
+
+    async def request_cancel(self, task_id: str) -> Task: ...
+
+    async def due(self, *, limit: int, cancel_grace_s: float) -> Due: ...
+
+    async def events(
+        self,
+        *,
+        task_id: str | None = None,
+        tenant: str | None = None,
+        after: int = 0,
+        limit: int = 500,
+    ) -> list[TaskEvent]: ...
+
+    async def last_seq(self) -> int: ...
+
+    async def progressed(self, *, since: float, limit: int = 500) -> list[Task]: ...
+
+    async def queue_position(self, task: Task) -> int | None: ...
+
+    async def stats(self, *, tenant: str | None, ghost_after_s: float) -> Stats: ...
+
+    async def count_ghosts(self, *, older_than_s: float) -> int: ...
+
+    async def lead(self, name: str, owner: str, ttl_s: float) -> LeaderToken | None: ...
+
+    async def counters(self) -> dict[tuple[str, str], int]: ...
+
+    async def bump(self, name: str, labels: str = "") -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def open_store(url: str, *, clock: Clock | None = None, synchronous: str = "NORMAL") -> Store:
+    """Open the store a URL names: ``sqlite:///relative.db``, ``sqlite:////abs.db``."""
+    import time
+
+    if url.startswith("sqlite:"):
+        from kiln.store.sqlite import SqliteStore, sqlite_path
+
+        return SqliteStore(sqlite_path(url), clock=clock or time.time, synchronous=synchronous)
+    if url.startswith(("postgresql:", "postgres:")):
+        raise NotImplementedError("the PostgreSQL store is not part of this build yet")
+    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path.db")

@@ -1,0 +1,996 @@
+"""SQLite store: WAL, stdlib ``sqlite3``, raw SQL, group commit.
+
+All writes of a process go through one writer thread that drains its queue and runs what
+it found in one ``BEGIN IMMEDIATE`` transaction, each operation in its own savepoint and
+each still its own compare-and-set: concurrent workers share one commit (and one fsync
+with ``synchronous=FULL``) without sharing fate. Reads run on a second thread with its
+own connection; WAL lets them proceed while the writer commits. Other processes on the
+same file serialize through SQLite's write lock (``busy_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
+from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
+from kiln.states import ACTIVE, CLAIMABLE, FINAL, Event, Status
+from kiln.store import Change, Clock, Due, LeaderToken, Progress, Stats
+
+_RUNNING_SQL = "('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
+_CLAIMABLE_SQL = "('PENDING', 'RETRYING')"
+_NOT_LIVE_SQL = "('FAILED', 'TIMEOUT', 'CANCELLED')"
+_DEADLINE_SQL = "('PENDING', 'RETRYING', 'WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
+_JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result"})
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///rel.db`` → ``rel.db``; ``sqlite:////abs.db`` → ``/abs.db``."""
+    if not url.startswith("sqlite:///"):
+        raise ValueError(f"not a sqlite URL: {url!r} (expected sqlite:///path.db)")
+    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    if not path:
+        raise ValueError(f"sqlite URL without a path: {url!r}")
+    return path
+
+
+def connect(path: str, *, synchronous: str = "NORMAL") -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA temp_store=MEMORY")
+    return conn
+
+
+# Migrations ------------------------------------------------------------------------------
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, name, sql) of every numbered migration file, in order."""
+    folder = resources.files("kiln.store").joinpath("sql", "sqlite")
+    found = []
+    for entry in folder.iterdir():
+        if entry.name.endswith(".sql"):
+            version = int(entry.name.split("_", 1)[0])
+            found.append((version, entry.name, entry.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Apply pending migrations, each in its own transaction; safe across processes."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations "
+        "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+    )
+    applied = 0
+    for version, name, sql in migrations():
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            done = conn.execute(
+                "SELECT 1 FROM schema_migrations WHERE version = ?", (version,)
+            ).fetchone()
+            if done is None:
+                for statement in _statements(sql):
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations VALUES (?, ?, datetime('now'))",
+                    (version, name),
+                )
+                applied += 1
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return applied
+
+
+def _statements(script: str) -> Iterable[str]:
+    buffer = ""
+    for line in script.splitlines(keepends=True):
+        if line.lstrip().startswith("--"):
+            continue
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            yield buffer.strip()
+            buffer = ""
+    if buffer.strip():
+        yield buffer.strip()
+
+
+# The database threads ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Refused:
+    """An operation's answer that must be raised, after its own writes are committed."""
+
+    error: Exception
+
+
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[[sqlite3.Connection], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+def _resolve(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, error in items:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        elif isinstance(result, _Refused):
+            future.set_exception(result.error)
+        else:
+            future.set_result(result)
+
+
+class _DbThread(threading.Thread):
+    """Runs queued operations on its own connection; the writer batches them."""
+
+    def __init__(
+        self, name: str, open_conn: Callable[[], sqlite3.Connection], *, writer: bool
+    ) -> None:
+        super().__init__(name=name, daemon=True)
+        self._open_conn = open_conn
+        self._writer = writer
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.max_batch = 512
+        self.batches = 0
+        self.operations = 0
+
+    def put(self, job: _Job | None) -> None:
+        self._jobs.put(job)
+
+    def run(self) -> None:
+        conn = self._open_conn()
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                batch = [job]
+                stop = False
+                while len(batch) < self.max_batch:
+                    try:
+                        more = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stop = True
+                        break
+                    batch.append(more)
+                self._run(conn, batch)
+                if stop:
+                    return
+        finally:
+            conn.close()
+
+    def _run(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+        self.batches += 1
+        self.operations += len(batch)
+        outcomes: list[tuple[_Job, Any, BaseException | None]]
+        if self._writer:
+            outcomes = self._run_transaction(conn, batch)
+        else:
+            outcomes = []
+            for job in batch:
+                try:
+                    outcomes.append((job, job.fn(conn), None))
+                except Exception as exc:
+                    outcomes.append((job, None, exc))
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for job, result, error in outcomes:
+            by_loop.setdefault(job.loop, []).append((job.future, result, error))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, items)
+            except RuntimeError:  # the caller's loop is closed; nobody waits for it
+                pass
+
+    @staticmethod
+    def _run_transaction(
+        conn: sqlite3.Connection, batch: list[_Job]
+    ) -> list[tuple[_Job, Any, BaseException | None]]:
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            return [(job, None, exc) for job in batch]
+        for job in batch:
+            conn.execute("SAVEPOINT op")
+            try:
+                result = job.fn(conn)
+            except Exception as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                outcomes.append((job, None, exc))
+                continue
+            conn.execute("RELEASE op")
+            outcomes.append((job, result, None))
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            return [(job, None, exc) for job in batch]
+        return outcomes
+
+
+# Row mapping ------------------------------------------------------------------------------
+
+
+def _loads(raw: str | None) -> Any:
+    return None if raw is None else json.loads(raw)
+
+
+def _dumps(value: Any) -> str | None:
+    if value is None:
+        return None
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def task_from_row(row: sqlite3.Row) -> Task:
+    timeouts = json.loads(row["timeouts"])
+    return Task(
+        id=row["id"],
+        tenant=row["tenant"],
+        kind=row["kind"],
+        status=Status(row["status"]),
+        params=json.loads(row["params"]),
+        metadata=json.loads(row["metadata"]),
+        inputs=json.loads(row["inputs"]),
+        priority=row["priority"],
+        attempt=row["attempt"],
+        max_attempts=row["max_attempts"],
+        epoch=row["epoch"],
+        version=row["version"],
+        idempotency_key=row["idempotency_key"],
+        dedup_key=row["dedup_key"],
+        fingerprint=row["fingerprint"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        state_deadline_at=row["state_deadline_at"],
+        deadline_s=row["deadline_s"],
+        deadline_at=row["deadline_at"],
+        timeouts=Timeouts(**timeouts),
+        stage=row["stage"],
+        progress_step=row["progress_step"],
+        progress_total=row["progress_total"],
+        progress_at=row["progress_at"],
+        cancel_requested=bool(row["cancel_requested"]),
+        cancel_requested_at=row["cancel_requested_at"],
+        next_retry_at=row["next_retry_at"],
+        ready_at=row["ready_at"],
+        result_prefix=row["result_prefix"],
+        error=_loads(row["error"]),
+        result=_loads(row["result"]),
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        status_since=row["status_since"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+    )
+
+
+def event_from_row(row: sqlite3.Row) -> TaskEvent:
+    return TaskEvent(
+        seq=row["seq"],
+        id=row["id"],
+        task_id=row["task_id"],
+        tenant=row["tenant"],
+        event=Event(row["event"]),
+        from_status=None if row["from_status"] is None else Status(row["from_status"]),
+        status=Status(row["to_status"]),
+        attempt=row["attempt"],
+        epoch=row["epoch"],
+        error=_loads(row["error"]),
+        at=row["at"],
+        dwell_s=row["dwell_s"],
+        final=bool(row["final"]),
+    )
+
+
+def _append_event(
+    conn: sqlite3.Connection,
+    *,
+    task: sqlite3.Row | Task,
+    version: int,
+    event: Event,
+    source: Status | None,
+    target: Status,
+    error: JSON | None,
+    at: float,
+    dwell_s: float | None,
+    final: bool = False,
+) -> TaskEvent:
+    task_id = task["id"] if isinstance(task, sqlite3.Row) else task.id
+    tenant = task["tenant"] if isinstance(task, sqlite3.Row) else task.tenant
+    attempt = task["attempt"] if isinstance(task, sqlite3.Row) else task.attempt
+    epoch = task["epoch"] if isinstance(task, sqlite3.Row) else task.epoch
+    row = conn.execute(
+        "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+        " attempt, epoch, error, at, dwell_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " RETURNING seq",
+        (
+            f"{task_id}:{version}",
+            task_id,
+            tenant,
+            str(event),
+            None if source is None else str(source),
+            str(target),
+            int(final),
+            attempt,
+            epoch,
+            _dumps(error),
+            at,
+            dwell_s,
+        ),
+    ).fetchone()
+    return TaskEvent(
+        seq=row[0],
+        id=f"{task_id}:{version}",
+        task_id=task_id,
+        tenant=tenant,
+        event=event,
+        from_status=source,
+        status=target,
+        attempt=attempt,
+        epoch=epoch,
+        error=error,
+        at=at,
+        dwell_s=dwell_s,
+        final=final,
+    )
+
+
+def _count_status(conn: sqlite3.Connection, tenant: str, status: Status, delta: int) -> None:
+    conn.execute(
+        "INSERT INTO task_counts (tenant, status, n) VALUES (?, ?, ?)"
+        " ON CONFLICT (tenant, status) DO UPDATE SET n = n + excluded.n",
+        (tenant, str(status), delta),
+    )
+
+
+def _bump(conn: sqlite3.Connection, name: str, labels: str = "", delta: int = 1) -> None:
+    conn.execute(
+        "INSERT INTO counters (name, labels, n) VALUES (?, ?, ?)"
+        " ON CONFLICT (name, labels) DO UPDATE SET n = n + excluded.n",
+        (name, labels, delta),
+    )
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return round(sorted_values[index], 4)
+
+
+# The store ------------------------------------------------------------------------------
+
+
+class SqliteStore:
+    """The embedded default store. See the module docstring for its threading model."""
+
+    def __init__(self, path: str, *, clock: Clock, synchronous: str = "NORMAL") -> None:
+        synchronous = synchronous.upper()
+        if synchronous not in SYNCHRONOUS_LEVELS:
+            raise ValueError(f"synchronous must be one of {SYNCHRONOUS_LEVELS}")
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.clock = clock
+        self.synchronous = synchronous
+        setup = connect(path, synchronous=synchronous)
+        try:
+            migrate(setup)
+        finally:
+            setup.close()
+        self._writer = _DbThread(
+            "kiln-sqlite-writer", lambda: connect(path, synchronous=synchronous), writer=True
+        )
+        self._reader = _DbThread(
+            "kiln-sqlite-reader", lambda: connect(path, synchronous=synchronous), writer=False
+        )
+        self._writer.start()
+        self._reader.start()
+        self._closed = False
+
+    # plumbing
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._writer.put(_Job(fn, loop, future))
+        return await future
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._reader.put(_Job(fn, loop, future))
+        return await future
+
+    @property
+    def write_batches(self) -> tuple[int, int]:
+        """(transactions, operations) the writer has committed so far."""
+        return self._writer.batches, self._writer.operations
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.put(None)
+        self._reader.put(None)
+        await asyncio.to_thread(self._writer.join)
+        await asyncio.to_thread(self._reader.join)
+
+    # submission
+
+    async def submit(self, new: NewTask) -> SubmitResult:
+        result: SubmitResult = await self._write(lambda conn: self._submit(conn, new))
+        return result
+
+    def _submit(self, conn: sqlite3.Connection, new: NewTask) -> SubmitResult | _Refused:
+        now = self.clock()
+        if new.idempotency_key is not None:
+            row = conn.execute(
+                "SELECT fingerprint, task_id FROM idempotency_keys WHERE tenant = ? AND key = ?",
+                (new.tenant, new.idempotency_key),
+            ).fetchone()
+            if row is not None:
+                if row["fingerprint"] != new.fingerprint:
+                    return _Refused(
+                        IdempotencyKeyReused(
+                            "this Idempotency-Key was used with a different request body"
+                        )
+                    )
+                task = self._get(conn, row["task_id"])
+                if task is not None:
+                    _bump(conn, "dedup_hits", "idempotency")
+                    return SubmitResult(task, created=False, replayed=True)
+        if new.dedup_key is not None:
+            row = conn.execute(
+                "SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ?"
+                f" AND status NOT IN {_NOT_LIVE_SQL}",
+                (new.tenant, new.dedup_key),
+            ).fetchone()
+            if row is not None:
+                existing = task_from_row(row)
+                self._remember_key(conn, new, existing.id, now)
+                _bump(conn, "dedup_hits", "content")
+                return SubmitResult(existing, created=False, deduplicated=True)
+        task = self._insert(conn, new, now)
+        self._remember_key(conn, new, task.id, now)
+        return SubmitResult(task, created=True)
+
+    @staticmethod
+    def _remember_key(conn: sqlite3.Connection, new: NewTask, task_id: str, now: float) -> None:
+        if new.idempotency_key is None:
+            return
+        conn.execute(
+            "INSERT INTO idempotency_keys (tenant, key, fingerprint, task_id, created_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, key) DO UPDATE SET"
+            " fingerprint = excluded.fingerprint, task_id = excluded.task_id,"
+            " created_at = excluded.created_at",
+            (new.tenant, new.idempotency_key, new.fingerprint, task_id, now),
+        )
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, new: NewTask, now: float) -> Task:
+        timeouts = {
+            "waiting_s": new.timeouts.waiting_s,
+            "generating_s": new.timeouts.generating_s,
+            "uploading_s": new.timeouts.uploading_s,
+        }
+        row = conn.execute(
+            "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
+            " inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,"
+            " deadline_at, timeouts, created_at, updated_at, status_since)"
+            " VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " RETURNING *",
+            (
+                new.id,
+                new.tenant,
+                new.kind,
+                new.priority,
+                now,
+                _dumps(new.params),
+                _dumps(new.metadata),
+                _dumps(new.inputs),
+                new.fingerprint,
+                new.idempotency_key,
+                new.dedup_key,
+                new.max_attempts,
+                new.deadline_s,
+                now + new.deadline_s,
+                _dumps(timeouts),
+                now,
+                now,
+                now,
+            ),
+        ).fetchone()
+        task = task_from_row(row)
+        _append_event(
+            conn,
+            task=task,
+            version=1,
+            event=Event.SUBMIT,
+            source=None,
+            target=Status.PENDING,
+            error=None,
+            at=now,
+            dwell_s=None,
+        )
+        _count_status(conn, new.tenant, Status.PENDING, 1)
+        return task
+
+    # reads
+
+    async def get(self, task_id: str) -> Task | None:
+        task: Task | None = await self._read(lambda conn: self._get(conn, task_id))
+        return task
+
+    @staticmethod
+    def _get(conn: sqlite3.Connection, task_id: str) -> Task | None:
+        row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return None if row is None else task_from_row(row)
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]:
+        where: list[str] = []
+        args: list[Any] = []
+        for column, value in (("tenant", tenant), ("status", status), ("kind", kind)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(str(value))
+        if cursor is not None:
+            where.append("id < ?")
+            args.append(cursor)
+        sql = "SELECT * FROM tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit + 1)
+
+        def read(conn: sqlite3.Connection) -> list[Task]:
+            return [task_from_row(row) for row in conn.execute(sql, args).fetchall()]
+
+        tasks: list[Task] = await self._read(read)
+        next_cursor = tasks[limit - 1].id if len(tasks) > limit else None
+        return tasks[:limit], next_cursor
+
+    async def events(
+        self,
+        *,
+        task_id: str | None = None,
+        tenant: str | None = None,
+        after: int = 0,
+        limit: int = 500,
+    ) -> list[TaskEvent]:
+        if task_id is not None:
+            sql, args = "SELECT * FROM events WHERE task_id = ? AND seq > ?", [task_id, after]
+        elif tenant is not None:
+            sql, args = "SELECT * FROM events WHERE tenant = ? AND seq > ?", [tenant, after]
+        else:
+            sql, args = "SELECT * FROM events WHERE seq > ?", [after]
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+
+        def read(conn: sqlite3.Connection) -> list[TaskEvent]:
+            return [event_from_row(row) for row in conn.execute(sql, args).fetchall()]
+
+        found: list[TaskEvent] = await self._read(read)
+        return found
+
+    async def last_seq(self) -> int:
+        def read(conn: sqlite3.Connection) -> int:
+            return int(conn.execute("SELECT coalesce(MAX(seq), 0) FROM events").fetchone()[0])
+
+        seq: int = await self._read(read)
+        return seq
+
+    async def progressed(self, *, since: float, limit: int = 500) -> list[Task]:
+        def read(conn: sqlite3.Connection) -> list[Task]:
+            rows = conn.execute(
+                "SELECT * FROM tasks WHERE progress_at > ? ORDER BY progress_at LIMIT ?",
+                (since, limit),
+            ).fetchall()
+            return [task_from_row(row) for row in rows]
+
+        found: list[Task] = await self._read(read)
+        return found
+
+    async def queue_position(self, task: Task) -> int | None:
+        now = self.clock()
+        if task.status not in CLAIMABLE or task.ready_at > now:
+            return None
+
+        def read(conn: sqlite3.Connection) -> int:
+            row = conn.execute(
+                "SELECT COUNT(*) FROM tasks WHERE kind = ?"
+                f" AND status IN {_CLAIMABLE_SQL} AND ready_at <= ?"
+                " AND (priority > ? OR (priority = ? AND (ready_at < ?"
+                " OR (ready_at = ? AND id < ?))))",
+                (task.kind, now, task.priority, task.priority, task.ready_at, task.ready_at,
+                 task.id),
+            ).fetchone()  # fmt: skip
+            return int(row[0]) + 1
+
+        position: int = await self._read(read)
+        return position
+
+    # worker writes
+
+    async def claim(
+        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+    ) -> list[Task]:
+        if not kinds or limit <= 0:
+            return []
+        claimed: list[Task] = await self._write(
+            lambda conn: self._claim(conn, worker_id, kinds, limit, lease_ttl_s)
+        )
+        return claimed
+
+    def _claim(
+        self,
+        conn: sqlite3.Connection,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+    ) -> list[Task]:
+        now = self.clock()
+        candidates: list[sqlite3.Row] = []
+        for kind in kinds:
+            candidates += conn.execute(
+                "SELECT id, priority, ready_at, status, status_since, version FROM tasks"
+                f" WHERE kind = ? AND status IN {_CLAIMABLE_SQL} AND ready_at <= ?"
+                " AND deadline_at > ? ORDER BY priority DESC, ready_at, id LIMIT ?",
+                (kind, now, now, limit),
+            ).fetchall()
+        candidates.sort(key=lambda r: (-r["priority"], r["ready_at"], r["id"]))
+        claimed: list[Task] = []
+        for cand in candidates[:limit]:
+            row = conn.execute(
+                "UPDATE tasks SET status = 'WAITING_FOR_RESOURCE', attempt = attempt + 1,"
+                " epoch = epoch + 1, version = version + 1, lease_owner = ?,"
+                " lease_expires_at = ?, state_deadline_at = ? + json_extract(timeouts,"
+                " '$.waiting_s'), started_at = coalesce(started_at, ?), updated_at = ?,"
+                " status_since = ?, next_retry_at = NULL, stage = NULL, progress_step = NULL,"
+                " progress_total = NULL, progress_at = NULL,"
+                " result_prefix = 'tasks/' || id || '/' || (attempt + 1) || '-' || (epoch + 1)"
+                f" WHERE id = ? AND status IN {_CLAIMABLE_SQL} RETURNING *",
+                (worker_id, now + lease_ttl_s, now, now, now, now, cand["id"]),
+            ).fetchone()
+            if row is None:
+                continue
+            task = task_from_row(row)
+            source = Status(cand["status"])
+            _append_event(
+                conn,
+                task=task,
+                version=task.version,
+                event=Event.CLAIM,
+                source=source,
+                target=Status.WAITING_FOR_RESOURCE,
+                error=None,
+                at=now,
+                dwell_s=now - cand["status_since"],
+            )
+            _count_status(conn, task.tenant, source, -1)
+            _count_status(conn, task.tenant, Status.WAITING_FOR_RESOURCE, 1)
+            _bump(conn, "transitions", f"{source}>{Status.WAITING_FOR_RESOURCE}")
+            claimed.append(task)
+        return claimed
+
+    async def heartbeat(
+        self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
+    ) -> Task:
+        task: Task = await self._write(
+            lambda conn: self._heartbeat(conn, task_id, epoch, lease_ttl_s, progress)
+        )
+        return task
+
+    def _heartbeat(
+        self,
+        conn: sqlite3.Connection,
+        task_id: str,
+        epoch: int,
+        lease_ttl_s: float,
+        progress: Progress | None,
+    ) -> Task | _Refused:
+        now = self.clock()
+        sets = "lease_expires_at = ?, updated_at = ?"
+        args: list[Any] = [now + lease_ttl_s, now]
+        if progress is not None:
+            sets += ", stage = ?, progress_step = ?, progress_total = ?, progress_at = ?"
+            args += [progress.stage, progress.step, progress.total, now]
+        row = conn.execute(
+            f"UPDATE tasks SET {sets} WHERE id = ? AND epoch = ?"
+            f" AND status IN {_RUNNING_SQL} RETURNING *",
+            [*args, task_id, epoch],
+        ).fetchone()
+        if row is None:
+            _bump(conn, "stale_writes")
+            return _Refused(LeaseLost(f"task {task_id} is no longer held at epoch {epoch}"))
+        return task_from_row(row)
+
+    async def request_cancel(self, task_id: str) -> Task:
+        task: Task = await self._write(lambda conn: self._request_cancel(conn, task_id))
+        return task
+
+    def _request_cancel(self, conn: sqlite3.Connection, task_id: str) -> Task | _Refused:
+        now = self.clock()
+        row = conn.execute(
+            "UPDATE tasks SET cancel_requested = 1, cancel_requested_at = coalesce("
+            "cancel_requested_at, ?), updated_at = ?"
+            f" WHERE id = ? AND status IN {_RUNNING_SQL} RETURNING *",
+            (now, now, task_id),
+        ).fetchone()
+        if row is None:
+            return _Refused(Conflict(f"task {task_id} is not running"))
+        return task_from_row(row)
+
+    # the fenced compare-and-set
+
+    async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
+        applied: tuple[Task, list[TaskEvent]] = await self._write(
+            lambda conn: self._apply(conn, change)
+        )
+        return applied
+
+    def _apply(
+        self, conn: sqlite3.Connection, change: Change
+    ) -> tuple[Task, list[TaskEvent]] | _Refused:
+        now = self.clock()
+        if change.leader is not None and not self._holds(conn, change.leader, now):
+            return _Refused(NotLeader(f"{change.leader.owner} no longer leads"))
+        current = conn.execute(
+            "SELECT status, epoch, version, status_since, tenant FROM tasks WHERE id = ?",
+            (change.task_id,),
+        ).fetchone()
+        refused = self._refusal(conn, change, current)
+        if refused is not None:
+            return refused
+        target = change.steps[-1][1]
+        sets = ["status = ?", "version = version + ?", "updated_at = ?", "status_since = ?"]
+        args: list[Any] = [str(target), len(change.steps), now, now]
+        if change.bump_epoch:
+            sets.append("epoch = epoch + 1")
+        if target in FINAL and "finished_at" not in change.fields:
+            sets.append("finished_at = ?")
+            args.append(now)
+        for column, value in change.fields.items():
+            sets.append(f"{column} = ?")
+            args.append(_dumps(value) if column in _JSON_COLUMNS else value)
+        where = "id = ? AND status = ?"
+        args += [change.task_id, str(change.expect_status)]
+        if change.expect_epoch is not None:
+            where += " AND epoch = ?"
+            args.append(change.expect_epoch)
+        try:
+            row = conn.execute(
+                f"UPDATE tasks SET {', '.join(sets)} WHERE {where} RETURNING *", args
+            ).fetchone()
+        except sqlite3.IntegrityError:
+            # A revived task whose content another live task holds by now gives up its
+            # dedup key: that other task stays the one that dedup answers with (I5).
+            row = conn.execute(
+                f"UPDATE tasks SET {', '.join(sets)}, dedup_key = NULL WHERE {where} RETURNING *",
+                args,
+            ).fetchone()
+        task = task_from_row(row)
+        events = []
+        source: Status = change.expect_status
+        dwell: float = now - current["status_since"]
+        for offset, (event, step_target) in enumerate(change.steps, start=1):
+            events.append(
+                _append_event(
+                    conn,
+                    task=task,
+                    version=current["version"] + offset,
+                    event=event,
+                    source=source,
+                    target=step_target,
+                    error=change.error,
+                    at=now,
+                    dwell_s=dwell,
+                    final=offset == len(change.steps) and step_target in FINAL,
+                )
+            )
+            _bump(conn, "transitions", f"{source}>{step_target}")
+            source, dwell = step_target, 0.0
+        _count_status(conn, task.tenant, change.expect_status, -1)
+        _count_status(conn, task.tenant, target, 1)
+        for name, labels in change.counters:
+            _bump(conn, name, labels)
+        return task, events
+
+    @staticmethod
+    def _refusal(
+        conn: sqlite3.Connection, change: Change, current: sqlite3.Row | None
+    ) -> _Refused | None:
+        if current is None:
+            return _Refused(NotFound(f"task {change.task_id} does not exist"))
+        if current["status"] == change.expect_status and (
+            change.expect_epoch is None or current["epoch"] == change.expect_epoch
+        ):
+            return None
+        if change.fenced:
+            _bump(conn, "stale_writes")
+            return _Refused(
+                LeaseLost(f"task {change.task_id} moved on (now {current['status']}, "
+                          f"epoch {current['epoch']})")
+            )  # fmt: skip
+        return _Refused(
+            Conflict(f"task {change.task_id} is {current['status']}, "
+                     f"not {change.expect_status}")
+        )  # fmt: skip
+
+    # supervisor
+
+    async def due(self, *, limit: int, cancel_grace_s: float) -> Due:
+        now = self.clock()
+
+        def read(conn: sqlite3.Connection) -> Due:
+            def rows(sql: str, *args: Any) -> list[Task]:
+                found = conn.execute(sql + " LIMIT ?", (*args, limit)).fetchall()
+                return [task_from_row(row) for row in found]
+
+            return Due(
+                lease_expired=rows(
+                    f"SELECT * FROM tasks WHERE status IN {_RUNNING_SQL}"
+                    " AND lease_expires_at < ? ORDER BY lease_expires_at",
+                    now,
+                ),
+                state_expired=rows(
+                    f"SELECT * FROM tasks WHERE status IN {_RUNNING_SQL}"
+                    " AND state_deadline_at < ? ORDER BY state_deadline_at",
+                    now,
+                ),
+                deadline_passed=rows(
+                    f"SELECT * FROM tasks WHERE status IN {_DEADLINE_SQL}"
+                    " AND deadline_at < ? ORDER BY deadline_at",
+                    now,
+                ),
+                cancel_overdue=rows(
+                    "SELECT * FROM tasks WHERE cancel_requested = 1"
+                    f" AND status IN {_RUNNING_SQL} AND cancel_requested_at < ?"
+                    " ORDER BY cancel_requested_at",
+                    now - cancel_grace_s,
+                ),
+            )
+
+        due: Due = await self._read(read)
+        return due
+
+    async def count_ghosts(self, *, older_than_s: float) -> int:
+        before = self.clock() - older_than_s
+
+        def read(conn: sqlite3.Connection) -> int:
+            row = conn.execute(
+                f"SELECT COUNT(*) FROM tasks WHERE status IN {_RUNNING_SQL}"
+                " AND lease_expires_at < ?",
+                (before,),
+            ).fetchone()
+            return int(row[0])
+
+        count: int = await self._read(read)
+        return count
+
+    async def lead(self, name: str, owner: str, ttl_s: float) -> LeaderToken | None:
+        token: LeaderToken | None = await self._write(
+            lambda conn: self._lead(conn, name, owner, ttl_s)
+        )
+        return token
+
+    def _lead(
+        self, conn: sqlite3.Connection, name: str, owner: str, ttl_s: float
+    ) -> LeaderToken | None:
+        now = self.clock()
+        row = conn.execute(
+            "INSERT INTO leaders (name, owner, epoch, expires_at) VALUES (?, ?, 1, ?)"
+            " ON CONFLICT (name) DO UPDATE SET"
+            " epoch = CASE WHEN leaders.owner = excluded.owner AND leaders.expires_at >= ?"
+            " THEN leaders.epoch ELSE leaders.epoch + 1 END,"
+            " owner = excluded.owner, expires_at = excluded.expires_at"
+            " WHERE leaders.owner = excluded.owner OR leaders.expires_at < ?"
+            " RETURNING epoch, expires_at",
+            (name, owner, now + ttl_s, now, now),
+        ).fetchone()
+        if row is None:
+            return None
+        return LeaderToken(name, owner, row["epoch"], row["expires_at"])
+
+    @staticmethod
+    def _holds(conn: sqlite3.Connection, token: LeaderToken, now: float) -> bool:
+        row = conn.execute(
+            "SELECT 1 FROM leaders WHERE name = ? AND owner = ? AND epoch = ? AND expires_at >= ?",
+            (token.name, token.owner, token.epoch, now),
+        ).fetchone()
+        return row is not None
+
+    # stats and counters
+
+    async def stats(self, *, tenant: str | None, ghost_after_s: float) -> Stats:
+        now = self.clock()
+        return await self._read(lambda conn: self._stats(conn, tenant, now - ghost_after_s))  # type: ignore[no-any-return]
+
+    def _stats(self, conn: sqlite3.Connection, tenant: str | None, ghost_before: float) -> Stats:
+        tenant_where, args = ("WHERE tenant = ?", [tenant]) if tenant is not None else ("", [])
+        counts = {str(s): 0 for s in Status}
+        for row in conn.execute(
+            f"SELECT status, SUM(n) AS n FROM task_counts {tenant_where} GROUP BY status", args
+        ):
+            counts[row["status"]] = int(row["n"])
+        failures: dict[str, int] = {}
+        for row in conn.execute("SELECT labels, n FROM counters WHERE name = 'failures'"):
+            row_tenant, _, code = str(row["labels"]).partition(":")
+            if tenant is None or row_tenant == tenant:
+                failures[code] = failures.get(code, 0) + int(row["n"])
+        dwell: dict[str, dict[str, float]] = {}
+        for status in Status:
+            if status in FINAL:
+                continue
+            values = sorted(
+                r[0]
+                for r in conn.execute(
+                    "SELECT dwell_s FROM events WHERE from_status = ? AND dwell_s IS NOT NULL"
+                    " ORDER BY seq DESC LIMIT 2000",
+                    (str(status),),
+                )
+            )
+            if values:
+                dwell[str(status)] = {
+                    "p50": _percentile(values, 0.5),
+                    "p95": _percentile(values, 0.95),
+                }
+        ghost_sql = (
+            f"SELECT COUNT(*) FROM tasks WHERE status IN {_RUNNING_SQL}"
+            " AND lease_expires_at < ?"
+        )
+        ghost_args: list[Any] = [ghost_before]
+        if tenant is not None:
+            ghost_sql += " AND tenant = ?"
+            ghost_args.append(tenant)
+        ghosts = int(conn.execute(ghost_sql, ghost_args).fetchone()[0])
+        oldest = conn.execute(
+            f"SELECT ready_at FROM tasks WHERE status IN {_CLAIMABLE_SQL}"
+            " ORDER BY ready_at LIMIT 1"
+        ).fetchone()
+        return Stats(counts, failures, dwell, ghosts, None if oldest is None else oldest[0])
+
+    async def counters(self) -> dict[tuple[str, str], int]:
+        def read(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
+            rows = conn.execute("SELECT name, labels, n FROM counters").fetchall()
+            return {(row["name"], row["labels"]): int(row["n"]) for row in rows}
+
+        found: dict[tuple[str, str], int] = await self._read(read)
+        return found
+
+    async def bump(self, name: str, labels: str = "") -> None:
+        await self._write(lambda conn: _bump(conn, name, labels))
+
+
+__all__ = ["ACTIVE", "SqliteStore", "connect", "migrate", "sqlite_path"]

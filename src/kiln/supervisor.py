@@ -1,0 +1,170 @@
+"""Supervisor: the periodic sweep that ends what nobody else will.
+
+Each sweep reads only what is due (indexed on status and expiry), so its cost follows
+the work due, not the size of the task table. Only the leader acts: leadership is a
+leased record in the store with its own epoch, and every action carries the leader's
+token, so a paused old leader's writes are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kiln import canonical
+from kiln.app import App
+from kiln.errors import Conflict, LeaseLost, NotLeader
+from kiln.models import JSON, Task
+from kiln.states import CLAIMABLE, Event, Status
+from kiln.storage import read_complete_manifest
+from kiln.store import LeaderToken
+
+log = logging.getLogger("kiln.supervisor")
+
+LEADER = "supervisor"
+
+
+@dataclass(slots=True)
+class SweepReport:
+    leading: bool = False
+    expired: int = 0
+    recovered: int = 0
+    deadlined: int = 0
+    force_cancelled: int = 0
+    conflicts: int = 0
+    ghosts: int = 0
+    duration_s: float = 0.0
+
+
+Action = Callable[[Task, "SweepReport"], Awaitable[None]]
+
+
+class Supervisor:
+    def __init__(
+        self,
+        app: App,
+        *,
+        interval_s: float | None = None,
+        owner: str | None = None,
+        batch: int = 500,
+        leader_ttl_s: float | None = None,
+    ) -> None:
+        self.app = app
+        self.interval_s = interval_s or app.settings.supervisor_interval_s
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:" + (
+            canonical.new_id("s")[-8:]
+        )
+        self.batch = batch
+        self.leader_ttl_s = leader_ttl_s or max(3 * self.interval_s, 3.0)
+        self.token: LeaderToken | None = None
+        self.last: SweepReport = SweepReport()
+        self.sweeps = 0
+
+    @property
+    def ghost_after_s(self) -> float:
+        """A running task whose lease lapsed this long ago should have been swept."""
+        return self.app.settings.lease_ttl_s + 2 * self.interval_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.last = await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sweep_failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def sweep(self) -> SweepReport:
+        started = time.perf_counter()
+        report = SweepReport()
+        self.token = await self.app.store.lead(LEADER, self.owner, self.leader_ttl_s)
+        self.sweeps += 1
+        if self.token is None:
+            return report
+        report.leading = True
+        store = self.app.store
+        due = await store.due(limit=self.batch, cancel_grace_s=self.app.settings.cancel_grace_s)
+        seen: set[str] = set()
+        with contextlib.suppress(NotLeader):
+            for task in due.cancel_overdue:
+                await self._act(task, seen, report, self._force_cancel)
+            for task in due.deadline_passed:
+                await self._act(task, seen, report, self._deadline)
+            for task in due.lease_expired:
+                await self._act(task, seen, report, self._lease_expired)
+            for task in due.state_expired:
+                await self._act(task, seen, report, self._state_expired)
+        report.ghosts = await store.count_ghosts(older_than_s=self.ghost_after_s)
+        report.duration_s = time.perf_counter() - started
+        return report
+
+    async def _act(self, task: Task, seen: set[str], report: SweepReport, action: Action) -> None:
+        if task.id in seen:
+            return
+        seen.add(task.id)
+        try:
+            await action(task, report)
+        except (Conflict, LeaseLost):
+            report.conflicts += 1  # a worker or an API call moved it first: nothing to do
+        except NotLeader:
+            raise
+        except Exception:
+            log.exception("sweep_action_failed", extra={"task_id": task.id})
+
+    # actions
+
+    async def _force_cancel(self, task: Task, report: SweepReport) -> None:
+        await self.app.apply(task, Event.FORCE_CANCEL, leader=self.token, bump_epoch=True)
+        report.force_cancelled += 1
+        log.info("force_cancelled", extra={"task_id": task.id, "epoch": task.epoch})
+
+    async def _deadline(self, task: Task, report: SweepReport) -> None:
+        error = _error("deadline_exceeded", "the task's deadline passed", retryable=False)
+        if task.status in CLAIMABLE:
+            await self.app.apply(
+                task, Event.DEADLINE, leader=self.token, fields={"error": error}, error=error,
+                counters=[("failures", f"{task.tenant}:deadline_exceeded")],
+            )  # fmt: skip
+            report.deadlined += 1
+            return
+        await self._recover_or_expire(task, report, error)
+
+    async def _lease_expired(self, task: Task, report: SweepReport) -> None:
+        error = _error("lease_expired", f"the worker's lease lapsed in {task.status}")
+        await self._recover_or_expire(task, report, error)
+
+    async def _state_expired(self, task: Task, report: SweepReport) -> None:
+        code = f"{task.status.lower()}_timeout"
+        error = _error(code, f"the task stayed in {task.status} past its timeout")
+        await self._recover_or_expire(task, report, error)
+
+    async def _recover_or_expire(self, task: Task, report: SweepReport, error: JSON) -> None:
+        if task.status in (Status.GENERATING, Status.UPLOADING) and task.result_prefix:
+            outputs = await read_complete_manifest(self.app.storage, task.result_prefix)
+            if outputs is not None:
+                await self.app.apply(
+                    task, Event.RECOVER, leader=self.token, bump_epoch=True,
+                    fields={"result": {"outputs": [o.to_json() for o in outputs]},
+                            "error": None, "stage": None},
+                    counters=[("recovered", "")],
+                )  # fmt: skip
+                report.recovered += 1
+                log.info("recovered", extra={"task_id": task.id, "attempt": task.attempt})
+                return
+        await self.app.apply(
+            task, Event.EXPIRE, leader=self.token, bump_epoch=True, retry_error=error
+        )
+        report.expired += 1
+        log.info("expired", extra={"task_id": task.id, "code": error["code"]})
+
+
+def _error(code: str, message: str, *, retryable: bool = True) -> JSON:
+    return {"code": code, "message": message, "retryable": retryable}
+

@@ -1,0 +1,376 @@
+"""Worker runtime: claim, lease, acquire a resource slot, run, upload, verify, report.
+
+Every write a worker makes is fenced by the task's lease epoch. A refused write
+(:class:`~kiln.errors.LeaseLost`) means another actor moved the task on: the worker stops
+working on it at once and never touches a newer attempt's storage location.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln import canonical
+from kiln.app import App, HandlerResult, TaskKind, call_review
+from kiln.bus import ProgressEvent
+from kiln.errors import LeaseLost, Retryable
+from kiln.models import JSON, Output, StoredOutput, Task
+from kiln.retry import classify
+from kiln.states import Event, Status
+from kiln.storage import sha256_hex, verify, write_manifest
+from kiln.store import Progress
+
+log = logging.getLogger("kiln.worker")
+
+#: How often progress is persisted on the task (live progress is published every step).
+PROGRESS_PERSIST_S = 1.0
+
+
+class ResourcePool:
+    """Named counting semaphores of one worker process (``{"gpu": 1}``), FIFO."""
+
+    def __init__(self, capacities: dict[str, int]) -> None:
+        self.capacities = dict(capacities)
+        self._semaphores = {name: asyncio.Semaphore(n) for name, n in capacities.items()}
+        self.waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def hold(self, needs: dict[str, int]) -> AsyncIterator[None]:
+        taken: list[asyncio.Semaphore] = []
+        self.waiting += 1
+        try:
+            for name in sorted(needs):  # one global order: no deadlock between kinds
+                semaphore = self._semaphores.get(name)
+                if semaphore is None:
+                    continue  # this worker does not limit that resource
+                for _ in range(min(needs[name], self.capacities[name])):
+                    await semaphore.acquire()
+                    taken.append(semaphore)
+        except BaseException:
+            self.waiting -= 1
+            for semaphore in taken:
+                semaphore.release()
+            raise
+        self.waiting -= 1
+        try:
+            yield
+        finally:
+            for semaphore in taken:
+                semaphore.release()
+
+
+class _Stop(Exception):
+    """Raised into an attempt's pipeline when it must stop (cancel or lost lease)."""
+
+
+@dataclass
+class Attempt:
+    """One claimed attempt as its worker sees it: the fenced view of the task."""
+
+    task: Task
+    kind: TaskKind
+    runner: asyncio.Task[None] | None = None
+    pipeline: asyncio.Task[None] | None = None
+    stop_reason: str | None = None
+    progress: Progress | None = None
+    progress_saved_at: float = 0.0
+    progress_dirty: bool = False
+    outputs: list[StoredOutput] = field(default_factory=list)
+
+
+class Context:
+    """What a handler sees: its task, its params, and a way to report progress."""
+
+    def __init__(self, worker: Worker, attempt: Attempt, params: Any) -> None:
+        self._worker = worker
+        self._attempt = attempt
+        self.params = params
+
+    @property
+    def task(self) -> Task:
+        return self._attempt.task
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt.task.attempt
+
+    @property
+    def task_id(self) -> str:
+        return self._attempt.task.id
+
+    async def progress(
+        self, step: int, total: int, *, stage: str | None = None, preview: str | None = None
+    ) -> None:
+        """Report progress: published live now, persisted at most once a second."""
+        await self._worker.report_progress(self._attempt, Progress(stage, step, total), preview)
+
+
+class Worker:
+    def __init__(
+        self,
+        app: App,
+        *,
+        concurrency: int = 4,
+        kinds: Sequence[str] | None = None,
+        resources: dict[str, int] | None = None,
+        worker_id: str | None = None,
+        lease_ttl_s: float | None = None,
+        idle_poll_s: tuple[float, float] = (0.05, 1.0),
+    ) -> None:
+        self.app = app
+        self.concurrency = concurrency
+        self.kinds = list(kinds) if kinds else list(app.kinds)
+        unknown = [k for k in self.kinds if k not in app.kinds]
+        if unknown:
+            raise ValueError(f"no handler registered for kinds {unknown}")
+        self.pool = ResourcePool(resources if resources is not None else {})
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:" + (
+            canonical.new_id("w")[-8:]
+        )
+        self.lease_ttl_s = lease_ttl_s or app.settings.lease_ttl_s
+        self.idle_poll_s = idle_poll_s
+        self.attempts: dict[str, Attempt] = {}
+        self.completed = 0
+        self._slot_free = asyncio.Event()
+        self._stopping = False
+        self._rng = random.Random()
+
+    # the claim loop
+
+    async def run(self) -> None:
+        """Claim and run tasks until cancelled; then stop the running attempts."""
+        idle_s = self.idle_poll_s[0]
+        try:
+            while not self._stopping:
+                free = self.concurrency - len(self.attempts)
+                if free > 0:
+                    self.app.wake.clear()
+                    claimed = await self.app.store.claim(
+                        worker_id=self.worker_id, kinds=self.kinds, limit=free,
+                        lease_ttl_s=self.lease_ttl_s,
+                    )  # fmt: skip
+                    for task in claimed:
+                        self._start(task)
+                    if claimed:
+                        idle_s = self.idle_poll_s[0]
+                        continue
+                await self._idle(idle_s, free > 0)
+                idle_s = min(idle_s * 2, self.idle_poll_s[1])
+        finally:
+            await self.stop()
+
+    async def _idle(self, idle_s: float, may_claim: bool) -> None:
+        waiters = [asyncio.ensure_future(self._slot_free.wait())]
+        if may_claim:
+            waiters.append(asyncio.ensure_future(self.app.wake.wait()))
+        jitter = self._rng.uniform(0.5, 1.0)
+        try:
+            await asyncio.wait(waiters, timeout=idle_s * jitter, return_when="FIRST_COMPLETED")
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        self._slot_free.clear()
+
+    async def stop(self) -> None:
+        """Stop running attempts; their leases lapse and the supervisor takes over."""
+        self._stopping = True
+        pending = [a.runner for a in self.attempts.values() if a.runner is not None]
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _start(self, task: Task) -> None:
+        attempt = Attempt(task, self.app.kinds[task.kind])
+        self.attempts[task.id] = attempt
+        attempt.runner = asyncio.create_task(self._execute(attempt), name=f"kiln-{task.id}")
+
+    # one attempt
+
+    async def _execute(self, attempt: Attempt) -> None:
+        attempt.pipeline = asyncio.create_task(self._pipeline(attempt))
+        heartbeat = asyncio.create_task(self._heartbeat(attempt))
+        try:
+            await self._settle(attempt, attempt.pipeline)
+        except LeaseLost:
+            log.warning("lease_lost", extra=self._ids(attempt))
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            self.app.hub.local_progress.discard(attempt.task.id)
+            self.attempts.pop(attempt.task.id, None)
+            self.completed += 1
+            self._slot_free.set()
+
+    async def _settle(self, attempt: Attempt, work: asyncio.Task[None]) -> None:
+        try:
+            await work
+        except asyncio.CancelledError:
+            if attempt.stop_reason == "cancel":
+                await self._transition(attempt, Event.STOPPED)
+            elif attempt.stop_reason is None:
+                await self._give_back(attempt)
+                raise  # the worker itself is shutting down
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            error = classify(exc)
+            log.info("attempt_failed", extra={**self._ids(attempt), "code": error["code"]})
+            await self._transition(attempt, Event.FAIL, retry_error=error)
+
+    async def _give_back(self, attempt: Attempt) -> None:
+        """On shutdown, end the attempt now (retryable) instead of letting the lease lapse."""
+        error = {"code": "worker_shutdown", "message": "the worker stopped", "retryable": True}
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self._transition(attempt, Event.FAIL, retry_error=error), timeout=2.0
+            )
+
+    async def _pipeline(self, attempt: Attempt) -> None:
+        kind = attempt.kind
+        async with self.pool.hold(kind.resources):
+            await self._transition(
+                attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
+            )
+            params = kind.parse(attempt.task.params)
+            ctx = Context(self, attempt, params)
+            self.app.hub.local_progress.add(attempt.task.id)
+            produced = _as_outputs(await kind.handler(ctx, params))
+        await self._transition(
+            attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
+        )
+        stored = await self._upload(attempt, produced)
+        flagged = bool(kind.review) and await call_review(kind.review, params, produced)  # type: ignore[arg-type]
+        assert attempt.task.result_prefix is not None
+        if stored:  # the manifest lets recovery find this upload; nothing to find without outputs
+            await write_manifest(
+                self.app.storage, attempt.task.result_prefix, stored, flagged=flagged
+            )
+        result = {"outputs": [o.to_json() for o in stored]}
+        await self._transition(
+            attempt,
+            Event.UPLOADED,
+            Status.NEEDS_REVIEW if flagged else Status.SUCCESS,
+            fields={"result": result, "error": None, "stage": None},
+        )
+
+    async def _upload(self, attempt: Attempt, produced: list[Output]) -> list[StoredOutput]:
+        prefix = attempt.task.result_prefix
+        assert prefix is not None
+        stored = []
+        for output in produced:
+            record = StoredOutput(
+                name=output.name,
+                key=f"{prefix}/{output.name}",
+                content_type=output.content_type,
+                size=len(output.data),
+                sha256=sha256_hex(output.data),
+            )
+            await self.app.storage.put(record.key, output.data)
+            if not await verify(self.app.storage, record):
+                raise Retryable(f"output {output.name} did not verify in storage",
+                                code="storage_verify_failed")  # fmt: skip
+            stored.append(record)
+        return stored
+
+    async def _transition(
+        self,
+        attempt: Attempt,
+        event: Event,
+        target: Status | None = None,
+        *,
+        fields: dict[str, Any] | None = None,
+        retry_error: JSON | None = None,
+        state_timeout: float | None = None,
+    ) -> None:
+        changes = dict(fields or {})
+        if state_timeout is not None:
+            changes["state_deadline_at"] = self.app.now() + state_timeout
+        if attempt.progress_dirty and attempt.progress is not None and event is Event.GENERATED:
+            changes.update(stage=attempt.progress.stage, progress_step=attempt.progress.step,
+                           progress_total=attempt.progress.total)  # fmt: skip
+        attempt.task = await self.app.apply(
+            attempt.task, event, target, fields=changes, fenced=True, retry_error=retry_error
+        )
+
+    # heartbeats, progress, cancellation
+
+    async def _heartbeat(self, attempt: Attempt) -> None:
+        interval = max(self.lease_ttl_s / 3, 0.01)
+        while True:
+            await asyncio.sleep(interval)
+            await self._beat(attempt, with_progress=attempt.progress_dirty)
+
+    async def _beat(self, attempt: Attempt, *, with_progress: bool) -> None:
+        progress = attempt.progress if with_progress else None
+        try:
+            task = await self.app.store.heartbeat(
+                attempt.task.id, attempt.task.epoch, self.lease_ttl_s, progress
+            )
+        except LeaseLost:
+            self._halt(attempt, "lease_lost")
+            return
+        if progress is not None:
+            attempt.progress_dirty = False
+            attempt.progress_saved_at = self.app.now()
+        attempt.task = task
+        if task.cancel_requested:
+            self._halt(attempt, "cancel")
+
+    def _halt(self, attempt: Attempt, reason: str) -> None:
+        if attempt.stop_reason is None and attempt.pipeline is not None:
+            attempt.stop_reason = reason
+            log.info("attempt_halted", extra={**self._ids(attempt), "reason": reason})
+            attempt.pipeline.cancel()
+
+    async def report_progress(
+        self, attempt: Attempt, progress: Progress, preview: str | None
+    ) -> None:
+        attempt.progress = progress
+        attempt.progress_dirty = True
+        task = attempt.task
+        self.app.publish_progress(
+            ProgressEvent(task.id, task.tenant, str(Status.GENERATING), progress.stage,
+                          _progress_json(progress), preview)
+        )  # fmt: skip
+        if self.app.now() - attempt.progress_saved_at >= PROGRESS_PERSIST_S:
+            attempt.progress_saved_at = self.app.now()
+            await self._beat(attempt, with_progress=True)
+        if attempt.stop_reason is not None:
+            raise asyncio.CancelledError
+
+    @staticmethod
+    def _ids(attempt: Attempt) -> dict[str, Any]:
+        task = attempt.task
+        return {"task_id": task.id, "attempt": task.attempt, "epoch": task.epoch}
+
+
+def _progress_json(progress: Progress) -> JSON | None:
+    if progress.step is None or progress.total is None:
+        return None
+    fraction = min(progress.step / max(progress.total, 1), 1.0)
+    return {"step": progress.step, "total": progress.total, "fraction": round(fraction, 4)}
+
+
+def _as_outputs(result: HandlerResult) -> list[Output]:
+    if result is None:
+        return []
+    if isinstance(result, Output):
+        return [result]
+    outputs = list(result)
+    names = [o.name for o in outputs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate output names {names}")
+    for name in names:
+        if not name or "/" in name or name in (".", "..", "manifest.json"):
+            raise ValueError(f"invalid output name {name!r}")
+    return outputs
