@@ -260,7 +260,7 @@ class App:
                 "transition",
                 extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
                        "from": e.from_status, "to": e.status, "event": str(e.event),
-                       "dwell_s": e.dwell_s},
+                       "duration_s": e.dwell_s},
             )  # fmt: skip
         self._written(events)
         return updated

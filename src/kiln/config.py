@@ -52,6 +52,8 @@ class Settings:
     max_image_pixels: int = 40_000_000
     metrics_port: int | None = None
     sqlite_synchronous: str = "NORMAL"
+    log_format: str = "text"
+    log_level: str = "INFO"
 
     @property
     def resolved_database_url(self) -> str:
@@ -106,4 +108,6 @@ class Settings:
             max_image_pixels=int(num("KILN_MAX_IMAGE_PIXELS", 40_000_000)),
             metrics_port=int(metrics) if metrics else None,
             sqlite_synchronous=(env.get("KILN_SQLITE_SYNCHRONOUS") or "NORMAL").upper(),
+            log_format=(env.get("KILN_LOG_FORMAT") or "text").lower(),
+            log_level=(env.get("KILN_LOG_LEVEL") or "INFO").upper(),
         )

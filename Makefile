@@ -1,0 +1,55 @@
+# kiln — `make` lists the targets. Every target installs what it needs, idempotently.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup system-deps run test lint fmt types check bench docs clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install -q virtualenv && $(PYTHON) -m virtualenv -q $(VENV); }
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25.1"
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e . --group dev
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install kiln with its dev tools (quick when done)
+
+system-deps: ## install the system packages the tests drive (Chromium), when missing
+	@scripts/system-deps.sh
+
+run: $(STAMP) ## start kiln (API, dashboard, workers, supervisor) on SQLite + ./kiln-data, with a first task
+	@HOST=$(HOST) PORT=$(PORT) scripts/run.sh
+
+test: $(STAMP) system-deps ## run the whole test suite
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff check and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: $(STAMP) ## format the code
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+types: $(STAMP) ## mypy --strict on src/kiln
+	$(VENV)/bin/mypy src/kiln
+
+check: lint types test ## lint, types and tests
+
+bench: $(STAMP) ## the lifecycle benchmark (NORMAL and FULL durability)
+	$(PY) benchmarks/lifecycle.py
+	$(PY) benchmarks/lifecycle.py --synchronous FULL
+
+docs: $(STAMP) ## regenerate the state diagram in docs/states.md from the state table
+	$(PY) scripts/gen_docs.py
+
+clean: ## remove the virtual environment and caches (keeps kiln-data)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,374 @@
+"""Throughput of the whole task lifecycle, measured against the raw rate of the database.
+
+N tasks of a no-op kind go through submit, claim, acquire, generated and uploaded (five
+transitions each) in one process, on the real library: ``kiln.App``, ``app.submit`` and
+``app.worker``. In the same run, on a database file with the same settings (WAL, the same
+``synchronous``), a tight loop of single-row compare-and-set + event-insert transactions on
+stdlib ``sqlite3`` gives the ceiling that one transaction per transition would allow.
+
+    python benchmarks/lifecycle.py                       # 20,000 tasks, NORMAL, both figures
+    python benchmarks/lifecycle.py --synchronous FULL
+    python benchmarks/lifecycle.py --tasks 200 --json-only
+
+The last line printed is always one JSON object (see ``summary_json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kiln
+from kiln.config import Settings
+
+KIND = "bench.noop"
+SUBMIT_CHUNK = 500
+POLL_S = 0.005
+RAW_SECONDS = 3.0
+RAW_MAX_TX = 20_000
+RAW_ROWS = 1_000
+TRANSITIONS_PER_LIFECYCLE = 5
+
+
+@dataclass
+class Figure:
+    """One lifecycle run: N tasks of one output size, first submit to last SUCCESS."""
+
+    tasks: int
+    output_bytes: int
+    concurrency: int
+    wall_s: float
+    submit_s: float
+    transitions: int
+    succeeded: int
+    write_batches: tuple[int, int] | None = None
+    by_transition: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lifecycles_per_s(self) -> float:
+        return self.succeeded / self.wall_s
+
+    @property
+    def transitions_per_s(self) -> float:
+        return self.transitions / self.wall_s
+
+    @property
+    def mean_batch(self) -> float | None:
+        if not self.write_batches or not self.write_batches[0]:
+            return None
+        return self.write_batches[1] / self.write_batches[0]
+
+
+# The database under test --------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where one figure runs, and how the raw rate of that database is measured."""
+
+    url: str
+    raw: Callable[[str, float, int], float]
+
+
+class Databases:
+    """Fresh databases for each figure and for the raw loop, all with the same settings.
+
+    ``sqlite:///path.db`` runs the no-op figure on ``path.db``, the 1 KiB figure on
+    ``path-1k.db`` and the raw loop on ``path-raw.db``; none of them may exist yet. A
+    ``postgresql://`` URL is parsed here too, so that backend plugs in beside SQLite.
+    """
+
+    def __init__(self, url: str | None, scratch: Path, synchronous: str) -> None:
+        self.synchronous = synchronous
+        if url is None:
+            url = f"sqlite:///{scratch / 'bench.db'}"
+        self.url = url
+        if url.startswith("sqlite:///"):
+            self.backend = "sqlite"
+        elif url.startswith(("postgresql:", "postgres:")):
+            self.backend = "postgresql"
+        else:
+            raise SystemExit(f"unsupported --database {url!r}: use sqlite:///path.db")
+
+    def figure(self, suffix: str) -> str:
+        if self.backend != "sqlite":
+            return self.url
+        path = Path(self.url.removeprefix("sqlite:///"))
+        path = path.with_name(f"{path.stem}{suffix}{path.suffix}")
+        for extra in ("", "-wal", "-shm"):
+            if Path(f"{path}{extra}").exists():
+                raise SystemExit(f"{path}{extra} exists: the benchmark needs a fresh database")
+        return f"sqlite:///{path}"
+
+    def raw_rate(self, seconds: float, max_tx: int) -> float:
+        if self.backend != "sqlite":
+            raise SystemExit("the raw loop for PostgreSQL is not written yet")
+        url = self.figure("-raw")
+        return raw_sqlite(url.removeprefix("sqlite:///"), self.synchronous, seconds, max_tx)
+
+
+def raw_sqlite(path: str, synchronous: str, seconds: float, max_tx: int) -> float:
+    """Single-row CAS + event-insert transactions per second on one plain connection."""
+    from kiln.store.sqlite import connect
+
+    conn = connect(path, synchronous=synchronous)  # the store's own pragmas
+    conn.row_factory = None
+    conn.executescript(
+        "CREATE TABLE raw_tasks (id TEXT PRIMARY KEY, status TEXT NOT NULL,"
+        " version INTEGER NOT NULL, updated_at REAL NOT NULL);"
+        "CREATE TABLE raw_events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,"
+        " task_id TEXT NOT NULL, from_status TEXT, to_status TEXT NOT NULL, at REAL NOT NULL);"
+    )
+    conn.execute("BEGIN IMMEDIATE")
+    conn.executemany(
+        "INSERT INTO raw_tasks VALUES (?, 'A', 0, 0)", [(f"t{i:06d}",) for i in range(RAW_ROWS)]
+    )
+    conn.execute("COMMIT")
+    statuses = ("A", "B")
+    versions = [0] * RAW_ROWS
+    done = 0
+    started = time.perf_counter()
+    deadline = started + seconds
+    while done < max_tx and (done % 256 or time.perf_counter() < deadline):
+        row = done % RAW_ROWS
+        task_id, version = f"t{row:06d}", versions[row]
+        source, target = statuses[version % 2], statuses[(version + 1) % 2]
+        now = time.time()
+        conn.execute("BEGIN IMMEDIATE")
+        changed = conn.execute(
+            "UPDATE raw_tasks SET status = ?, version = version + 1, updated_at = ?"
+            " WHERE id = ? AND status = ? AND version = ? RETURNING version",
+            (target, now, task_id, source, version),
+        ).fetchone()
+        if changed is None:
+            raise RuntimeError(f"raw CAS on {task_id} matched no row")
+        conn.execute(
+            "INSERT INTO raw_events (id, task_id, from_status, to_status, at)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (f"{task_id}:{changed[0]}", task_id, source, target, now),
+        )
+        conn.execute("COMMIT")
+        versions[row] = changed[0]
+        done += 1
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return done / elapsed
+
+
+# One lifecycle figure ------------------------------------------------------------------------
+
+
+def build_app(url: str, results: Path, synchronous: str, output_bytes: int) -> kiln.App:
+    settings = Settings(
+        data_dir=results.parent,
+        database_url=url,
+        storage_url=results.as_uri(),
+        sqlite_synchronous=synchronous,
+    )
+    app = kiln.App(settings=settings)
+    payload = os.urandom(output_bytes) if output_bytes else b""
+
+    @app.task(KIND)
+    async def noop(ctx: Any, params: Any) -> kiln.Output | None:
+        if payload:
+            return kiln.Output("out.bin", payload)
+        return None
+
+    return app
+
+
+async def submit_all(app: kiln.App, tasks: int) -> int:
+    created = 0
+    for start in range(0, tasks, SUBMIT_CHUNK):
+        results = await asyncio.gather(
+            *(app.submit(KIND, {"n": i}, dedup=False)
+              for i in range(start, min(start + SUBMIT_CHUNK, tasks)))
+        )  # fmt: skip
+        created += sum(1 for r in results if r.created)
+    return created
+
+
+def transitions_of(counters: dict[tuple[str, str], int]) -> dict[str, int]:
+    return {labels: n for (name, labels), n in counters.items() if name == "transitions"}
+
+
+async def wait_for_success(app: kiln.App, tasks: int, timeout_s: float) -> float:
+    """Poll the store's counter table until ``tasks`` tasks reached SUCCESS; return when."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        moved = transitions_of(await app.store.counters())
+        if sum(n for label, n in moved.items() if label.endswith(">SUCCESS")) >= tasks:
+            return time.perf_counter()
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"not all {tasks} tasks reached SUCCESS in {timeout_s} s: {moved}")
+        await asyncio.sleep(POLL_S)
+
+
+async def run_figure(
+    url: str, scratch: Path, *, tasks: int, synchronous: str, concurrency: int, output_bytes: int
+) -> Figure:
+    results = scratch / f"results-{output_bytes}"
+    app = build_app(url, results, synchronous, output_bytes)
+    async with app:
+        worker = app.worker(concurrency=concurrency)
+        async with kiln.app.running(worker.run()):
+            started = time.perf_counter()
+            created = await submit_all(app, tasks)
+            submitted = time.perf_counter()
+            finished = await wait_for_success(app, created, timeout_s=max(60.0, tasks / 50))
+        stats = await app.store.stats(tenant=None, ghost_after_s=60)
+        moved = transitions_of(await app.store.counters())
+        batches = getattr(app.store, "write_batches", None)
+    return Figure(
+        tasks=created,
+        output_bytes=output_bytes,
+        concurrency=concurrency,
+        wall_s=finished - started,
+        submit_s=submitted - started,
+        transitions=created + sum(moved.values()),
+        succeeded=stats.counts["SUCCESS"],
+        write_batches=batches,
+        by_transition=moved,
+    )
+
+
+# Reporting ----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def summary_json(
+    figures: list[Figure], raw_tx_per_s: float, synchronous: str, backend: str
+) -> dict[str, Any]:
+    main = figures[0]
+    body: dict[str, Any] = {
+        "lifecycles_per_s": round(main.lifecycles_per_s, 1),
+        "transitions_per_s": round(main.transitions_per_s, 1),
+        "raw_tx_per_s": round(raw_tx_per_s, 1),
+        "ratio": round(main.transitions_per_s / raw_tx_per_s, 4),
+        "synchronous": synchronous,
+        "output_bytes": main.output_bytes,
+        "tasks": main.tasks,
+        "concurrency": main.concurrency,
+        "database": backend,
+    }
+    for extra in figures[1:]:
+        tag = "_1k" if extra.output_bytes == 1024 else f"_{extra.output_bytes}b"
+        body[f"lifecycles_per_s{tag}"] = round(extra.lifecycles_per_s, 1)
+        body[f"transitions_per_s{tag}"] = round(extra.transitions_per_s, 1)
+        body[f"ratio{tag}"] = round(extra.transitions_per_s / raw_tx_per_s, 4)
+    return body
+
+
+def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
+    label = "no-op, no outputs" if figure.output_bytes == 0 else f"{figure.output_bytes} B output"
+    lines = [
+        f"lifecycle ({label}): {figure.tasks} tasks, concurrency {figure.concurrency}",
+        f"  wall (first submit to last SUCCESS) {figure.wall_s:.3f} s,"
+        f" of which submitting {figure.submit_s:.3f} s",
+        f"  lifecycles/s   {figure.lifecycles_per_s:10.1f}",
+        f"  transitions/s  {figure.transitions_per_s:10.1f}"
+        f"  ({figure.transitions} transitions,"
+        f" {figure.transitions / max(figure.tasks, 1):.2f} per task)",
+        f"  ratio transitions/s : raw tx/s          {figure.transitions_per_s / raw_tx_per_s:.3f}",
+        "  fraction of the raw rate a lifecycle gets"
+        f" {figure.lifecycles_per_s / (raw_tx_per_s / TRANSITIONS_PER_LIFECYCLE):.3f}",
+    ]
+    if figure.write_batches:
+        lines.append(
+            f"  writer: {figure.write_batches[0]} transactions for {figure.write_batches[1]}"
+            f" operations (mean batch {figure.mean_batch:.1f})"
+        )
+    return lines
+
+
+# Main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=20_000, help="tasks per figure")
+    parser.add_argument(
+        "--synchronous", type=str.upper, choices=["NORMAL", "FULL"], default="NORMAL"
+    )
+    parser.add_argument("--concurrency", type=int, default=256, help="worker slots")
+    parser.add_argument(
+        "--output-bytes", type=int, choices=[0, 1024], default=None,
+        help="run only this figure (default: both, no-op first)",
+    )  # fmt: skip
+    parser.add_argument("--both", action="store_true", help="run both figures (the default)")
+    parser.add_argument("--database", default=None, help="sqlite:///path.db (default: temp)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    args = parser.parse_args(argv)
+    if args.tasks <= 0 or args.concurrency <= 0:
+        parser.error("--tasks and --concurrency must be positive")
+    return args
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = [0, 1024] if args.both or args.output_bytes is None else [args.output_bytes]
+    say: Callable[[str], None] = (lambda _: None) if args.json_only else print
+    with scratch_dir() as scratch:
+        dbs = Databases(args.database, scratch, args.synchronous)
+        say(" ".join(f"{k}={v}" for k, v in machine().items()))
+        say(f"database={dbs.backend} synchronous={args.synchronous} journal_mode=WAL")
+        raw = dbs.raw_rate(RAW_SECONDS, RAW_MAX_TX)
+        say(f"raw single-row CAS + event-insert transactions/s: {raw:.1f}")
+        figures = []
+        for size in sizes:
+            figure = asyncio.run(
+                run_figure(
+                    dbs.figure("" if size == 0 else "-1k"), scratch, tasks=args.tasks,
+                    synchronous=args.synchronous, concurrency=args.concurrency,
+                    output_bytes=size,
+                )
+            )  # fmt: skip
+            figures.append(figure)
+            for line in describe(figure, raw):
+                say(line)
+    print(json.dumps(summary_json(figures, raw, args.synchronous, dbs.backend)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
