@@ -25,6 +25,7 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from kiln.config import Settings
 
 KIND = "bench.noop"
 SUBMIT_CHUNK = 500
-POLL_S = 0.005
+POLL_S = 0.01
 RAW_SECONDS = 3.0
 RAW_MAX_TX = 20_000
 RAW_ROWS = 1_000
@@ -55,6 +56,8 @@ class Figure:
     submit_s: float
     transitions: int
     succeeded: int
+    cpu_s: float = 0.0
+    thread_cpu_s: dict[str, float] = field(default_factory=dict)
     write_batches: tuple[int, int] | None = None
     by_transition: dict[str, int] = field(default_factory=dict)
 
@@ -65,6 +68,10 @@ class Figure:
     @property
     def transitions_per_s(self) -> float:
         return self.transitions / self.wall_s
+
+    @property
+    def cpu_us_per_lifecycle(self) -> float:
+        return self.cpu_s / max(self.succeeded, 1) * 1e6
 
     @property
     def mean_batch(self) -> float | None:
@@ -218,6 +225,22 @@ async def wait_for_success(app: kiln.App, tasks: int, timeout_s: float) -> float
         await asyncio.sleep(POLL_S)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each live thread of this process, by role (Linux only)."""
+    roles = {"MainThread": "event loop", "kiln-sqlite-writer": "writer", "kiln-sqlite-reader": "reader"}
+    used: dict[str, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for thread in threading.enumerate():
+        try:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        role = roles.get(thread.name, "other threads")
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
 async def run_figure(
     url: str, scratch: Path, *, tasks: int, synchronous: str, concurrency: int, output_bytes: int
 ) -> Figure:
@@ -226,10 +249,13 @@ async def run_figure(
     async with app:
         worker = app.worker(concurrency=concurrency)
         async with kiln.app.running(worker.run()):
+            cpu_before, threads_before = time.process_time(), thread_cpu()
             started = time.perf_counter()
             created = await submit_all(app, tasks)
             submitted = time.perf_counter()
             finished = await wait_for_success(app, created, timeout_s=max(60.0, tasks / 50))
+            cpu_s = time.process_time() - cpu_before
+            threads = thread_cpu()
         stats = await app.store.stats(tenant=None, ghost_after_s=60)
         moved = transitions_of(await app.store.counters())
         batches = getattr(app.store, "write_batches", None)
@@ -241,6 +267,8 @@ async def run_figure(
         submit_s=submitted - started,
         transitions=created + sum(moved.values()),
         succeeded=stats.counts["SUCCESS"],
+        cpu_s=cpu_s,
+        thread_cpu_s={k: v - threads_before.get(k, 0.0) for k, v in threads.items()},
         write_batches=batches,
         by_transition=moved,
     )
@@ -264,7 +292,16 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "sqlite": sqlite3.sqlite_version,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg": load(),
     }
+
+
+def load() -> str:
+    """The 1-minute load average: other processes on the machine skew every figure."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "unknown"
 
 
 def summary_json(
@@ -280,6 +317,7 @@ def summary_json(
         "output_bytes": main.output_bytes,
         "tasks": main.tasks,
         "concurrency": main.concurrency,
+        "cpu_us_per_lifecycle": round(main.cpu_us_per_lifecycle, 1),
         "database": backend,
     }
     for extra in figures[1:]:
@@ -287,6 +325,7 @@ def summary_json(
         body[f"lifecycles_per_s{tag}"] = round(extra.lifecycles_per_s, 1)
         body[f"transitions_per_s{tag}"] = round(extra.transitions_per_s, 1)
         body[f"ratio{tag}"] = round(extra.transitions_per_s / raw_tx_per_s, 4)
+        body[f"cpu_us_per_lifecycle{tag}"] = round(extra.cpu_us_per_lifecycle, 1)
     return body
 
 
@@ -304,6 +343,10 @@ def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
         "  fraction of the raw rate a lifecycle gets"
         f" {figure.lifecycles_per_s / (raw_tx_per_s / TRANSITIONS_PER_LIFECYCLE):.3f}",
     ]
+    split = ", ".join(f"{role} {s:.2f} s" for role, s in sorted(figure.thread_cpu_s.items()))
+    lines.append(
+        f"  CPU {figure.cpu_s:.2f} s = {figure.cpu_us_per_lifecycle:.0f} us per lifecycle ({split})"
+    )
     if figure.write_batches:
         lines.append(
             f"  writer: {figure.write_batches[0]} transactions for {figure.write_batches[1]}"
@@ -366,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             figures.append(figure)
             for line in describe(figure, raw):
                 say(line)
+        say(f"loadavg at the end: {load()}")
     print(json.dumps(summary_json(figures, raw, args.synchronous, dbs.backend)))
     return 0
 

@@ -1,6 +1,7 @@
 """kiln: a durable job engine for AI generation work."""
 
 from kiln.app import App, TaskKind
+from kiln.client import AsyncClient, Client
 from kiln.config import Settings
 from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError
 from kiln.models import Output, Task, TaskEvent, Timeouts
@@ -9,6 +10,8 @@ from kiln.states import Event, Status
 
 __all__ = [
     "App",
+    "AsyncClient",
+    "Client",
     "Event",
     "KilnError",
     "LeaseLost",

@@ -19,7 +19,7 @@ from typing import Any
 import pydantic
 
 from kiln import canonical
-from kiln.bus import EventHub, Message, ProgressEvent
+from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
 from kiln.errors import (
     AlreadyFinal,
@@ -112,6 +112,9 @@ class App:
         self._hub: EventHub | None = None
         self._wake: asyncio.Event | None = None
         self.illegal_transitions = 0
+        #: Called with a task id when this process asks a running task to stop, so a
+        #: worker in the same process stops at once instead of at its next heartbeat.
+        self.cancel_listeners: list[Callable[[str], None]] = []
 
     # registry
 
@@ -236,7 +239,7 @@ class App:
             changes["error"] = retry_error
             counters = [*counters, ("failures", f"{task.tenant}:{retry_error['code']}")]
             due = None
-            if retry_error.get("retryable"):
+            if retry_error.get("retryable") and not task.cancel_requested:
                 policy = self.kinds[task.kind].retry if task.kind in self.kinds else None
                 due = (policy or self.retry_policy).next_retry_at(task, self.now(), self.rng)
             if due is not None:
@@ -346,9 +349,11 @@ class App:
                 raise AlreadyFinal(f"task {task_id} is already {task.status}")
             try:
                 if task.status in RUNNING:
-                    if task.cancel_requested:
-                        return task
-                    return await self.store.request_cancel(task.id)
+                    if not task.cancel_requested:
+                        task = await self.store.request_cancel(task.id)
+                    for listener in self.cancel_listeners:
+                        listener(task.id)
+                    return task
                 return await self.apply(task, Event.CANCEL)
             except Conflict:
                 continue
@@ -392,8 +397,8 @@ class App:
                 error = {"code": "result_lost", "message": "outputs are missing or corrupt",
                          "retryable": False}  # fmt: skip
             else:
-                error = {"code": "content_rejected",
-                         "message": reason or "rejected by a moderator", "retryable": False}  # fmt: skip
+                message = reason or "rejected by a moderator"
+                error = {"code": "content_rejected", "message": message, "retryable": False}
             updated = await self.apply(
                 task, Event.REJECT, error=error, fields={"error": error},
                 counters=[("failures", f"{task.tenant}:{error['code']}")],
@@ -419,41 +424,48 @@ class App:
         For one task the stream ends after its final event; the tenant feed never ends.
         """
         async with self.hub.subscribe(task_id=task_id, tenant=tenant) as sub:
-            last = after or 0
-            if task_id is None and after is None and not replay:
-                last = self.hub.last_seq
+            live_only = task_id is None and after is None and not replay
+            last = self.hub.last_seq if live_only else (after or 0)
             history = await self._history(task_id, tenant, last)
             for event in history:
                 last = event.seq
                 yield event
-            if task_id is not None and history and history[-1].final:
+            if task_id is not None and await self._ended(task_id, history):
                 return
-            if task_id is not None and not history:
-                task = await self.store.get(task_id)
-                if task is not None and task.final:
-                    return
             while True:
-                message = await sub.queue.get()
-                if sub.lagged:
-                    sub.lagged = False
-                    for event in await self._history(task_id, tenant, last):
-                        last = event.seq
-                        yield event
-                        if task_id is not None and event.final:
-                            return
-                    continue
-                if isinstance(message, TaskEvent):
-                    if message.seq <= last:
-                        continue
-                    last = message.seq
-                yield message
-                if task_id is not None and message.final:
-                    return
+                for message in await self._next(sub, task_id, tenant, last):
+                    if isinstance(message, TaskEvent):
+                        last = message.seq
+                    yield message
+                    if task_id is not None and message.final:
+                        return
 
-    async def _history(self, task_id: str | None, tenant: str | None, after: int) -> list[TaskEvent]:
+    async def _ended(self, task_id: str, history: list[TaskEvent]) -> bool:
+        if history:
+            return history[-1].final
+        task = await self.store.get(task_id)
+        return task is not None and task.final
+
+    async def _next(
+        self, sub: Subscription, task_id: str | None, tenant: str | None, last: int
+    ) -> list[Message]:
+        """The next messages of a subscription, re-read from the log if it fell behind."""
+        message = await sub.queue.get()
+        if sub.lagged:
+            sub.lagged = False
+            return list(await self._history(task_id, tenant, last))
+        if isinstance(message, TaskEvent) and message.seq <= last:
+            return []
+        return [message]
+
+    async def _history(
+        self, task_id: str | None, tenant: str | None, after: int
+    ) -> list[TaskEvent]:
         found: list[TaskEvent] = []
         while True:
-            page = await self.store.events(task_id=task_id, tenant=tenant, after=after, limit=1000)
+            page = await self.store.events(
+                task_id=task_id, tenant=tenant, after=after, limit=1000
+            )
             found += page
             if len(page) < 1000:
                 return found

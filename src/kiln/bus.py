@@ -84,6 +84,7 @@ class EventHub:
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
+        self._closing = False
 
     def poke(self) -> None:
         self._poke.set()
@@ -95,6 +96,9 @@ class EventHub:
 
     async def close(self) -> None:
         if self._task is not None:
+            # Python 3.11's wait_for swallows a cancel that lands as the poke fires;
+            # the flag ends the loop then.
+            self._closing = True
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -121,7 +125,7 @@ class EventHub:
         self.last_seq = await self.store.last_seq()
         self._progress_since = self.store.clock()
         self._started.set()
-        while True:
+        while not self._closing:
             try:
                 await self._poll()
             except asyncio.CancelledError:

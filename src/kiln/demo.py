@@ -155,6 +155,6 @@ def register(app: App, *, resources: dict[str, int] | None = None) -> None:
         KIND,
         params=GenerateParams,
         resources={"gpu": 1} if resources is None else resources,
-        review=flagged_for_review,  # type: ignore[arg-type]
+        review=flagged_for_review,
         normalize=normalize,
-    )(generate)  # type: ignore[arg-type]
+    )(generate)

@@ -90,7 +90,8 @@ def _rule(
 
 
 TRANSITIONS: tuple[Rule, ...] = (
-    _rule(Event.SUBMIT, (), (S.PENDING,), Actor.API, "atomic insert-or-get on idempotency and dedup keys"),
+    _rule(Event.SUBMIT, (), (S.PENDING,), Actor.API,
+          "atomic insert-or-get on idempotency and dedup keys"),
     _rule(Event.CLAIM, CLAIMABLE, (S.WAITING_FOR_RESOURCE,), Actor.WORKER,
           "attempt+1, epoch+1, lease set, result location reserved"),
     _rule(Event.ACQUIRE, (S.WAITING_FOR_RESOURCE,), (S.GENERATING,), Actor.WORKER,
@@ -178,7 +179,7 @@ def mermaid() -> str:
     """The state diagram as Mermaid text, generated from :data:`TRANSITIONS`."""
     lines = ["stateDiagram-v2"]
     for rule in TRANSITIONS:
-        sources = sorted(rule.sources) or ["[*]"]
+        sources: list[str] = [str(s) for s in sorted(rule.sources)] or ["[*]"]
         for source in sources:
             for target in sorted(rule.targets):
                 lines.append(f"    {source} --> {target}: {rule.event}")

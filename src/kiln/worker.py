@@ -31,6 +31,9 @@ log = logging.getLogger("kiln.worker")
 
 #: How often progress is persisted on the task (live progress is published every step).
 PROGRESS_PERSIST_S = 1.0
+#: Heartbeats come every lease_ttl/3, and at least this often so a cancel asked from
+#: another process is seen within seconds.
+HEARTBEAT_MAX_S = 2.0
 
 
 class ResourcePool:
@@ -144,9 +147,15 @@ class Worker:
 
     # the claim loop
 
+    def _cancel_requested(self, task_id: str) -> None:
+        attempt = self.attempts.get(task_id)
+        if attempt is not None:
+            self._halt(attempt, "cancel")
+
     async def run(self) -> None:
         """Claim and run tasks until cancelled; then stop the running attempts."""
         idle_s = self.idle_poll_s[0]
+        self.app.cancel_listeners.append(self._cancel_requested)
         try:
             while not self._stopping:
                 free = self.concurrency - len(self.attempts)
@@ -164,6 +173,7 @@ class Worker:
                 await self._idle(idle_s, free > 0)
                 idle_s = min(idle_s * 2, self.idle_poll_s[1])
         finally:
+            self.app.cancel_listeners.remove(self._cancel_requested)
             await self.stop()
 
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
@@ -223,6 +233,9 @@ class Worker:
         except LeaseLost:
             raise
         except Exception as exc:
+            if attempt.task.cancel_requested:  # a cancel was asked: stop, do not retry
+                await self._transition(attempt, Event.STOPPED)
+                return
             error = classify(exc)
             log.info("attempt_failed", extra={**self._ids(attempt), "code": error["code"]})
             await self._transition(attempt, Event.FAIL, retry_error=error)
@@ -305,7 +318,7 @@ class Worker:
     # heartbeats, progress, cancellation
 
     async def _heartbeat(self, attempt: Attempt) -> None:
-        interval = max(self.lease_ttl_s / 3, 0.01)
+        interval = max(min(self.lease_ttl_s / 3, HEARTBEAT_MAX_S), 0.01)
         while True:
             await asyncio.sleep(interval)
             await self._beat(attempt, with_progress=attempt.progress_dirty)

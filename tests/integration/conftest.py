@@ -110,9 +110,9 @@ def successes(events: list[TaskEvent]) -> list[TaskEvent]:
     return [e for e in events if e.status == Status.SUCCESS]
 
 
-def demo_params(prompt: str, *, steps: int = 6, step_ms: int = 1, **simulate: object) -> dict[
-    str, object
-]:
+def demo_params(
+    prompt: str, *, steps: int = 6, step_ms: int = 1, **simulate: object
+) -> dict[str, object]:
     """Small, fast `image.generate` params."""
     return {
         "prompt": prompt,

@@ -5,7 +5,8 @@ const KEY_STORAGE = "kiln.apiKey";
 
 let unauthorizedHandler = () => {};
 let memoryKey = ""; // the key when localStorage is unavailable
-let serverSkewMs = 0; // server clock minus browser clock, from the Date header
+let serverSkewMs = 0; // server clock minus browser clock (see observeServerTime)
+let skewBound = null; // the largest lower bound of that skew seen so far
 
 export class ApiError extends Error {
   constructor(status, code, message, details) {
@@ -49,14 +50,19 @@ export function serverNow() {
   return Date.now() + serverSkewMs;
 }
 
-function noteServerClock(res) {
-  const date = res.headers.get("Date");
-  if (!date) return;
-  const server = Date.parse(date);
-  if (Number.isNaN(server)) return;
-  // The header has one-second resolution: only correct a skew that is clearly real.
-  const skew = server - Date.now();
-  serverSkewMs = Math.abs(skew) > 2000 ? skew : 0;
+/**
+ * Learns the server's clock from a timestamp it just produced (a live status event's
+ * `at`, a new task's `created_at`). Such a time is never later than the server's "now" on
+ * arrival, so each one bounds the skew from below; the largest bound is the estimate.
+ * Pass only fresh times: an old one (a replayed event) is a weak bound, harmless after a
+ * good one but misleading as the first. Skews under a second are ignored.
+ */
+export function observeServerTime(iso) {
+  const t = Date.parse(iso || "");
+  if (Number.isNaN(t)) return;
+  const bound = t - Date.now();
+  skewBound = skewBound === null ? bound : Math.max(skewBound, bound);
+  serverSkewMs = Math.abs(skewBound) > 1000 ? skewBound : 0;
 }
 
 /**
@@ -81,7 +87,6 @@ export async function api(path, { method = "GET", body, signal } = {}) {
     if (err && err.name === "AbortError") throw err;
     throw new ApiError(0, "network_error", "Cannot reach the kiln server.");
   }
-  noteServerClock(res);
   const data = await readJson(res);
   if (res.ok) return data;
   if (res.status === 401) unauthorizedHandler();

@@ -62,8 +62,10 @@ function route() {
     return;
   }
   document.title = "kiln";
-  if (!overview) overview = createOverview();
-  if (!overview.root.isConnected) {
+  if (!overview) {
+    overview = createOverview(); // loads everything once
+    view.replaceChildren(overview.root);
+  } else if (!overview.root.isConnected) {
     view.replaceChildren(overview.root);
     overview.shown();
     if (next.name === "overview") window.scrollTo(0, overviewScroll);

@@ -1,7 +1,7 @@
 // The live layer shared by the views: the tenant-wide event feed (GET /v1/events),
 // coalesced re-fetches of a task after its status changes, and the task actions.
 
-import { api, EventStream } from "./api.js";
+import { api, EventStream, observeServerTime } from "./api.js";
 import { showError } from "./ui.js";
 
 const listeners = {
@@ -144,6 +144,8 @@ export function startFeed() {
   const stream = new EventStream("/v1/events", {
     status(event) {
       if (!event.task_id) return;
+      // The feed starts live, so its first events carry the server's current time.
+      observeServerTime(event.at);
       if (emit("status", event)) refreshTask(event.task_id).catch(() => {});
     },
     progress(event) {

@@ -2,7 +2,7 @@
 // failure / dwell charts. Built once and kept (detached) while a task page is shown, so it
 // stays current and the list keeps its place.
 
-import { api, serverNow } from "./api.js";
+import { api, observeServerTime, serverNow } from "./api.js";
 import {
   STATUSES,
   STATUS_LABELS,
@@ -36,6 +36,14 @@ const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
 const QUEUE_MIN_GAP_MS = 2000;
 const QUEUE_MAX_PAGES = 5;
+
+/** The line under a row's badge: queue position, retry countdown or stage. */
+function statusLine(task) {
+  if (task.final) return ""; // the stage of a finished task is history
+  if (task.cancel_requested) return "cancelling…";
+  if (task.status === "PENDING" || task.status === "RETRYING") return queueText(task);
+  return task.stage || "";
+}
 
 export function createOverview() {
   const root = h("div", { class: "overview", "data-keep-alive": "", dataset: { testid: "overview" } });
@@ -210,7 +218,6 @@ function createCounts() {
     if (event.status) counts[event.status] = (counts[event.status] || 0) + 1;
     render();
   };
-  self.pending = () => counts.PENDING || 0;
   self.showFilter = (status) => {
     for (const s of STATUSES) tiles[s].tile.setAttribute("aria-pressed", String(s === status));
   };
@@ -219,6 +226,10 @@ function createCounts() {
 }
 
 // ---- charts ----------------------------------------------------------------------------
+
+function seconds(value) {
+  return value === null || value === undefined || value === "" ? NaN : Number(value);
+}
 
 function createCharts() {
   const failuresBody = h("div", { class: "chart-body", text: "Loading…" });
@@ -268,13 +279,17 @@ function createCharts() {
         h(
           "li",
           { class: "bar-row", dataset: { code } },
-          h("span", { class: "bar-label mono", title: code, text: code }),
+          h(
+            "div",
+            { class: "bar-top" },
+            h("span", { class: "bar-label mono", title: code, text: code }),
+            h("span", { class: "bar-value mono", text: n.toLocaleString() }),
+          ),
           h(
             "span",
             { class: "bar-track" },
             h("span", { class: "bar-fill failure", style: `width:${Math.max(2, (n / max) * 100)}%` }),
           ),
-          h("span", { class: "bar-value mono", text: n.toLocaleString() }),
         ),
       );
     }
@@ -294,8 +309,8 @@ function createCharts() {
     for (const status of statuses) {
       const d = dwell && dwell[status];
       if (!d || typeof d !== "object") continue;
-      const p50 = Number(d.p50);
-      const p95 = Number(d.p95);
+      const p50 = seconds(d.p50);
+      const p95 = seconds(d.p95);
       if (!Number.isFinite(p50) && !Number.isFinite(p95)) continue;
       entries.push({ status, p50: Number.isFinite(p50) ? p50 : null, p95: Number.isFinite(p95) ? p95 : null });
     }
@@ -313,18 +328,27 @@ function createCharts() {
           "li",
           { class: "bar-row", dataset: { status: e.status } },
           h(
-            "span",
-            { class: "bar-label" },
-            h("span", { class: "dot", dataset: { status: e.status }, "aria-hidden": "true" }),
-            STATUS_LABELS[e.status] || e.status,
+            "div",
+            { class: "bar-top" },
+            h(
+              "span",
+              { class: "bar-label" },
+              h("span", { class: "dot", "aria-hidden": "true" }),
+              STATUS_LABELS[e.status] || e.status,
+            ),
+            h(
+              "span",
+              { class: "bar-value mono" },
+              `p50 ${formatSeconds(e.p50)}`,
+              h("span", { class: "muted", text: ` · p95 ${formatSeconds(e.p95)}` }),
+            ),
           ),
           h(
             "span",
             { class: "bar-track", title: `p50 ${formatSeconds(e.p50)} · p95 ${formatSeconds(e.p95)}` },
-            h("span", { class: "bar-fill p95", dataset: { status: e.status }, style: `width:${pct(e.p95)}%` }),
-            h("span", { class: "bar-fill p50", dataset: { status: e.status }, style: `width:${pct(e.p50)}%` }),
+            h("span", { class: "bar-fill p95", style: `width:${pct(e.p95)}%` }),
+            h("span", { class: "bar-fill p50", style: `width:${pct(e.p50)}%` }),
           ),
-          h("span", { class: "bar-value mono" }, formatSeconds(e.p50), h("span", { class: "muted", text: ` / ${formatSeconds(e.p95)}` })),
         ),
       );
     }
@@ -356,7 +380,14 @@ function createCharts() {
 
 // ---- task list -------------------------------------------------------------------------
 
-const COLUMNS = ["Task", "Status", "Progress", "Attempt", "Queue", "Duration", ""];
+const COLUMNS = [
+  ["task", "Task"],
+  ["status", "Status"],
+  ["progress", "Progress"],
+  ["attempt", "Attempt"],
+  ["duration", "Duration"],
+  ["actions", ""],
+];
 
 function createTaskList(counts) {
   const rows = new Map(); // id -> row
@@ -367,7 +398,18 @@ function createTaskList(counts) {
   const table = h(
     "table",
     { class: "task-table" },
-    h("thead", {}, h("tr", {}, COLUMNS.map((c) => h("th", { scope: "col", text: c })))),
+    h("colgroup", {}, COLUMNS.map(([key]) => h("col", { class: `col-${key}` }))),
+    h(
+      "thead",
+      {},
+      h(
+        "tr",
+        {},
+        COLUMNS.map(([key, label]) =>
+          h("th", { scope: "col", class: `c-${key}` }, label || h("span", { class: "visually-hidden", text: "Actions" })),
+        ),
+      ),
+    ),
     tbody,
   );
   const stateBox = h("div", { class: "list-state", role: "status" });
@@ -451,35 +493,33 @@ function createTaskList(counts) {
   function createRow(task) {
     const prompt = h("span", { class: "task-prompt" });
     const link = h("a", { class: "task-link", href: `#/tasks/${encodeURIComponent(task.id)}` }, prompt);
-    const sub = h("span", { class: "task-sub mono" });
+    const sub = h("span", { class: "mono" });
     const statusBadge = badge(task.status);
     const stage = h("span", { class: "stage" });
     const bar = progressBar();
     const steps = h("span", { class: "steps mono" });
     const attempt = h("span", { class: "mono" });
-    const queue = h("span", { class: "queue" });
     const duration = h("span", { class: "mono" });
-    const created = h("span", { class: "muted small created" });
+    const created = h("span", { class: "created" });
     const actions = h("div", { class: "row-actions" });
     const tr = h(
       "tr",
       { class: "task-row", dataset: { testid: "task-row", taskId: task.id, status: task.status } },
-      h("td", { class: "c-task", "data-label": "Task" }, link, sub),
+      h("td", { class: "c-task", "data-label": "Task" }, link, h("span", { class: "task-sub" }, sub, " · ", created)),
       h("td", { class: "c-status", "data-label": "Status" }, statusBadge, stage),
       h("td", { class: "c-progress", "data-label": "Progress" }, h("div", { class: "progress-line" }, bar, steps)),
       h("td", { class: "c-attempt", "data-label": "Attempt" }, attempt),
-      h("td", { class: "c-queue", "data-label": "Queue" }, queue),
-      h("td", { class: "c-duration", "data-label": "Duration" }, duration, created),
+      h("td", { class: "c-duration", "data-label": "Duration" }, duration),
       h("td", { class: "c-actions", "data-label": "Actions" }, actions),
     );
-    const row = { task, tr, prompt, sub, statusBadge, stage, bar, steps, attempt, queue, duration, created, actions, actionKey: null };
+    const row = { task, tr, prompt, sub, statusBadge, stage, bar, steps, attempt, duration, created, actions, actionKey: null };
     tr.addEventListener("click", (e) => {
       if (e.target.closest("a, button") || String(window.getSelection() || "")) return;
       location.hash = `#/tasks/${encodeURIComponent(row.task.id)}`;
     });
     tick(duration, () => durationText(row.task));
-    tick(queue, () => queueText(row.task));
-    tick(created, () => `created ${formatRelative(parseTime(row.task.created_at))}`);
+    tick(stage, () => statusLine(row.task));
+    tick(created, () => formatRelative(parseTime(row.task.created_at)));
     updateRow(row, task);
     return row;
   }
@@ -490,15 +530,14 @@ function createTaskList(counts) {
     row.tr.classList.toggle("is-final", Boolean(task.final));
     setText(row.prompt, describeTask(task));
     row.prompt.title = describeTask(task);
-    setText(row.sub, `${shortId(task.id)} · ${task.kind || ""}`);
-    row.sub.title = task.id;
+    setText(row.sub, shortId(task.id));
+    row.sub.title = `${task.id} (${task.kind || "unknown kind"})`;
     updateBadge(row.statusBadge, task.status);
-    setText(row.stage, task.cancel_requested && !task.final ? "cancelling…" : task.stage || "");
+    setText(row.stage, statusLine(task));
     updateProgress(row.bar, task);
     setText(row.steps, stepText(task));
     setText(row.attempt, `${task.attempt ?? 0}/${task.max_attempts ?? "?"}`);
     setText(row.duration, durationText(task));
-    setText(row.queue, queueText(task));
     const created = parseTime(task.created_at);
     row.created.title = created === null ? "" : formatIso(created);
     renderActions(row);
@@ -635,9 +674,10 @@ function createTaskList(counts) {
   // Queue positions of visible rows, and the age of the oldest pending task. The list is
   // newest first, so the oldest is on the last page: walk there only when it may have changed
   // (the known oldest left PENDING) and on the periodic refresh.
-  const queue = { timer: 0, last: 0, running: false, oldestId: null, needFull: true };
+  const queue = { timer: 0, last: 0, running: false, again: false, oldestId: null, needFull: true };
   function refreshQueue(full) {
     if (full) queue.needFull = true;
+    if (queue.running) queue.again = true;
     if (queue.timer || queue.running) return;
     const wait = Math.max(0, queue.last + QUEUE_MIN_GAP_MS - Date.now());
     queue.timer = setTimeout(runQueueRefresh, wait);
@@ -678,6 +718,10 @@ function createTaskList(counts) {
       if (walk) queue.needFull = true;
     } finally {
       queue.running = false;
+      if (queue.again) {
+        queue.again = false;
+        refreshQueue(false);
+      }
     }
   }
 
@@ -818,6 +862,7 @@ function createSubmitForm() {
     setText(submit, "Submitting…");
     try {
       const task = await api("/v1/tasks", { method: "POST", body: { kind: "image.generate", params } });
+      if (task.deduplicated !== true) observeServerTime(task.created_at); // made just now
       clearError();
       notes.set(task.id, { deduplicated: Boolean(task.deduplicated) });
       publishTask(task);

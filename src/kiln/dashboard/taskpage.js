@@ -48,8 +48,10 @@ class TaskPage {
     this.task = null;
     this.events = new Map(); // seq -> status event
     this.lastFinal = false; // the last status event received was final
+    this.lastFinalAt = null; // its time (ms), to tell a stale copy from a retried task
     this.lastSeq = 0;
     this.preview = null;
+    this.previewAttempt = null;
     this.media = { key: null, blobUrl: null };
     this.renderedDetails = "";
     this.actionKey = null;
@@ -86,9 +88,9 @@ class TaskPage {
     this.params = $("dl", "kv");
     this.metadata = $("pre", "json");
     this.extra = $("dl", "kv");
-    this.body = $(
+    this.body = h(
       "div",
-      "task-grid",
+      { class: "task-grid" },
       h(
         "section",
         { class: "card media-card", "aria-label": "Image" },
@@ -146,8 +148,9 @@ class TaskPage {
       }),
       on("status", (event) => {
         if (event.task_id !== this.id) return false;
-        // The page's own stream re-fetches while it is open; otherwise the feed does.
-        if (!this.stream.isOpen) this.reopenStream();
+        // The page's own stream re-fetches while it is open. A closed one (the task had
+        // ended) resumes when the task moves again, e.g. after a retry from elsewhere.
+        if (!this.stream.isOpen && !(Number(event.seq) <= this.lastSeq)) this.reopenStream();
         return !this.stream.isOpen;
       }),
     );
@@ -158,7 +161,8 @@ class TaskPage {
       ended: () => this.lastFinal,
       probe: () => this.load(),
     });
-    this.stream.open();
+    // The stream opens once the task is known to exist (see setTask), so a wrong id costs
+    // one 404, not two.
     this.load();
     tick(this.streamChip, () => this.streamText());
   }
@@ -173,7 +177,10 @@ class TaskPage {
 
   async load() {
     try {
-      await refreshTask(this.id);
+      const task = await refreshTask(this.id);
+      // Normally the copy arrives through the "task" listener; this covers a copy that
+      // publishTask held back as older than one seen before.
+      if (!this.task && task && !this.gone) this.setTask(task);
     } catch (err) {
       if (this.gone) return;
       if (err.status === 404 || err.status === 401 || err.status === 403) this.stream.close();
@@ -183,8 +190,9 @@ class TaskPage {
   }
 
   reopenStream() {
-    if (this.gone || this.stream.isOpen) return;
-    this.lastFinal = false;
+    if (this.gone || !this.task || this.stream.isOpen) return;
+    // lastFinal stays: if nothing new follows the final event, the server ends the stream
+    // again at once and the page closes it quietly.
     this.stream.open(this.lastSeq || undefined);
   }
 
@@ -213,7 +221,6 @@ class TaskPage {
   retryLoad() {
     clear(this.stateBox).append(h("span", { class: "spinner", "aria-hidden": "true" }), "Loading task…");
     this.load();
-    this.reopenStream();
   }
 
   // ---- incoming data ----
@@ -224,6 +231,7 @@ class TaskPage {
     this.events.set(seq, event);
     if (Number.isFinite(event.seq)) this.lastSeq = Math.max(this.lastSeq, event.seq);
     this.lastFinal = Boolean(event.final);
+    if (this.lastFinal) this.lastFinalAt = parseTime(event.at);
     this.renderTimeline();
     this.load();
   }
@@ -231,6 +239,7 @@ class TaskPage {
   onProgress(event) {
     if (typeof event.preview === "string" && event.preview.startsWith("data:image/")) {
       this.preview = event.preview;
+      this.previewAttempt = this.task ? this.task.attempt : null;
     }
     const next = applyProgress(this.task, event);
     if (next) {
@@ -259,12 +268,17 @@ class TaskPage {
     const first = !this.task;
     this.task = task;
     if (first) {
+      this.stream.open();
       this.stateBox.hidden = true;
       this.head.hidden = false;
       this.body.hidden = false;
       this.root.setAttribute("aria-busy", "false");
     }
-    if (!task.final && !this.stream.isOpen) this.reopenStream();
+    // A task that moves again after its final event (a retry) is followed live again; a
+    // late copy from before that final event is not a reason to reconnect.
+    const updated = parseTime(task.updated_at);
+    const movedOn = this.lastFinalAt === null || (updated !== null && updated > this.lastFinalAt);
+    if (!task.final && !this.stream.isOpen && movedOn) this.reopenStream();
     this.render();
   }
 
@@ -442,10 +456,15 @@ class TaskPage {
     if (Number.isFinite(params.width) && Number.isFinite(params.height)) {
       this.frame.style.aspectRatio = `${params.width} / ${params.height}`;
     }
+    // A preview belongs to one attempt, and shows while that attempt runs or is in review.
+    if (this.preview && this.previewAttempt !== null && task.attempt !== this.previewAttempt) {
+      this.preview = null;
+    }
+    const previewable = ["GENERATING", "UPLOADING", "NEEDS_REVIEW"].includes(task.status);
     if (isImage) this.showOutput(first);
-    else if (this.preview && !task.final) this.showPreview();
-    else if (this.preview && task.status === "NEEDS_REVIEW") this.showPreview();
+    else if (this.preview && previewable) this.showPreview();
     else this.showPlaceholder();
+    this.frame.classList.toggle("is-compact", this.media.key === "placeholder" && Boolean(task.final));
     this.renderOutputs(outputs);
   }
 

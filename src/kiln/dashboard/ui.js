@@ -181,15 +181,22 @@ export function formatDuration(ms) {
   return `${Math.floor(hours / 24)} d ${hours % 24} h`;
 }
 
+/** Compact, for charts: "400 ms", "4.5 s", "17.9 min", "2.3 h". */
 export function formatSeconds(seconds) {
-  return Number.isFinite(seconds) ? formatDuration(seconds * 1000) : "—";
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "—";
+  const s = Math.max(0, seconds);
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  if (s < 60) return `${s < 10 ? s.toFixed(1) : Math.round(s)} s`;
+  if (s < 3600) return `${(s / 60).toFixed(1)} min`;
+  if (s < 86400) return `${(s / 3600).toFixed(1)} h`;
+  return `${(s / 86400).toFixed(1)} d`;
 }
 
 export function formatRelative(t) {
   if (t === null) return "—";
   const ms = serverNow() - t;
+  if (Math.abs(ms) < 5000) return "just now"; // clocks never agree to the millisecond
   if (ms < 0) return `in ${formatDuration(-ms)}`;
-  if (ms < 5000) return "just now";
   return `${formatDuration(ms).replace(/ \d+ (s|min|h)$/, "")} ago`;
 }
 
@@ -206,13 +213,28 @@ const dateTimeFmt = new Intl.DateTimeFormat(undefined, {
   second: "2-digit",
 });
 
-/** Local clock time; the date too when it is not today. */
+const timeMsFmt = new Intl.DateTimeFormat(undefined, {
+  hour: "2-digit",
+  minute: "2-digit",
+  second: "2-digit",
+  fractionalSecondDigits: 3,
+});
+const dateTimeMsFmt = new Intl.DateTimeFormat(undefined, {
+  month: "short",
+  day: "numeric",
+  hour: "2-digit",
+  minute: "2-digit",
+  second: "2-digit",
+  fractionalSecondDigits: 3,
+});
+
+/** Local clock time, with milliseconds if asked; the date too when it is not today. */
 export function formatClock(t, withMs) {
   if (t === null) return "—";
   const d = new Date(t);
   const sameDay = d.toDateString() === new Date().toDateString();
-  const base = (sameDay ? timeFmt : dateTimeFmt).format(d);
-  return withMs ? `${base}.${String(d.getMilliseconds()).padStart(3, "0")}` : base;
+  if (withMs) return (sameDay ? timeMsFmt : dateTimeMsFmt).format(d);
+  return (sameDay ? timeFmt : dateTimeFmt).format(d);
 }
 
 export function formatIso(t) {
@@ -288,6 +310,8 @@ function detailText(detail) {
 }
 
 export function showError(err, context) {
+  // A 401 is answered by the API key form, not by an error.
+  if (err && err.status === 401) return;
   const banner = document.getElementById("error-banner");
   const message = (err && err.message) || "Something went wrong.";
   setText(banner.querySelector(".banner-message"), context ? `${context}: ${message}` : message);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -68,7 +69,7 @@ class LocalStorage:
         for info in found:
             yield info
 
-    def _walk(self, base: Path, prefix: str) -> list[ObjectInfo]:
+    def _walk(self, base: Path, prefix: str) -> builtins.list[ObjectInfo]:
         start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
         found = []
         for dirpath, _dirs, files in os.walk(start):

@@ -1,0 +1,217 @@
+"""Event streams: server-sent events and a WebSocket over :meth:`kiln.App.watch`.
+
+A task stream replays the task's status events from the log (after ``Last-Event-ID`` or
+``?after=``), then follows live, status events with ``id: <seq>`` and progress events
+without one, and ends once the task is final. The tenant feed starts live. Comments keep
+idle streams alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, WebSocket
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import HTTPConnection
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from kiln.api.auth import Principal, authenticate, bearer_key, require_stream_principal
+from kiln.api.errors import error_responses
+from kiln.api.state import ApiState, api_state
+from kiln.bus import Message
+from kiln.errors import InvalidRequest, NotFound, Unauthorized
+from kiln.models import TaskEvent
+
+log = logging.getLogger("kiln.api")
+
+router = APIRouter()
+
+#: WebSocket close codes: a policy refusal mirrors the HTTP status it stands for.
+WS_UNAUTHORIZED = 4401
+WS_NOT_FOUND = 4404
+WS_INVALID = 4422
+
+_SSE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "A stream of `status` and `progress` events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+}
+
+After = Annotated[
+    int | None,
+    Query(ge=0, description="Send only events with a larger seq (like Last-Event-ID)"),
+]
+LastEventId = Annotated[
+    str | None,
+    Header(alias="Last-Event-ID", description="Resume after this event id"),
+]
+
+
+def resume_point(after: int | None, last_event_id: str | None) -> int | None:
+    """Where a stream resumes: the later of ``?after=`` and ``Last-Event-ID``."""
+    points = [] if after is None else [after]
+    if last_event_id is not None and last_event_id.strip():
+        try:
+            header = int(last_event_id.strip())
+        except ValueError:
+            raise InvalidRequest("Last-Event-ID must be an event id (an integer)") from None
+        if header < 0:
+            raise InvalidRequest("Last-Event-ID must not be negative")
+        points.append(header)
+    return max(points) if points else None
+
+
+def sse_event(message: Message) -> ServerSentEvent:
+    data = json.dumps(message.to_json(), separators=(",", ":"))
+    if isinstance(message, TaskEvent):
+        return ServerSentEvent(data=data, id=str(message.seq), event="status")
+    return ServerSentEvent(data=data, event="progress")
+
+
+async def _sse(state: ApiState, messages: AsyncIterator[Message]) -> AsyncIterator[ServerSentEvent]:
+    gauge = state.metrics.streams.labels("sse")
+    gauge.inc()
+    try:
+        async for message in messages:
+            yield sse_event(message)
+    finally:
+        gauge.dec()
+        with contextlib.suppress(Exception):
+            await messages.aclose()  # type: ignore[attr-defined]
+
+
+def _response(state: ApiState, messages: AsyncIterator[Message]) -> EventSourceResponse:
+    return EventSourceResponse(
+        _sse(state, messages),
+        ping=state.ping_interval_s,
+        ping_message_factory=lambda: ServerSentEvent(comment="ping"),
+        sep="\n",
+    )
+
+
+@router.get(
+    "/v1/tasks/{task_id}/events",
+    summary="Follow a task: its history, then live events, until it is final",
+    response_class=EventSourceResponse,
+    responses={**_SSE_RESPONSES, **error_responses(401, 404, 422)},
+)
+async def task_events(
+    task_id: str,
+    connection: HTTPConnection,
+    principal: Annotated[Principal, Depends(require_stream_principal)],
+    after: After = None,
+    last_event_id: LastEventId = None,
+) -> EventSourceResponse:
+    state = api_state(connection)
+    start = resume_point(after, last_event_id)
+    await state.app.get(task_id, principal.scope)
+    return _response(state, state.app.watch(task_id, after=start))
+
+
+@router.get(
+    "/v1/events",
+    summary="Follow every task of the tenant (all tenants with the admin key)",
+    response_class=EventSourceResponse,
+    responses={**_SSE_RESPONSES, **error_responses(401, 422)},
+)
+async def tenant_events(
+    connection: HTTPConnection,
+    principal: Annotated[Principal, Depends(require_stream_principal)],
+    after: After = None,
+    last_event_id: LastEventId = None,
+) -> EventSourceResponse:
+    state = api_state(connection)
+    start = resume_point(after, last_event_id)
+    messages = state.app.watch(None, tenant=principal.scope, after=start, replay=False)
+    return _response(state, messages)
+
+
+# WebSocket ------------------------------------------------------------------------------
+
+
+def _ws_after(websocket: WebSocket) -> int | None:
+    raw = websocket.query_params.get("after")
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest("after must be a non-negative integer") from None
+    if value < 0:
+        raise InvalidRequest("after must be a non-negative integer")
+    return value
+
+
+async def _admit(websocket: WebSocket, state: ApiState, task_id: str) -> int | None:
+    """Authenticate and resolve the task, or close the socket with the reason's code."""
+    key = bearer_key(websocket.headers.get("authorization"))
+    key = key or websocket.query_params.get("access_token")
+    try:
+        principal = authenticate(state.settings, key)
+        after = _ws_after(websocket)
+        await state.app.get(task_id, principal.scope)
+    except Unauthorized as exc:
+        await websocket.close(WS_UNAUTHORIZED, exc.code)
+        raise
+    except NotFound as exc:
+        await websocket.close(WS_NOT_FOUND, exc.code)
+        raise
+    except InvalidRequest as exc:
+        await websocket.close(WS_INVALID, exc.code)
+        raise
+    return after
+
+
+async def _pump(websocket: WebSocket, messages: AsyncIterator[Message]) -> None:
+    async for message in messages:
+        await websocket.send_text(json.dumps(message.to_json(), separators=(",", ":")))
+    await websocket.close(1000)
+
+
+async def _until_disconnect(websocket: WebSocket) -> None:
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+
+
+@router.websocket("/v1/tasks/{task_id}/ws")
+async def task_socket(websocket: WebSocket, task_id: str) -> None:
+    """The task stream as WebSocket text messages (the same JSON objects)."""
+    state = api_state(websocket)
+    await websocket.accept()
+    try:
+        after = await _admit(websocket, state, task_id)
+    except (Unauthorized, NotFound, InvalidRequest):
+        return
+    gauge = state.metrics.streams.labels("websocket")
+    gauge.inc()
+    pump = asyncio.create_task(_pump(websocket, state.app.watch(task_id, after=after)))
+    listen = asyncio.create_task(_until_disconnect(websocket))
+    try:
+        await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gauge.dec()
+        await _finish(websocket, task_id, pump, listen)
+
+
+async def _finish(websocket: WebSocket, task_id: str, *jobs: asyncio.Task[None]) -> None:
+    for job in jobs:
+        job.cancel()
+    for job in jobs:
+        try:
+            await job
+        except (asyncio.CancelledError, WebSocketDisconnect):
+            pass
+        except Exception:  # the stream's edge: log it and close the socket
+            log.warning("websocket_stream_failed", extra={"task_id": task_id}, exc_info=True)
+    connected = WebSocketState.CONNECTED
+    if websocket.application_state is connected and websocket.client_state is connected:
+        with contextlib.suppress(Exception):
+            await websocket.close(1011)

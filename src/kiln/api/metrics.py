@@ -1,0 +1,216 @@
+"""Prometheus metrics: what the store knows for the whole deployment, plus this process.
+
+The store-backed families (API.md's fixed names) are read at scrape time: the async
+scrape handler fetches the numbers, hands them to :class:`StoreCollector`, then renders
+the app's own registry (never the global one, so several apps share a test process).
+``kiln_state_seconds`` is built from the event log's ``dwell_s``, read incrementally:
+each scrape reads only the events written since the previous one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.config import Settings
+from kiln.states import Status
+from kiln.store import Store
+
+#: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
+STATE_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 21600, 86400,
+)  # fmt: skip
+_EVENT_PAGE = 5000
+_DEDUP_TYPES = ("idempotency", "content")
+
+
+class DwellHistogram:
+    """Time spent in each status, accumulated from the event log's ``dwell_s``."""
+
+    def __init__(self, bounds: tuple[float, ...] = STATE_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.after = 0
+        self.buckets: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+
+    def add(self, status: str, seconds: float) -> None:
+        counts = self.buckets.setdefault(status, [0] * (len(self.bounds) + 1))
+        counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sums[status] = self.sums.get(status, 0.0) + seconds
+
+    async def catch_up(self, store: Store) -> None:
+        """Fold in every event written since the last call."""
+        async with self._lock:
+            while True:
+                page = await store.events(after=self.after, limit=_EVENT_PAGE)
+                for event in page:
+                    if event.from_status is not None and event.dwell_s is not None:
+                        self.add(str(event.from_status), max(event.dwell_s, 0.0))
+                    self.after = event.seq
+                if len(page) < _EVENT_PAGE:
+                    return
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "kiln_state_seconds", "Time tasks spent in each status", labels=["status"]
+        )
+        labels = [repr(float(bound)) for bound in self.bounds] + ["+Inf"]
+        for status in sorted(self.buckets):
+            cumulative, running = [], 0
+            for label, count in zip(labels, self.buckets[status], strict=True):
+                running += count
+                cumulative.append((label, running))
+            family.add_metric([status], cumulative, sum_value=self.sums[status])
+        return family
+
+
+@dataclass(slots=True)
+class StoreSnapshot:
+    counts: dict[str, int] = field(default_factory=dict)
+    ghosts: int = 0
+    counters: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def _split_pair(labels: str) -> tuple[str, str]:
+    source, _, target = labels.partition(">")
+    return source, target
+
+
+class StoreCollector:
+    """Renders the deployment-wide families from the latest snapshot of the store."""
+
+    def __init__(self, histogram: DwellHistogram) -> None:
+        self.snapshot = StoreSnapshot()
+        self.histogram = histogram
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.snapshot
+        tasks = GaugeMetricFamily("kiln_tasks", "Tasks per status", labels=["status"])
+        for status in Status:
+            tasks.add_metric([str(status)], snap.counts.get(str(status), 0))
+        yield tasks
+        yield GaugeMetricFamily(
+            "kiln_ghost_tasks", "Running tasks whose lease lapsed unswept", value=snap.ghosts
+        )
+        yield self._pairs("transitions", "kiln_transitions", "Status transitions")
+        yield self._pairs(
+            "illegal_transitions",
+            "kiln_illegal_transitions",
+            "Transitions the state table forbids that reached the engine",
+        )
+        failures = CounterMetricFamily(
+            "kiln_failures", "Failed attempts by reason code", labels=["code"]
+        )
+        for code, n in sorted(self._failures().items()):
+            failures.add_metric([code], n)
+        yield failures
+        dedup = CounterMetricFamily(
+            "kiln_dedup_hits", "Submissions answered with an existing task", labels=["type"]
+        )
+        for kind in _DEDUP_TYPES:
+            dedup.add_metric([kind], snap.counters.get(("dedup_hits", kind), 0))
+        yield dedup
+        yield CounterMetricFamily(
+            "kiln_stale_writes",
+            "Worker writes refused by fencing",
+            value=snap.counters.get(("stale_writes", ""), 0),
+        )
+        yield CounterMetricFamily(
+            "kiln_recovered",
+            "Outputs recovered after a lost lease",
+            value=snap.counters.get(("recovered", ""), 0),
+        )
+        yield self.histogram.family()
+
+    def _pairs(self, name: str, metric: str, doc: str) -> CounterMetricFamily:
+        family = CounterMetricFamily(metric, doc, labels=["from", "to"])
+        for (counter, labels), n in sorted(self.snapshot.counters.items()):
+            if counter == name:
+                family.add_metric(list(_split_pair(labels)), n)
+        return family
+
+    def _failures(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for (counter, labels), n in self.snapshot.counters.items():
+            if counter == "failures":
+                code = labels.partition(":")[2] or labels
+                found[code] = found.get(code, 0) + n
+        return found
+
+
+class ApiMetrics:
+    """The per-app registry: store-backed families plus this process's API counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.histogram = DwellHistogram()
+        self.store_collector = StoreCollector(self.histogram)
+        self.registry.register(self.store_collector)
+        self.requests = Counter(
+            "kiln_api_requests",
+            "HTTP requests answered by this process",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "kiln_api_streams_open",
+            "Event streams open on this process",
+            ["transport"],
+            registry=self.registry,
+        )
+        for transport in ("sse", "websocket"):
+            self.streams.labels(transport)
+        self.coalesced = Counter(
+            "kiln_api_coalesced_submissions",
+            "Submissions answered by an identical concurrent one in this process",
+            registry=self.registry,
+        )
+
+    async def render(self, store: Store, settings: Settings) -> bytes:
+        ghost_after_s = settings.lease_ttl_s + 2 * settings.supervisor_interval_s
+        stats = await store.stats(tenant=None, ghost_after_s=ghost_after_s)
+        counters = await store.counters()
+        await self.histogram.catch_up(store)
+        self.store_collector.snapshot = StoreSnapshot(dict(stats.counts), stats.ghosts, counters)
+        return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """ASGI middleware counting answered requests by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(scope["method"], route, str(status)).inc()

@@ -1,0 +1,227 @@
+"""Request and response bodies of the HTTP API (API.md), as pydantic models.
+
+The request models validate what clients send; the response models document what the
+API answers (OpenAPI) and let tests check every answer against them. ``task_json`` is the
+one place a task becomes its public JSON: the storage key of an output stays inside.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from kiln.models import JSON, Task, iso
+from kiln.states import Status
+
+JSONObject = dict[str, Any]
+
+# Requests -------------------------------------------------------------------------------
+
+
+class TimeoutsIn(BaseModel):
+    """Per-state time limits in seconds; each omitted one takes its default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    waiting_s: Annotated[float | None, Field(ge=1, le=86_400, description="default 600")] = None
+    generating_s: Annotated[float | None, Field(ge=1, le=86_400, description="default 600")] = None
+    uploading_s: Annotated[float | None, Field(ge=1, le=86_400, description="default 120")] = None
+
+
+class SubmitRequest(BaseModel):
+    """``POST /v1/tasks``: only ``kind`` and ``params`` are required."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    kind: Annotated[str, Field(examples=["image.generate"])]
+    params: Annotated[
+        JSONObject, Field(examples=[{"prompt": "a red fox in snow", "steps": 30, "seed": 7}])
+    ]
+    priority: Annotated[int, Field(ge=-100, le=100, description="higher first")] = 0
+    max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
+    deadline_s: Annotated[float, Field(ge=1, le=604_800)] = 86_400
+    dedup: bool = True
+    timeouts: TimeoutsIn | None = None
+    metadata: JSONObject = Field(default_factory=dict)
+
+
+class ReviewRequest(BaseModel):
+    """``POST /v1/tasks/{id}/review``: an admin's moderation decision."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    decision: Literal["approve", "reject"]
+    reason: Annotated[str | None, Field(max_length=2000)] = None
+
+
+# Responses ------------------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProgressOut(_Out):
+    step: int
+    total: int
+    fraction: float
+
+
+class ErrorInfo(_Out):
+    """The latest failure of a task."""
+
+    code: str
+    message: str
+    retryable: bool
+
+
+class OutputOut(_Out):
+    name: str
+    content_type: str
+    size: int
+    sha256: str
+    url: Annotated[str, Field(description="/v1/tasks/<id>/outputs/<name>")]
+
+
+class InputOut(_Out):
+    name: str
+    content_type: str
+    size: int
+    sha256: str
+
+
+class ResultOut(_Out):
+    outputs: list[OutputOut]
+
+
+class TaskOut(_Out):
+    """A task as the API shows it (API.md, "The task")."""
+
+    id: str
+    kind: str
+    status: Status
+    final: bool
+    stage: str | None
+    progress: ProgressOut | None
+    queue_position: Annotated[
+        int | None,
+        Field(ge=1, description="1 for the next task a worker of its kind would claim"),
+    ]
+    attempt: int
+    max_attempts: int
+    priority: int
+    params: JSONObject
+    metadata: JSONObject
+    inputs: list[InputOut]
+    idempotency_key: str | None
+    deduplicated: Annotated[
+        bool, Field(description="true only on the answer to a submission that matched it")
+    ]
+    cancel_requested: bool
+    next_retry_at: AwareDatetime | None
+    error: ErrorInfo | None
+    result: ResultOut | None
+    created_at: AwareDatetime
+    updated_at: AwareDatetime
+    started_at: AwareDatetime | None
+    finished_at: AwareDatetime | None
+
+
+class TaskList(_Out):
+    items: list[TaskOut]
+    next_cursor: str | None
+
+
+class Percentiles(_Out):
+    p50: float
+    p95: float
+
+
+class StatsOut(_Out):
+    counts: dict[str, int]
+    dwell_seconds: dict[str, Percentiles]
+    failures: dict[str, int]
+    ghosts: int
+
+
+class HealthOut(_Out):
+    status: Literal["ok"]
+
+
+class ErrorBody(_Out):
+    code: str
+    message: str
+    details: list[Any]
+
+
+class ErrorEnvelope(_Out):
+    """Every error answer: ``{"error": {"code", "message", "details"}}``."""
+
+    error: ErrorBody
+
+
+# The task's public JSON -----------------------------------------------------------------
+
+
+def output_url(task_id: str, name: str) -> str:
+    return f"/v1/tasks/{task_id}/outputs/{name}"
+
+
+def _error_json(error: JSON | None) -> JSON | None:
+    if error is None:
+        return None
+    return {
+        "code": str(error.get("code", "internal_error")),
+        "message": str(error.get("message", "")),
+        "retryable": bool(error.get("retryable", False)),
+    }
+
+
+def _result_json(task: Task) -> JSON | None:
+    if task.status is not Status.SUCCESS or task.result is None:
+        return None
+    outputs = [
+        {
+            "name": o["name"],
+            "content_type": o["content_type"],
+            "size": o["size"],
+            "sha256": o["sha256"],
+            "url": output_url(task.id, o["name"]),
+        }
+        for o in task.result.get("outputs", [])
+    ]
+    return {"outputs": outputs}
+
+
+def _input_json(raw: JSON) -> JSON:
+    return {key: raw.get(key) for key in ("name", "content_type", "size", "sha256")}
+
+
+def task_json(task: Task, *, queue_position: int | None, deduplicated: bool = False) -> JSON:
+    """The task exactly as API.md shows it."""
+    return {
+        "id": task.id,
+        "kind": task.kind,
+        "status": str(task.status),
+        "final": task.final,
+        "stage": task.stage,
+        "progress": task.progress(),
+        "queue_position": queue_position,
+        "attempt": task.attempt,
+        "max_attempts": task.max_attempts,
+        "priority": task.priority,
+        "params": task.params,
+        "metadata": task.metadata,
+        "inputs": [_input_json(i) for i in task.inputs],
+        "idempotency_key": task.idempotency_key,
+        "deduplicated": deduplicated,
+        "cancel_requested": task.cancel_requested,
+        "next_retry_at": iso(task.next_retry_at),
+        "error": None if task.status is Status.SUCCESS else _error_json(task.error),
+        "result": _result_json(task),
+        "created_at": iso(task.created_at),
+        "updated_at": iso(task.updated_at),
+        "started_at": iso(task.started_at),
+        "finished_at": iso(task.finished_at),
+    }

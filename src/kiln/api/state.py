@@ -1,0 +1,28 @@
+"""What the routes share: the kiln App, the settings in force, metrics, single-flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.requests import HTTPConnection
+
+from kiln.api.metrics import ApiMetrics
+from kiln.api.singleflight import SingleFlight
+from kiln.app import App
+from kiln.config import Settings
+from kiln.models import SubmitResult
+
+
+@dataclass(slots=True)
+class ApiState:
+    app: App
+    settings: Settings
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
+    submissions: SingleFlight[SubmitResult] = field(default_factory=SingleFlight)
+    ping_interval_s: float = 15.0
+
+
+def api_state(connection: HTTPConnection) -> ApiState:
+    """The state of the FastAPI app serving this request or socket."""
+    state: ApiState = connection.app.state.kiln
+    return state

@@ -1,0 +1,434 @@
+"""The task routes: submit, read, list, cancel, retry, review, outputs, stats.
+
+Handlers stay thin: they read and check the request, call the engine (:class:`kiln.App`,
+which holds the policy), and shape the answer. A rejected request stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Annotated, Any, TypeVar
+from urllib.parse import quote
+
+import pydantic
+from fastapi import APIRouter, Depends, Header, Query
+from pydantic import BeforeValidator
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from kiln import canonical
+from kiln.api.auth import Principal, require_principal, require_reviewer
+from kiln.api.errors import error_responses, validation_details
+from kiln.api.schemas import (
+    ReviewRequest,
+    StatsOut,
+    SubmitRequest,
+    TaskList,
+    TaskOut,
+    task_json,
+)
+from kiln.api.state import ApiState, api_state
+from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
+from kiln.models import StoredOutput, SubmitResult, Task, Timeouts
+from kiln.states import Status
+
+log = logging.getLogger("kiln.api")
+
+router = APIRouter(prefix="/v1")
+
+Model = TypeVar("Model", bound=pydantic.BaseModel)
+Caller = Annotated[Principal, Depends(require_principal)]
+
+IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7e]+$"
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=IDEMPOTENCY_KEY_PATTERN,
+        description="1-255 printable ASCII characters; a retried request with the same key "
+        "and body returns the original task",
+    ),
+]
+
+
+def _blank_to_none(value: Any) -> Any:
+    return None if value == "" else value
+
+
+# Request bodies -------------------------------------------------------------------------
+
+
+def media_type(request: Request) -> str | None:
+    raw = request.headers.get("content-type")
+    if raw is None:
+        return None
+    return raw.split(";", 1)[0].strip().lower() or None
+
+
+def _is_json(kind: str | None) -> bool:
+    return kind == "application/json" or (
+        kind is not None and kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes.
+
+    The declared Content-Length is checked first, and the stream is counted as it is read,
+    so a missing or lying Content-Length cannot get more than ``limit`` bytes in.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: no NaN or Infinity, no lone surrogates, no bottomless nesting."""
+    if not body.strip():
+        raise InvalidRequest("the request body is empty: send a JSON object")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+        canonical.canonical_json(data).encode("utf-8")
+    except (ValueError, RecursionError) as exc:
+        detail = {"loc": ["body"], "msg": str(exc)[:300], "type": "json_invalid"}
+        raise InvalidRequest("the request body is not valid JSON", details=[detail]) from None
+    return data
+
+
+async def json_body(request: Request, limit: int) -> Any:
+    if not _is_json(media_type(request)):
+        raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
+    return parse_json(await read_body(request, limit))
+
+
+def validated(model: type[Model], data: Any) -> Model:
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        details = validation_details(
+            [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
+        )
+        raise InvalidRequest("the request body is not valid", details=details) from None
+
+
+def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+# Answers --------------------------------------------------------------------------------
+
+
+async def task_response(
+    state: ApiState,
+    task: Task,
+    *,
+    status_code: int = 200,
+    deduplicated: bool = False,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    position = await state.app.queue_position(task)
+    body = task_json(task, queue_position=position, deduplicated=deduplicated)
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
+    if result.created:
+        return 201, {"Location": f"/v1/tasks/{result.task.id}"}
+    if result.replayed:
+        return 200, {"Idempotent-Replayed": "true"}
+    return 200, {}
+
+
+# Submission -----------------------------------------------------------------------------
+
+
+def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
+    if request.timeouts is None:
+        return None
+    base = state.app.kind(request.kind).timeouts or Timeouts()
+    given = request.timeouts
+    return Timeouts(
+        waiting_s=base.waiting_s if given.waiting_s is None else given.waiting_s,
+        generating_s=base.generating_s if given.generating_s is None else given.generating_s,
+        uploading_s=base.uploading_s if given.uploading_s is None else given.uploading_s,
+    )
+
+
+async def submit(
+    state: ApiState, principal: Principal, request: SubmitRequest, key: str | None
+) -> SubmitResult:
+    """Submit through the store; identical concurrent requests share one round trip."""
+    app = state.app
+    timeouts = _timeouts(state, request)
+
+    async def call() -> SubmitResult:
+        return await app.submit(
+            request.kind,
+            request.params,
+            tenant=principal.tenant,
+            idempotency_key=key,
+            dedup=request.dedup,
+            priority=request.priority,
+            max_attempts=request.max_attempts,
+            deadline_s=request.deadline_s,
+            timeouts=timeouts,
+            metadata=request.metadata,
+        )
+
+    if key is None and not request.dedup:
+        return await call()
+    flight = (principal.tenant, key, canonical.digest(request.model_dump(mode="json")))
+    result, led = await state.submissions.run(flight, call)
+    if led:
+        return result
+    # The store would have answered this copy the same way: a replay of the key, or the
+    # content-dedup hit on the task the first copy made.
+    state.metrics.coalesced.inc()
+    await app.store.bump("dedup_hits", "idempotency" if key is not None else "content")
+    return SubmitResult(
+        result.task, created=False, replayed=key is not None, deduplicated=key is None
+    )
+
+
+async def submit_upload(
+    request: Request, state: ApiState, principal: Principal, key: str | None
+) -> SubmitResult:
+    """``multipart/form-data`` submissions (inputs uploaded with the request)."""
+    raise UnsupportedMediaType(
+        "multipart uploads are not supported by this server yet: send the request as JSON"
+    )
+
+
+_SUBMIT_HEADERS = {
+    "Location": {"description": "/v1/tasks/<id>", "schema": {"type": "string"}},
+}
+_REPLAY_HEADERS = {
+    "Idempotent-Replayed": {
+        "description": "`true` when this answers an earlier request with the same key",
+        "schema": {"type": "string"},
+    },
+}
+
+
+@router.post(
+    "/tasks",
+    summary="Submit a task",
+    status_code=201,
+    response_model=TaskOut,
+    responses={
+        201: {"description": "A new task", "headers": _SUBMIT_HEADERS},
+        200: {
+            "model": TaskOut,
+            "description": "The task an earlier identical request made (a replay of the "
+            "Idempotency-Key, or a content-dedup hit with `deduplicated: true`)",
+            "headers": _REPLAY_HEADERS,
+        },
+        **error_responses(401, 413, 415, 422),
+    },
+    openapi_extra=_body_doc(SubmitRequest),
+)
+async def submit_task(
+    request: Request, principal: Caller, idempotency_key: IdempotencyKey = None
+) -> Response:
+    state = api_state(request)
+    if media_type(request) == "multipart/form-data":
+        result = await submit_upload(request, state, principal, idempotency_key)
+    else:
+        body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
+        result = await submit(state, principal, body, idempotency_key)
+    status_code, headers = _submit_answer(result)
+    return await task_response(
+        state,
+        result.task,
+        status_code=status_code,
+        deduplicated=result.deduplicated,
+        headers=headers,
+    )
+
+
+# Reads ----------------------------------------------------------------------------------
+
+
+@router.get(
+    "/tasks/{task_id}",
+    summary="Get a task",
+    response_model=TaskOut,
+    responses=error_responses(401, 404, 422),
+)
+async def get_task(task_id: str, request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    return await task_response(state, await state.app.get(task_id, principal.scope))
+
+
+@router.get(
+    "/tasks",
+    summary="List tasks, newest first",
+    response_model=TaskList,
+    responses=error_responses(401, 422),
+)
+async def list_tasks(
+    request: Request,
+    principal: Caller,
+    status: Annotated[Status | None, BeforeValidator(_blank_to_none), Query()] = None,
+    kind: Annotated[str | None, BeforeValidator(_blank_to_none), Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[
+        str | None,
+        BeforeValidator(_blank_to_none),
+        Query(description="`next_cursor` of the previous page"),
+    ] = None,
+) -> Response:
+    state = api_state(request)
+    tasks, next_cursor = await state.app.store.list_tasks(
+        tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
+    )
+    positions = await asyncio.gather(*(state.app.queue_position(t) for t in tasks))
+    items = [task_json(t, queue_position=p) for t, p in zip(tasks, positions, strict=True)]
+    return JSONResponse({"items": items, "next_cursor": next_cursor})
+
+
+@router.get(
+    "/stats",
+    summary="Counts, dwell times, failures and ghosts of the tenant's tasks",
+    response_model=StatsOut,
+    responses=error_responses(401, 422),
+)
+async def stats(request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    settings = state.settings
+    found = await state.app.store.stats(
+        tenant=principal.scope,
+        ghost_after_s=settings.lease_ttl_s + 2 * settings.supervisor_interval_s,
+    )
+    return JSONResponse(
+        {
+            "counts": found.counts,
+            "dwell_seconds": found.dwell_seconds,
+            "failures": found.failures,
+            "ghosts": found.ghosts,
+        }
+    )
+
+
+# Actions --------------------------------------------------------------------------------
+
+
+@router.post(
+    "/tasks/{task_id}/cancel",
+    summary="Cancel a task (a running one is asked to stop: cancel_requested)",
+    response_model=TaskOut,
+    responses=error_responses(401, 404, 409, 422),
+)
+async def cancel_task(task_id: str, request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    return await task_response(state, await state.app.cancel(task_id, principal.scope))
+
+
+@router.post(
+    "/tasks/{task_id}/retry",
+    summary="Retry a final FAILED, TIMEOUT or CANCELLED task now",
+    response_model=TaskOut,
+    responses=error_responses(401, 404, 409, 422),
+)
+async def retry_task(task_id: str, request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    return await task_response(state, await state.app.retry(task_id, principal.scope))
+
+
+@router.post(
+    "/tasks/{task_id}/review",
+    summary="Approve or reject a task in NEEDS_REVIEW (admin key only)",
+    response_model=TaskOut,
+    responses=error_responses(401, 403, 404, 409, 413, 415, 422),
+    openapi_extra=_body_doc(ReviewRequest),
+)
+async def review_task(task_id: str, request: Request, principal: Caller) -> Response:
+    require_reviewer(principal)
+    state = api_state(request)
+    body = validated(ReviewRequest, await json_body(request, state.settings.max_body_bytes))
+    await state.app.get(task_id, principal.scope)
+    task = await state.app.review(task_id, body.decision, body.reason)
+    return await task_response(state, task)
+
+
+# Outputs --------------------------------------------------------------------------------
+
+
+def find_output(task: Task, name: str) -> StoredOutput:
+    """The recorded output ``name`` of a SUCCESS task; NotFound otherwise."""
+    missing = NotFound(f"task {task.id} has no output {name!r}")
+    if task.status is not Status.SUCCESS or task.result is None:
+        raise NotFound(f"task {task.id} has no outputs until it is SUCCESS")
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise missing
+    for raw in task.result.get("outputs", []):
+        output = StoredOutput.from_json(raw)
+        if output.name == name and output.key.startswith(f"tasks/{task.id}/"):
+            return output
+    raise missing
+
+
+def etag_matches(if_none_match: str | None, sha256: str) -> bool:
+    if if_none_match is None:
+        return False
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/") == f'"{sha256}"':
+            return True
+    return False
+
+
+@router.get(
+    "/tasks/{task_id}/outputs/{name}",
+    summary="Download an output of a SUCCESS task",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "The output's bytes; `ETag` is the sha256 in quotes",
+            "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+        },
+        304: {"description": "Not modified (If-None-Match matched the ETag)"},
+        **error_responses(401, 404, 422),
+    },
+)
+async def get_output(
+    task_id: str,
+    name: str,
+    request: Request,
+    principal: Caller,
+    if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+) -> Response:
+    state = api_state(request)
+    output = find_output(await state.app.get(task_id, principal.scope), name)
+    etag = f'"{output.sha256}"'
+    headers = {"ETag": etag, "Cache-Control": "private, no-cache"}
+    if etag_matches(if_none_match, output.sha256):
+        return Response(status_code=304, headers=headers)
+    headers["Content-Disposition"] = f"inline; filename*=UTF-8''{quote(output.name, safe='')}"
+    headers["X-Content-Type-Options"] = "nosniff"
+    path = state.app.storage.local_path(output.key)
+    if path is not None and await asyncio.to_thread(path.is_file):
+        return FileResponse(path, media_type=output.content_type, headers=headers)
+    try:
+        data = await state.app.storage.get(output.key)
+    except FileNotFoundError:
+        log.error("output_missing", extra={"task_id": task_id, "output": name})
+        raise NotFound(f"output {name!r} of task {task_id} is missing from storage") from None
+    return Response(data, media_type=output.content_type, headers=headers)

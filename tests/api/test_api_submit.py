@@ -1,0 +1,370 @@
+"""POST /v1/tasks: new tasks, replays, dedup hits, and every way a submission is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from api_support import (
+    TASK_FIELDS,
+    ApiUnderTest,
+    assert_error,
+    image_body,
+    raw_request,
+    running_api,
+)
+
+from kiln.api.schemas import TaskOut
+from kiln.api.singleflight import SingleFlight
+from kiln.config import Settings
+
+
+async def test_new_task_is_201_with_location_and_the_task_json(api: ApiUnderTest) -> None:
+    response = await api.submit(image_body(metadata={"user": "u1"}))
+
+    assert response.status_code == 201
+    task = response.json()
+    assert response.headers["location"] == f"/v1/tasks/{task['id']}"
+    assert "idempotent-replayed" not in response.headers
+    assert set(task) == TASK_FIELDS
+    TaskOut.model_validate(task)
+    assert task["status"] == "PENDING" and task["final"] is False
+    assert task["queue_position"] == 1
+    assert task["attempt"] == 0 and task["max_attempts"] == 3 and task["priority"] == 0
+    assert task["metadata"] == {"user": "u1"}
+    assert task["inputs"] == [] and task["result"] is None and task["error"] is None
+    assert task["deduplicated"] is False
+    assert task["created_at"].endswith("Z")
+
+
+async def test_defaults_are_applied_and_timeouts_merge_with_defaults(api: ApiUnderTest) -> None:
+    response = await api.submit(image_body(timeouts={"generating_s": 30}))
+
+    assert response.status_code == 201
+    stored = await api.kiln.get(response.json()["id"])
+    assert stored.timeouts.waiting_s == 600
+    assert stored.timeouts.generating_s == 30
+    assert stored.timeouts.uploading_s == 120
+    assert stored.deadline_s == 86_400
+    assert stored.dedup_key is not None
+
+
+async def test_same_idempotency_key_and_body_replays_the_original(api: ApiUnderTest) -> None:
+    first = await api.submit(headers={"Idempotency-Key": "order-1"})
+
+    again = await api.submit(headers={"Idempotency-Key": "order-1"})
+
+    assert first.status_code == 201
+    assert again.status_code == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["idempotency_key"] == "order-1"
+    assert await api.task_count() == 1
+
+
+async def test_same_idempotency_key_with_another_body_is_refused(api: ApiUnderTest) -> None:
+    await api.submit(image_body("first"), headers={"Idempotency-Key": "order-2"})
+
+    response = await api.submit(image_body("second"), headers={"Idempotency-Key": "order-2"})
+
+    assert_error(response, 422, "idempotency_key_reused")
+    assert await api.task_count() == 1
+
+
+async def test_identical_content_is_deduplicated_without_replay_header(api: ApiUnderTest) -> None:
+    first = await api.submit(image_body(priority=1))
+
+    again = await api.submit(image_body(priority=5))
+
+    assert again.status_code == 200
+    assert "idempotent-replayed" not in again.headers
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["deduplicated"] is True
+    fetched = await api.client.get(f"/v1/tasks/{first.json()['id']}")
+    assert fetched.json()["deduplicated"] is False
+
+
+async def test_dedup_false_makes_a_new_task(api: ApiUnderTest) -> None:
+    first = await api.submit(image_body(dedup=False))
+
+    again = await api.submit(image_body(dedup=False))
+
+    assert again.status_code == 201
+    assert again.json()["id"] != first.json()["id"]
+
+
+async def test_new_key_on_a_dedup_hit_then_replays_that_task(api: ApiUnderTest) -> None:
+    first = await api.submit()
+    hit = await api.submit(headers={"Idempotency-Key": "k-new"})
+
+    replay = await api.submit(headers={"Idempotency-Key": "k-new"})
+
+    assert hit.status_code == 200 and hit.json()["deduplicated"] is True
+    assert replay.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
+    assert replay.json()["id"] == first.json()["id"]
+
+
+async def test_fifty_concurrent_identical_submissions_make_one_task(api: ApiUnderTest) -> None:
+    responses = await asyncio.gather(*(api.submit() for _ in range(50)))
+
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [200] * 49 + [201]
+    assert {r.json()["id"] for r in responses} == {responses[0].json()["id"]}
+    assert all(r.json()["deduplicated"] for r in responses if r.status_code == 200)
+    assert not any("idempotent-replayed" in r.headers for r in responses)
+    assert await api.task_count() == 1
+
+
+async def test_fifty_concurrent_requests_with_one_key_make_one_task(api: ApiUnderTest) -> None:
+    responses = await asyncio.gather(
+        *(api.submit(headers={"Idempotency-Key": "burst"}) for _ in range(50))
+    )
+
+    created = [r for r in responses if r.status_code == 201]
+    replayed = [r for r in responses if r.headers.get("idempotent-replayed") == "true"]
+    assert len(created) == 1 and len(replayed) == 49
+    assert await api.task_count() == 1
+
+
+async def test_concurrent_answers_count_as_dedup_hits_in_the_store(api: ApiUnderTest) -> None:
+    await asyncio.gather(*(api.submit() for _ in range(20)))
+
+    counters = await api.kiln.store.counters()
+
+    assert counters.get(("dedup_hits", "content"), 0) == 19
+
+
+async def test_single_flight_shares_one_call_among_concurrent_callers() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    release = asyncio.Event()
+    calls = 0
+
+    async def call() -> int:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return 42
+
+    waiting = [asyncio.ensure_future(flights.run("k", call)) for _ in range(5)]
+    await asyncio.sleep(0)
+    release.set()
+    outcomes = await asyncio.gather(*waiting)
+
+    assert calls == 1
+    assert sorted(led for _, led in outcomes) == [False] * 4 + [True]
+    assert {value for value, _ in outcomes} == {42}
+    assert len(flights) == 0
+
+
+async def test_single_flight_gives_every_caller_the_error() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    release = asyncio.Event()
+
+    async def call() -> int:
+        await release.wait()
+        raise ValueError("nope")
+
+    waiting = [asyncio.ensure_future(flights.run("k", call)) for _ in range(3)]
+    await asyncio.sleep(0)
+    release.set()
+    outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+
+    assert all(isinstance(o, ValueError) for o in outcomes)
+
+
+# Refusals: each answers the envelope and stores nothing -------------------------------
+
+INVALID_BODIES: list[tuple[str, Any]] = [
+    ("missing kind", {"params": {"prompt": "x"}}),
+    ("missing params", {"kind": "image.generate"}),
+    ("params not an object", {"kind": "image.generate", "params": [1]}),
+    ("unknown top-level field", image_body(colour="red")),
+    ("priority too high", image_body(priority=101)),
+    ("priority too low", image_body(priority=-101)),
+    ("priority not an integer", image_body(priority="5")),
+    ("max_attempts zero", image_body(max_attempts=0)),
+    ("max_attempts too high", image_body(max_attempts=21)),
+    ("deadline too short", image_body(deadline_s=0.5)),
+    ("deadline too long", image_body(deadline_s=604_801)),
+    ("timeout too short", image_body(timeouts={"waiting_s": 0})),
+    ("timeout too long", image_body(timeouts={"uploading_s": 86_401})),
+    ("unknown timeout", image_body(timeouts={"queued_s": 5})),
+    ("dedup not a boolean", image_body(dedup="yes")),
+    ("metadata not an object", image_body(metadata=[1, 2])),
+    ("body not an object", [image_body()]),
+    ("bad params", {"kind": "image.generate", "params": {"prompt": "x", "width": 7}}),
+    ("missing prompt", {"kind": "image.generate", "params": {"steps": 3}}),
+]
+
+
+@pytest.mark.parametrize(("case", "body"), INVALID_BODIES, ids=[c for c, _ in INVALID_BODIES])
+async def test_invalid_body_is_422_invalid_request(api: ApiUnderTest, case: str, body: Any) -> None:
+    response = await api.submit(body)
+
+    error = assert_error(response, 422, "invalid_request")
+    assert error["details"], case
+    assert all({"loc", "msg", "type"} <= set(d) for d in error["details"])
+    assert await api.task_count() == 0
+
+
+async def test_unknown_kind_is_422_unknown_kind(api: ApiUnderTest) -> None:
+    response = await api.submit({"kind": "video.render", "params": {}})
+
+    assert_error(response, 422, "unknown_kind")
+    assert await api.task_count() == 0
+
+
+@pytest.mark.parametrize(
+    "key", ["x" * 256, "tab\there", "caf\u00e9"], ids=["too long", "control", "non-ascii"]
+)
+async def test_bad_idempotency_key_is_422(api: ApiUnderTest, key: str) -> None:
+    response = await api.client.post(
+        "/v1/tasks",
+        content=json.dumps(image_body()).encode(),
+        headers=[("content-type", "application/json"), ("idempotency-key", key.encode())],
+    )
+
+    assert_error(response, 422, "invalid_request")
+    assert await api.task_count() == 0
+
+
+async def test_longest_idempotency_key_is_accepted(api: ApiUnderTest) -> None:
+    response = await api.submit(headers={"Idempotency-Key": "~" * 255})
+
+    assert response.status_code == 201
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"kind": "image.generate"', b"", b"  ", b'{"kind": NaN}', b'{"a": "\\ud800"}', b"\xff\xfe"],
+    ids=["truncated", "empty", "blank", "nan", "lone surrogate", "not utf-8"],
+)
+async def test_malformed_json_is_422(api: ApiUnderTest, raw: bytes) -> None:
+    response = await api.client.post(
+        "/v1/tasks", content=raw, headers={"content-type": "application/json"}
+    )
+
+    assert_error(response, 422, "invalid_request")
+    assert await api.task_count() == 0
+
+
+async def test_deeply_nested_json_is_422(api: ApiUnderTest) -> None:
+    raw = b'{"kind": "image.generate", "params": {}, "metadata": {"a": ' + b"[" * 100_000
+
+    response = await api.client.post(
+        "/v1/tasks", content=raw + b"]" * 100_000 + b"}}",
+        headers={"content-type": "application/json"},
+    )
+
+    assert_error(response, 422, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", None]
+)
+async def test_body_that_is_not_json_is_415(api: ApiUnderTest, content_type: str | None) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+
+    response = await api.client.post(
+        "/v1/tasks", content=json.dumps(image_body()).encode(), headers=headers
+    )
+
+    assert_error(response, 415, "unsupported_media_type")
+    assert await api.task_count() == 0
+
+
+async def test_json_with_charset_and_suffix_types_are_accepted(api: ApiUnderTest) -> None:
+    response = await api.client.post(
+        "/v1/tasks",
+        content=json.dumps(image_body()).encode(),
+        headers={"content-type": "application/vnd.kiln+json; charset=utf-8"},
+    )
+
+    assert response.status_code == 201
+
+
+async def test_multipart_submission_is_415_for_now(api: ApiUnderTest) -> None:
+    response = await api.client.post(
+        "/v1/tasks",
+        data={"request": json.dumps(image_body())},
+        files={"image": ("a.png", b"\x89PNG", "image/png")},
+    )
+
+    assert_error(response, 415, "unsupported_media_type")
+    assert await api.task_count() == 0
+
+
+def _oversized_body(limit: int) -> bytes:
+    return json.dumps(image_body("x" * (limit + 10))).encode()
+
+
+async def test_body_over_the_limit_is_413(api: ApiUnderTest) -> None:
+    raw = _oversized_body(api.kiln.settings.max_body_bytes)
+
+    response = await api.client.post(
+        "/v1/tasks", content=raw, headers={"content-type": "application/json"}
+    )
+
+    assert_error(response, 413, "payload_too_large")
+    assert await api.task_count() == 0
+
+
+async def test_body_over_the_limit_without_content_length_is_413(api: ApiUnderTest) -> None:
+    raw = _oversized_body(api.kiln.settings.max_body_bytes)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(raw), 65_536):
+            yield raw[start : start + 65_536]
+
+    response = await api.client.post(
+        "/v1/tasks", content=chunks(), headers={"content-type": "application/json"}
+    )
+
+    assert "content-length" not in response.request.headers
+    assert_error(response, 413, "payload_too_large")
+    assert await api.task_count() == 0
+
+
+async def test_body_longer_than_its_content_length_is_413(api: ApiUnderTest) -> None:
+    raw = _oversized_body(api.kiln.settings.max_body_bytes)
+    parts = [raw[i : i + 65_536] for i in range(0, len(raw), 65_536)]
+
+    status, body = await raw_request(
+        api.http,
+        "POST",
+        "/v1/tasks",
+        headers={"content-type": "application/json", "content-length": "100"},
+        body_parts=parts,
+    )
+
+    assert status == 413
+    assert json.loads(body)["error"]["code"] == "payload_too_large"
+    assert await api.task_count() == 0
+
+
+async def test_unknown_route_and_method_answer_the_envelope(api: ApiUnderTest) -> None:
+    missing = await api.client.get("/v1/nothing-here")
+    wrong_method = await api.client.delete("/v1/tasks")
+
+    assert_error(missing, 404, "not_found")
+    assert_error(wrong_method, 405, "method_not_allowed")
+    assert "allow" in wrong_method.headers
+
+
+async def test_unexpected_exception_is_500_without_details(settings: Settings) -> None:
+    async with running_api(settings) as under_test:
+
+        @under_test.http.get("/v1/boom")
+        async def boom() -> None:
+            raise RuntimeError("secret internals")
+
+        transport = httpx.ASGITransport(app=under_test.http, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln.test") as client:
+            response = await client.get("/v1/boom")
+
+    error = assert_error(response, 500, "internal_error")
+    assert "secret" not in response.text and error["details"] == []

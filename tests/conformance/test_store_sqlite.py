@@ -1,0 +1,236 @@
+"""SQLite-only checks: the hot queries' plans use their indexes, and migrations.
+
+The query texts are the store's own constants, so a change to a query is checked here.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.store.sqlite import (
+    CLAIM_CANDIDATES_SQL,
+    DEDUP_LOOKUP_SQL,
+    DUE_CANCEL_SQL,
+    DUE_DEADLINE_SQL,
+    DUE_LEASE_SQL,
+    DUE_STATE_SQL,
+    GHOSTS_SQL,
+    QUEUE_AHEAD_SQL,
+    SqliteStore,
+    connect,
+    migrate,
+    migrations,
+)
+
+from .factories import make_new_task
+
+NOW = 1_800_000_000.0
+TASKS = 5000
+
+#: A few thousand tasks in every status, kind, tenant and timing the queries care about.
+FILL_SQL = """
+WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < :count),
+shaped AS (
+    SELECT i, CASE i % 10
+        WHEN 0 THEN 'PENDING' WHEN 1 THEN 'RETRYING' WHEN 2 THEN 'WAITING_FOR_RESOURCE'
+        WHEN 3 THEN 'GENERATING' WHEN 4 THEN 'UPLOADING' WHEN 5 THEN 'NEEDS_REVIEW'
+        WHEN 6 THEN 'FAILED' WHEN 7 THEN 'TIMEOUT' WHEN 8 THEN 'CANCELLED'
+        ELSE 'SUCCESS' END AS status
+    FROM n
+)
+INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
+    fingerprint, idempotency_key, dedup_key, attempt, max_attempts, epoch, version,
+    lease_owner, lease_expires_at, state_deadline_at, deadline_s, deadline_at, timeouts,
+    cancel_requested, cancel_requested_at, created_at, updated_at, status_since)
+SELECT printf('tsk_%08d', i), 't' || (i % 7), 'kind.' || (i % 4), status, i % 3,
+    :now - 1000 + i % 2000, '{}', '{}', '[]', 'f' || i, NULL, 'd' || (i % 3000), 1, 3, 1, 3,
+    CASE WHEN status IN ('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING') THEN 'w' END,
+    CASE WHEN status IN ('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')
+        THEN :now - 50 + i % 100 END,
+    CASE WHEN status IN ('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')
+        THEN :now - 40 + i % 100 END,
+    3600, :now - 100 + i % 4000, '{"waiting_s":600,"generating_s":600,"uploading_s":120}',
+    i % 13 = 0, CASE WHEN i % 13 = 0 THEN :now - i % 60 END, :now, :now, :now
+FROM shaped
+"""
+
+#: name -> (query, parameters, the indexes it may use)
+HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
+    "claim": (CLAIM_CANDIDATES_SQL, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
+    "due_lease": (DUE_LEASE_SQL, (NOW, 500), ("tasks_lease_due",)),
+    "due_state": (DUE_STATE_SQL, (NOW, 500), ("tasks_state_due",)),
+    "due_deadline": (DUE_DEADLINE_SQL, (NOW, 500), ("tasks_deadline_due",)),
+    "due_cancel": (DUE_CANCEL_SQL, (NOW - 10, 500), ("tasks_cancel_due",)),
+    "ghosts": (GHOSTS_SQL, (NOW - 30,), ("tasks_lease_due",)),
+    "ghosts_of_tenant": (
+        GHOSTS_SQL + " AND tenant = ?",
+        (NOW - 30, "t1"),
+        ("tasks_lease_due", "tasks_tenant_status_id"),
+    ),
+    "dedup_lookup": (DEDUP_LOOKUP_SQL, ("t1", "d17"), ("tasks_dedup",)),
+    "queue_position": (
+        QUEUE_AHEAD_SQL,
+        ("kind.1", NOW, NOW, 1, 1, NOW - 500, NOW - 500, "tsk_00000500"),
+        ("tasks_claim", "tasks_ready"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sqlite3.Connection]:
+    path = tmp_path_factory.mktemp("plans") / "kiln.db"
+    conn = connect(str(path))
+    migrate(conn)
+    conn.execute(FILL_SQL, {"count": TASKS, "now": NOW})
+    conn.execute("ANALYZE")
+    yield conn
+    conn.close()
+
+
+def plan(conn: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> list[str]:
+    return [row["detail"] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, args)]
+
+
+def test_the_table_holds_thousands_of_tasks(filled: sqlite3.Connection) -> None:
+    statuses = dict(filled.execute("SELECT status, COUNT(*) FROM tasks GROUP BY status"))
+    assert sum(statuses.values()) == TASKS
+    assert len(statuses) == 10
+
+
+@pytest.mark.parametrize("name", sorted(HOT_QUERIES))
+def test_hot_query_reads_through_its_index(filled: sqlite3.Connection, name: str) -> None:
+    # Given a table of thousands of tasks with statistics
+    sql, args, indexes = HOT_QUERIES[name]
+    # When SQLite plans the query the store runs
+    details = plan(filled, sql, args)
+    # Then it searches an index instead of scanning the table, and sorts nothing
+    uses_index = [d for d in details if "USING INDEX" in d or "USING COVERING INDEX" in d]
+    assert uses_index, details
+    assert any(f"INDEX {index} " in d for d in uses_index for index in indexes), details
+    assert not [d for d in details if d.startswith("SCAN tasks")], details
+    assert not [d for d in details if "TEMP B-TREE" in d], details
+
+
+def test_plan_check_tells_a_scan_apart(filled: sqlite3.Connection) -> None:
+    details = plan(filled, "SELECT * FROM tasks WHERE fingerprint = ?", ("f1",))
+    assert any(d.startswith("SCAN tasks") for d in details)
+
+
+# migrations ------------------------------------------------------------------------------
+
+
+def schema(conn: sqlite3.Connection) -> set[tuple[str, str, str, str]]:
+    rows = conn.execute(
+        "SELECT type, name, tbl_name, sql FROM sqlite_master"
+        " WHERE name NOT IN ('schema_migrations', 'sqlite_sequence')"
+        " AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT LIKE 'sqlite_stat%'"
+    ).fetchall()
+    return {(r[0], r[1], r[2], " ".join(str(r[3]).split())) for r in rows}
+
+
+def declared_schema(directory: Path) -> set[tuple[str, str, str, str]]:
+    """Every migration file run as one script on an empty database."""
+    conn = sqlite3.connect(directory / "declared.db")
+    try:
+        conn.executescript("\n".join(sql for _, _, sql in migrations()))
+        return schema(conn)
+    finally:
+        conn.close()
+
+
+def migrated_from(directory: Path, applied_first: int) -> sqlite3.Connection:
+    """A database at the version after ``applied_first`` migrations, then migrated."""
+    conn = connect(str(directory / f"from-{applied_first}.db"))
+    conn.execute(
+        "CREATE TABLE schema_migrations "
+        "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+    )
+    for version, name, sql in migrations()[:applied_first]:
+        conn.executescript(sql)
+        conn.execute("INSERT INTO schema_migrations VALUES (?, ?, 'then')", (version, name))
+    applied = migrate(conn)
+    assert applied == len(migrations()) - applied_first
+    return conn
+
+
+def test_there_is_at_least_one_numbered_migration() -> None:
+    versions = [version for version, _, _ in migrations()]
+    assert versions
+    assert versions == sorted(set(versions))
+
+
+def test_migrated_schema_equals_the_declared_one(tmp_path: Path) -> None:
+    # Given the schema that all migration files declare together
+    declared = declared_schema(tmp_path)
+    assert {"tasks", "events", "idempotency_keys", "tasks_dedup", "tasks_claim"} <= {
+        name for _, name, _, _ in declared
+    }
+    # Then a database migrated from any earlier version ends with exactly that schema
+    for applied_first in range(len(migrations())):
+        conn = migrated_from(tmp_path, applied_first)
+        try:
+            assert schema(conn) == declared
+        finally:
+            conn.close()
+
+
+def test_migrating_twice_is_a_no_op(tmp_path: Path) -> None:
+    conn = connect(str(tmp_path / "kiln.db"))
+    try:
+        assert migrate(conn) == len(migrations())
+        before = schema(conn), conn.execute("SELECT * FROM schema_migrations").fetchall()
+        assert migrate(conn) == 0
+        after = schema(conn), conn.execute("SELECT * FROM schema_migrations").fetchall()
+        assert [tuple(r) for r in after[1]] == [tuple(r) for r in before[1]]
+        assert after[0] == before[0]
+    finally:
+        conn.close()
+
+
+def test_concurrent_migrations_apply_each_version_once(tmp_path: Path) -> None:
+    # Given several connections migrating one new file at the same time
+    path = str(tmp_path / "kiln.db")
+    start = threading.Barrier(4)
+    applied: list[int] = []
+
+    def run() -> None:
+        conn = connect(path)
+        try:
+            start.wait()
+            applied.append(migrate(conn))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Then every version was applied exactly once, by one of them
+    assert sorted(applied) == [0, 0, 0, len(migrations())]
+    conn = connect(path)
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == len(
+            migrations()
+        )
+    finally:
+        conn.close()
+
+
+async def test_reopening_a_store_keeps_its_tasks(tmp_path: Path) -> None:
+    path = str(tmp_path / "kiln.db")
+    first = SqliteStore(path, clock=lambda: NOW)
+    submitted = (await first.submit(make_new_task())).task
+    await first.close()
+    second = SqliteStore(path, clock=lambda: NOW)
+    try:
+        assert await second.get(submitted.id) == submitted
+        assert (await second.submit(make_new_task())).task.id == submitted.id
+    finally:
+        await second.close()

@@ -1,0 +1,180 @@
+"""I4 (verified success) under storage faults: failed, corrupted and lost writes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+import kiln
+from kiln import demo
+from kiln.app import running
+from kiln.config import Settings
+from kiln.models import StoredOutput, Task
+from kiln.states import Event, Status
+from kiln.storage import ObjectInfo, verify
+from kiln.storage.local import LocalStorage
+
+from .conftest import assert_one_final_state, demo_params, wait_for_status
+
+Fault = Literal["raise", "corrupt", "drop"]
+
+
+class FaultyStorage:
+    """LocalStorage whose first ``failing`` puts go wrong the way ``fault`` says.
+
+    ``raise``: OSError, nothing written. ``corrupt``: the object is written with one byte
+    flipped (same size, other sha256). ``drop``: the put returns but nothing is written.
+    """
+
+    def __init__(self, root: Path, *, fault: Fault, failing: int) -> None:
+        self.inner = LocalStorage(root)
+        self.url = self.inner.url
+        self.fault = fault
+        self.failing = failing
+        self.puts = 0
+        self.faulted: list[str] = []
+
+    async def put(self, key: str, data: bytes) -> None:
+        self.puts += 1
+        if self.puts > self.failing:
+            await self.inner.put(key, data)
+            return
+        self.faulted.append(key)
+        if self.fault == "raise":
+            raise OSError(28, "No space left on device")
+        if self.fault == "corrupt":
+            await self.inner.put(key, bytes([data[0] ^ 0xFF]) + data[1:])
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        return await self.inner.stat(key)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        async for info in self.inner.list(prefix):
+            yield info
+
+    def local_path(self, key: str) -> Path | None:
+        return self.inner.local_path(key)
+
+
+def fault_settings(settings: Settings) -> Settings:
+    return settings.with_(retry_base_s=0.01, retry_max_s=0.02)
+
+
+async def run_to_final(app: kiln.App, task_id: str) -> Task:
+    worker = app.worker(concurrency=1, resources={"gpu": 1}, idle_poll_s=(0.01, 0.05))
+    async with running(worker.run()):
+        return await wait_for_status(
+            app.store, task_id, Status.SUCCESS, Status.FAILED, Status.TIMEOUT, timeout_s=15
+        )
+
+
+async def assert_every_success_verified(app: kiln.App) -> None:
+    tasks, _ = await app.store.list_tasks(tenant=None, limit=1000)
+    for task in tasks:
+        if task.status is Status.SUCCESS:
+            assert task.result is not None
+            outputs = [StoredOutput.from_json(o) for o in task.result["outputs"]]
+            assert outputs
+            for output in outputs:
+                assert await verify(app.storage, output), output
+
+
+@pytest.mark.parametrize("fault", ["raise", "corrupt", "drop"])
+async def test_faulty_first_write_is_retried_and_succeeds(
+    settings: Settings, tmp_path: Path, fault: Fault
+) -> None:
+    # Given storage whose first write fails, is corrupted, or is silently lost
+    storage = FaultyStorage(tmp_path / "faulty", fault=fault, failing=1)
+    app = kiln.App(settings=fault_settings(settings), storage_backend=storage)
+    demo.register(app)
+    async with app:
+        task = (await app.submit("image.generate", demo_params("a glacier"))).task
+
+        # When a worker runs it
+        done = await run_to_final(app, task.id)
+
+        # Then attempt 1 failed on the fault, attempt 2 succeeded with verified outputs
+        assert done.status is Status.SUCCESS
+        assert done.attempt == 2
+        assert storage.faulted == [f"tasks/{task.id}/1-1/image.png"]
+        events = await assert_one_final_state(app.store, task.id)
+        failed = [e for e in events if e.event is Event.FAIL]
+        assert len(failed) == 1 and failed[0].attempt == 1
+        expected = "internal_error" if fault == "raise" else "storage_verify_failed"
+        assert failed[0].error is not None and failed[0].error["code"] == expected
+        assert done.result is not None
+        assert all(o["key"].startswith(f"tasks/{task.id}/2-") for o in done.result["outputs"])
+        await assert_every_success_verified(app)
+
+
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [("raise", "internal_error"), ("corrupt", "storage_verify_failed"),
+     ("drop", "storage_verify_failed")],
+)  # fmt: skip
+async def test_every_write_failing_ends_failed_never_success(
+    settings: Settings, tmp_path: Path, fault: Fault, code: str
+) -> None:
+    # Given storage where every write goes wrong, and a task allowed two attempts
+    storage = FaultyStorage(tmp_path / "faulty", fault=fault, failing=10**6)
+    app = kiln.App(settings=fault_settings(settings), storage_backend=storage)
+    demo.register(app)
+    async with app:
+        task = (await app.submit("image.generate", demo_params("a canyon"), max_attempts=2)).task
+
+        # When a worker runs it
+        done = await run_to_final(app, task.id)
+
+        # Then it ends FAILED with the fault's code after exactly two attempts, never SUCCESS
+        assert done.status is Status.FAILED
+        assert done.attempt == done.max_attempts == 2
+        assert done.error is not None and done.error["code"] == code
+        assert done.result is None
+        events = await assert_one_final_state(app.store, task.id)
+        assert not [e for e in events if e.status in (Status.SUCCESS, Status.NEEDS_REVIEW)]
+        assert [e.attempt for e in events if e.event is Event.FAIL] == [1, 2]
+        counters = await app.store.counters()
+        assert counters.get(("failures", f"default:{code}")) == 2
+        await assert_every_success_verified(app)
+
+
+async def test_many_tasks_with_intermittent_faults_never_commit_an_unverified_success(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Given storage that corrupts its first five writes, and eight tasks
+    storage = FaultyStorage(tmp_path / "faulty", fault="corrupt", failing=5)
+    app = kiln.App(settings=fault_settings(settings), storage_backend=storage)
+    demo.register(app)
+    async with app:
+        ids = [
+            (await app.submit("image.generate", demo_params(f"a dune {n}"), max_attempts=8)).task.id
+            for n in range(8)
+        ]
+
+        # When two workers run them
+        workers = [
+            app.worker(concurrency=2, resources={"gpu": 2}, idle_poll_s=(0.01, 0.05))
+            for _ in range(2)
+        ]
+        async with running(*(w.run() for w in workers)):
+            for task_id in ids:
+                await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=20)
+
+        # Then every task succeeded once with verified outputs, and the faults cost retries
+        for task_id in ids:
+            events = await assert_one_final_state(app.store, task_id)
+            assert len([e for e in events if e.status is Status.SUCCESS]) == 1
+        await assert_every_success_verified(app)
+        tasks = [await app.get(task_id) for task_id in ids]
+        images = [key for key in storage.faulted if key.endswith("/image.png")]
+        assert sum(t.attempt - 1 for t in tasks) == len(images)
+        assert len(storage.faulted) == 5

@@ -1,0 +1,232 @@
+"""The transition table: every (status, event) pair, replay of a log, the diagram, and an
+illegal transition that reaches the engine."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import kiln
+from kiln.states import (
+    FINAL,
+    RULES,
+    TRANSITIONS,
+    Event,
+    IllegalTransition,
+    Status,
+    check,
+    is_allowed,
+    mermaid,
+    replay,
+)
+
+S = Status
+E = Event
+RUNNING = {S.WAITING_FOR_RESOURCE, S.GENERATING, S.UPLOADING}
+
+#: DESIGN.md's event table, copied by hand: event -> (sources, targets). None is "—".
+DESIGN_TABLE: dict[Event, tuple[set[Status | None], set[Status]]] = {
+    E.SUBMIT: ({None}, {S.PENDING}),
+    E.CLAIM: ({S.PENDING, S.RETRYING}, {S.WAITING_FOR_RESOURCE}),
+    E.ACQUIRE: ({S.WAITING_FOR_RESOURCE}, {S.GENERATING}),
+    E.GENERATED: ({S.GENERATING}, {S.UPLOADING}),
+    E.UPLOADED: ({S.UPLOADING}, {S.SUCCESS, S.NEEDS_REVIEW}),
+    E.APPROVE: ({S.NEEDS_REVIEW}, {S.SUCCESS}),
+    E.REJECT: ({S.NEEDS_REVIEW}, {S.FAILED}),
+    E.FAIL: (set(RUNNING), {S.FAILED}),
+    E.SCHEDULE_RETRY: ({S.FAILED, S.TIMEOUT}, {S.RETRYING}),
+    E.EXPIRE: (set(RUNNING), {S.TIMEOUT}),
+    E.RECOVER: ({S.GENERATING, S.UPLOADING}, {S.SUCCESS}),
+    E.CANCEL: ({S.PENDING, S.RETRYING, S.NEEDS_REVIEW}, {S.CANCELLED}),
+    E.STOPPED: (set(RUNNING), {S.CANCELLED}),
+    E.FORCE_CANCEL: (set(RUNNING), {S.CANCELLED}),
+    E.RETRY: ({S.FAILED, S.TIMEOUT, S.CANCELLED}, {S.RETRYING}),
+    E.DEADLINE: ({S.PENDING, S.RETRYING}, {S.TIMEOUT}),
+}
+
+SOURCES: list[Status | None] = [None, *Status]
+PAIRS = list(itertools.product(SOURCES, Event))
+
+
+def test_table_matches_the_design_document() -> None:
+    # Given the table in the code and the one copied from DESIGN.md
+    from_code = {
+        rule.event: (set(rule.sources) or {None}, set(rule.targets)) for rule in TRANSITIONS
+    }
+    # Then they list the same events, sources and targets
+    assert from_code == DESIGN_TABLE
+    assert len(TRANSITIONS) == len(RULES) == len(Event)
+
+
+def test_final_statuses_are_the_designed_ones() -> None:
+    assert {S.SUCCESS, S.FAILED, S.TIMEOUT, S.CANCELLED} == FINAL
+
+
+@pytest.mark.parametrize(("status", "event"), PAIRS, ids=[f"{s}-{e}" for s, e in PAIRS])
+def test_every_status_event_pair_is_allowed_or_refused(status: Status | None, event: Event) -> None:
+    sources, targets = DESIGN_TABLE[event]
+    for target in [None, *Status]:
+        # When the event is checked from the status toward each possible target
+        allowed = status in sources and (
+            target in targets if target is not None else len(targets) == 1
+        )
+        if allowed:
+            # Then an allowed pair returns its target
+            expected = target if target is not None else next(iter(targets))
+            assert check(status, event, target) == expected
+            assert is_allowed(status, event, target)
+        else:
+            # And every other pair raises IllegalTransition naming what was asked
+            with pytest.raises(IllegalTransition) as refused:
+                check(status, event, target)
+            assert (refused.value.status, refused.value.event) == (status, event)
+            assert not is_allowed(status, event, target)
+
+
+def test_claim_from_pending_waits_for_a_resource() -> None:
+    assert check(S.PENDING, E.CLAIM) is S.WAITING_FOR_RESOURCE
+
+
+def test_retrying_task_can_be_claimed_again() -> None:
+    assert check(S.RETRYING, E.CLAIM) is S.WAITING_FOR_RESOURCE
+
+
+def test_cancel_of_a_generating_task_is_not_a_transition() -> None:
+    with pytest.raises(IllegalTransition):
+        check(S.GENERATING, E.CANCEL)
+
+
+def test_uploaded_targets_success_or_review_only() -> None:
+    assert check(S.UPLOADING, E.UPLOADED, S.SUCCESS) is S.SUCCESS
+    assert check(S.UPLOADING, E.UPLOADED, S.NEEDS_REVIEW) is S.NEEDS_REVIEW
+    for target in set(Status) - {S.SUCCESS, S.NEEDS_REVIEW}:
+        with pytest.raises(IllegalTransition):
+            check(S.UPLOADING, E.UPLOADED, target)
+    with pytest.raises(IllegalTransition):
+        check(S.UPLOADING, E.UPLOADED)  # two targets: the caller must choose
+
+
+def test_final_success_has_no_way_out() -> None:
+    assert [e for e in Event if is_allowed(S.SUCCESS, e)] == []
+
+
+def test_only_submit_creates_a_task() -> None:
+    assert [e for e in Event if is_allowed(None, e)] == [E.SUBMIT]
+    with pytest.raises(IllegalTransition):
+        check(S.PENDING, E.SUBMIT)
+
+
+def test_expire_reaches_timeout_only_from_running_statuses() -> None:
+    assert {s for s in Status if is_allowed(s, E.EXPIRE)} == RUNNING
+
+
+# replay ------------------------------------------------------------------------------------
+
+HAPPY_LOG = [
+    (E.SUBMIT, None, S.PENDING),
+    (E.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE),
+    (E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+    (E.FAIL, S.GENERATING, S.FAILED),
+    (E.SCHEDULE_RETRY, S.FAILED, S.RETRYING),
+    (E.CLAIM, S.RETRYING, S.WAITING_FOR_RESOURCE),
+    (E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+    (E.GENERATED, S.GENERATING, S.UPLOADING),
+    (E.UPLOADED, S.UPLOADING, S.NEEDS_REVIEW),
+    (E.APPROVE, S.NEEDS_REVIEW, S.SUCCESS),
+]
+
+
+def test_replay_folds_a_log_into_the_current_status() -> None:
+    assert replay(HAPPY_LOG) is S.SUCCESS
+    assert replay(HAPPY_LOG[:5]) is S.RETRYING
+    assert replay([]) is None
+
+
+def test_replay_of_manual_retry_after_timeout() -> None:
+    log = [
+        (E.SUBMIT, None, S.PENDING),
+        (E.DEADLINE, S.PENDING, S.TIMEOUT),
+        (E.RETRY, S.TIMEOUT, S.RETRYING),
+        (E.CANCEL, S.RETRYING, S.CANCELLED),
+    ]
+    assert replay(log) is S.CANCELLED
+
+
+def test_replay_refuses_a_log_with_a_gap() -> None:
+    # Given a log whose step starts from a status the task was not in
+    broken = [*HAPPY_LOG[:2], (E.GENERATED, S.GENERATING, S.UPLOADING)]
+    # Then replay refuses it
+    with pytest.raises(IllegalTransition):
+        replay(broken)
+
+
+def test_replay_refuses_a_step_the_table_forbids() -> None:
+    forbidden = [(E.SUBMIT, None, S.PENDING), (E.APPROVE, S.PENDING, S.SUCCESS)]
+    with pytest.raises(IllegalTransition):
+        replay(forbidden)
+
+
+def test_replay_refuses_a_wrong_target() -> None:
+    wrong = [(E.SUBMIT, None, S.PENDING), (E.CLAIM, S.PENDING, S.GENERATING)]
+    with pytest.raises(IllegalTransition):
+        replay(wrong)
+
+
+def test_replay_refuses_a_log_that_does_not_start_with_submit() -> None:
+    with pytest.raises(IllegalTransition):
+        replay(HAPPY_LOG[1:])
+
+
+# mermaid -----------------------------------------------------------------------------------
+
+
+def test_mermaid_draws_every_rule() -> None:
+    diagram = mermaid()
+    lines = set(diagram.splitlines())
+    assert diagram.startswith("stateDiagram-v2\n")
+    for event, (sources, targets) in DESIGN_TABLE.items():
+        for source, target in itertools.product(sources, targets):
+            start = "[*]" if source is None else str(source)
+            assert f"    {start} --> {target}: {event}" in lines
+    for status in FINAL:
+        assert f"    {status} --> [*]" in lines
+    arrows = sum(len(s) * len(t) for s, t in DESIGN_TABLE.values()) + len(FINAL)
+    assert len(lines) == arrows + 1
+
+
+# through the engine --------------------------------------------------------------------------
+
+
+async def test_illegal_transition_reaching_the_engine_is_refused_and_counted(
+    app: kiln.App,
+) -> None:
+    # Given a PENDING task on a real store
+    task = (await app.submit("image.generate", {"prompt": "a red fox"})).task
+    events_before = await app.store.events(task_id=task.id)
+    # When the engine is asked to approve it
+    with pytest.raises(IllegalTransition):
+        await app.apply(task, Event.APPROVE)
+    # Then nothing changed
+    after = await app.store.get(task.id)
+    assert after is not None
+    assert (after.status, after.version, after.epoch) == (S.PENDING, task.version, task.epoch)
+    assert await app.store.events(task_id=task.id) == events_before
+    # And the refusal was counted, in the store and on the app
+    illegal = {
+        labels: n for (name, labels), n in (await app.store.counters()).items()
+        if name == "illegal_transitions"
+    }  # fmt: skip
+    assert list(illegal.values()) == [1]
+    assert next(iter(illegal)).startswith("PENDING>")
+    assert app.illegal_transitions == 1
+
+
+async def test_legal_transition_through_the_engine_is_not_counted_as_illegal(
+    app: kiln.App,
+) -> None:
+    task = (await app.submit("image.generate", {"prompt": "a red fox"})).task
+    cancelled = await app.apply(task, Event.CANCEL)
+    assert cancelled.status is S.CANCELLED
+    assert app.illegal_transitions == 0
+    assert not [key for key in await app.store.counters() if key[0] == "illegal_transitions"]
