@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 import kiln
-from kiln import demo
+from kiln import demo, logs
 from kiln.client import DEFAULT_SERVER, Client
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError
@@ -134,7 +134,8 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _app(settings: Settings) -> kiln.App:
-    """An App with the demo kind (nothing opened yet)."""
+    """An App with the demo kind (nothing opened yet), logging as the settings say."""
+    logs.setup(fmt=settings.log_format, level=settings.log_level)
     app = kiln.App(settings=settings)
     demo.register(app)
     return app

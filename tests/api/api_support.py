@@ -8,7 +8,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +42,7 @@ TASK_FIELDS = {
 
 
 def with_keys(settings: Settings) -> Settings:
-    return settings.with_(
-        api_keys={ALICE_KEY: "alice", BOB_KEY: "bob"}, admin_key=ADMIN_KEY
-    )
+    return settings.with_(api_keys={ALICE_KEY: "alice", BOB_KEY: "bob"}, admin_key=ADMIN_KEY)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -138,25 +136,23 @@ async def running_api(
             yield ApiUnderTest(app, http, client, key)
 
 
-def _bound_socket() -> socket.socket:
+def bound_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
 
 
-def _server(http: FastAPI) -> uvicorn.Server:
-    config = uvicorn.Config(
-        http, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
-    )
+def uvicorn_server(http: FastAPI) -> uvicorn.Server:
+    config = uvicorn.Config(http, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
     return uvicorn.Server(config)
 
 
 @contextlib.asynccontextmanager
 async def live_server(http: FastAPI) -> AsyncIterator[str]:
     """A real uvicorn server on a free 127.0.0.1 port, in this event loop."""
-    sock = _bound_socket()
-    server = _server(http)
+    sock = bound_socket()
+    server = uvicorn_server(http)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await wait_until(lambda: server.started or serving.done(), 15)
@@ -172,8 +168,8 @@ async def live_server(http: FastAPI) -> AsyncIterator[str]:
 @contextlib.contextmanager
 def threaded_server(http: FastAPI) -> Iterator[str]:
     """A real uvicorn server on a free 127.0.0.1 port, in a thread of its own."""
-    sock = _bound_socket()
-    server = _server(http)
+    sock = bound_socket()
+    server = uvicorn_server(http)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15
@@ -237,13 +233,13 @@ async def raw_request(
     parts = list(body_parts or [])
     sent: list[dict[str, Any]] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         if parts:
             return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
 
     raw_headers = [(b"host", b"kiln.test")]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]

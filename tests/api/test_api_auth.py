@@ -68,7 +68,9 @@ async def test_access_token_is_accepted_only_on_streams(keyed_api: ApiUnderTest)
     stream = await keyed_api.client.get(
         f"/v1/tasks/{task['id']}/events", params={"access_token": ALICE_KEY}
     )
-    plain = await keyed_api.client.get(f"/v1/tasks/{task['id']}", params={"access_token": ALICE_KEY})
+    plain = await keyed_api.client.get(
+        f"/v1/tasks/{task['id']}", params={"access_token": ALICE_KEY}
+    )
 
     assert stream.status_code == 200
     assert stream.headers["content-type"].startswith("text/event-stream")
@@ -96,6 +98,7 @@ async def test_other_tenants_task_is_404_on_every_route(working_api: ApiUnderTes
     stats = await client.get("/v1/stats", headers=bob)
     assert listing.json()["items"] == []
     assert stats.json()["counts"]["SUCCESS"] == 0
+    assert stats.json()["dwell_seconds"] == {}
 
 
 async def test_review_with_a_tenant_key_is_403(keyed_api: ApiUnderTest) -> None:
@@ -203,4 +206,3 @@ def test_create_app_installs_the_redaction_on_uvicorn_loggers(settings: Settings
     for name in ("uvicorn.access", "uvicorn.error"):
         filters = logging.getLogger(name).filters
         assert sum(isinstance(f, RedactAccessToken) for f in filters) == 1
-

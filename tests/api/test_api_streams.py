@@ -18,10 +18,12 @@ from api_support import (
     SseEvent,
     assert_error,
     bearer,
+    bound_socket,
     image_body,
     live_server,
     make_kiln,
     sse_events,
+    uvicorn_server,
     wait_until,
 )
 from websockets.asyncio.client import connect
@@ -107,8 +109,7 @@ def _has_submit(task_id: str) -> Callable[[list[SseEvent]], bool]:
 
 def _is_final(task_id: str) -> Callable[[list[SseEvent]], bool]:
     return lambda events: any(
-        e.event == "status" and e.json()["task_id"] == task_id and e.json()["final"]
-        for e in events
+        e.event == "status" and e.json()["task_id"] == task_id and e.json()["final"] for e in events
     )
 
 
@@ -128,7 +129,9 @@ async def test_task_stream_follows_a_task_to_success_then_resumes(settings: Sett
         task_id = await _submit(s.client, image_body("followed"))
         stream: list[SseEvent] = []
         feed: list[SseEvent] = []
-        following = asyncio.create_task(collect(s.client, f"/v1/tasks/{task_id}/events", seen=stream))
+        following = asyncio.create_task(
+            collect(s.client, f"/v1/tasks/{task_id}/events", seen=stream)
+        )
         feeding = asyncio.create_task(
             collect(s.client, "/v1/events?after=0", until=_is_final(task_id), seen=feed)
         )
@@ -294,3 +297,62 @@ async def test_stream_of_a_final_task_replays_and_ends(api: ApiUnderTest) -> Non
     events = [line for line in response.text.splitlines() if line.startswith("event:")]
     assert events == ["event: status", "event: status"]
     assert "id: 1" in response.text.splitlines()
+
+
+async def test_open_streams_end_cleanly_when_the_server_shuts_down(settings: Settings) -> None:
+    app = make_kiln(settings)
+    sock = bound_socket()
+    server = uvicorn_server(create_app(app))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    await wait_until(lambda: server.started, STREAM_TIMEOUT_S)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with httpx.AsyncClient(base_url=url) as client:
+        task_id = await _submit(client, image_body())
+        events: list[SseEvent] = []
+        following = asyncio.create_task(collect(client, f"/v1/tasks/{task_id}/events", seen=events))
+        await wait_until(lambda: bool(events))
+
+        server.should_exit = True
+        await following
+        await serving
+    sock.close()
+
+    assert [e.json()["event"] for e in events if e.event == "status"] == ["submit"]
+
+
+async def test_progress_of_a_worker_elsewhere_reaches_the_stream(api: ApiUnderTest) -> None:
+    body = image_body("painted elsewhere")
+    body["params"].update(steps=30, simulate={"step_ms": 60})
+    task_id = (await api.submit(body)).json()["id"]
+    elsewhere = make_kiln(api.kiln.settings)
+
+    async with elsewhere:
+        worker = elsewhere.worker(concurrency=1, resources={"gpu": 1})
+        async with kiln.app.running(worker.run()):
+            response = await api.client.get(f"/v1/tasks/{task_id}/events")
+
+    lines = response.text.splitlines()
+    progress = [
+        json.loads(lines[n + 1][5:]) for n, line in enumerate(lines) if line == "event: progress"
+    ]
+    assert lines[-2].startswith("data:") and json.loads(lines[-2][5:])["final"] is True
+    assert progress, "no progress event crossed from the other worker"
+    assert all(p["task_id"] == task_id and p["status"] == "GENERATING" for p in progress)
+
+
+async def test_a_client_that_goes_away_leaves_no_subscription(settings: Settings) -> None:
+    async with served(settings, workers=0) as s:
+        task_id = await _submit(s.client, image_body())
+        hub = s.kiln.hub
+
+        for path in (f"/v1/tasks/{task_id}/events", "/v1/events?after=0"):
+            await collect(s.client, path, until=lambda seen: bool(seen))
+            await wait_until(lambda: not hub.subscribers, STREAM_TIMEOUT_S)
+        socket_url = s.url.replace("http", "ws") + f"/v1/tasks/{task_id}/ws"
+        async with connect(socket_url, additional_headers=bearer(ALICE_KEY)) as ws:
+            await ws.recv()
+        await wait_until(lambda: not hub.subscribers, STREAM_TIMEOUT_S)
+        metrics = (await s.client.get("/metrics")).text
+
+    assert 'kiln_api_streams_open{transport="sse"} 0.0' in metrics
+    assert 'kiln_api_streams_open{transport="websocket"} 0.0' in metrics

@@ -225,7 +225,7 @@ async def test_bad_idempotency_key_is_422(api: ApiUnderTest, key: str) -> None:
     response = await api.client.post(
         "/v1/tasks",
         content=json.dumps(image_body()).encode(),
-        headers=[("content-type", "application/json"), ("idempotency-key", key.encode())],
+        headers=[(b"content-type", b"application/json"), (b"idempotency-key", key.encode())],
     )
 
     assert_error(response, 422, "invalid_request")
@@ -256,16 +256,15 @@ async def test_deeply_nested_json_is_422(api: ApiUnderTest) -> None:
     raw = b'{"kind": "image.generate", "params": {}, "metadata": {"a": ' + b"[" * 100_000
 
     response = await api.client.post(
-        "/v1/tasks", content=raw + b"]" * 100_000 + b"}}",
+        "/v1/tasks",
+        content=raw + b"]" * 100_000 + b"}}",
         headers={"content-type": "application/json"},
     )
 
     assert_error(response, 422, "invalid_request")
 
 
-@pytest.mark.parametrize(
-    "content_type", ["text/plain", "application/x-www-form-urlencoded", None]
-)
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
 async def test_body_that_is_not_json_is_415(api: ApiUnderTest, content_type: str | None) -> None:
     headers = {} if content_type is None else {"content-type": content_type}
 

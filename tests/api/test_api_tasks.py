@@ -13,7 +13,6 @@ from api_support import (
     bearer,
     image_body,
     running_api,
-    with_keys,
 )
 
 from kiln.api.schemas import StatsOut, TaskList, TaskOut
@@ -152,6 +151,14 @@ async def test_review_of_task_not_in_review_is_409(keyed_api: ApiUnderTest) -> N
     assert_error(response, 409, "not_in_review")
 
 
+async def test_without_keys_anyone_may_review(api: ApiUnderTest) -> None:
+    task = await _submit(api)
+
+    response = await api.client.post(f"/v1/tasks/{task['id']}/review", json={"decision": "reject"})
+
+    assert_error(response, 409, "not_in_review")
+
+
 async def test_review_needs_a_valid_decision_as_json(keyed_api: ApiUnderTest) -> None:
     task = await _submit(keyed_api)
     url = f"/v1/tasks/{task['id']}/review"
@@ -275,6 +282,19 @@ async def test_openapi_documents_every_route_and_the_bodies(api: ApiUnderTest) -
     components = schema["components"]["schemas"]
     submit_body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
     assert submit_body["content"]["application/json"]["schema"]["$ref"].endswith("SubmitRequest")
-    assert components["SubmitRequest"]["additionalProperties"] is False
-    assert components["SubmitRequest"]["required"] == ["kind", "params"]
+    (variant,) = components["SubmitRequest"]["oneOf"]
+    assert variant["additionalProperties"] is False
+    assert variant["required"] == ["kind", "params"]
+    assert variant["properties"]["kind"]["const"] == "image.generate"
+    params = components[variant["properties"]["params"]["$ref"].rsplit("/", 1)[1]]
+    assert params["required"] == ["prompt"]
     assert "TimeoutsIn" in components and "ErrorEnvelope" in components
+    assert "securitySchemes" not in schema.get("components", {})
+
+
+async def test_openapi_asks_for_a_bearer_key_when_keys_are_set(keyed_api: ApiUnderTest) -> None:
+    schema = (await keyed_api.client.get("/openapi.json")).json()
+
+    (scheme,) = schema["components"]["securitySchemes"].values()
+    assert scheme == {**scheme, "type": "http", "scheme": "bearer"}
+    assert schema["paths"]["/v1/tasks"]["post"]["security"]

@@ -118,10 +118,6 @@ class StoreMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coro)
 
     def teardown(self) -> None:
-        import collections, json
-        st_ = collections.Counter(t.status for t in self.tasks.values())
-        with open("/tmp/scratch/model_stats.txt", "a") as f:
-            f.write(json.dumps({"tasks": len(self.tasks), "stale": self.stale_refusals, "statuses": {str(k): v for k, v in st_.items()}, "maxatt": max([t.attempt for t in self.tasks.values()] or [0]), "keys": len(self.keys)}) + "\n")
         try:
             self.db.close()
             self.run(self.app.close())
@@ -316,7 +312,13 @@ class StoreMachine(RuleBasedStateMachine):
     # failures and the retry policy
 
     def retry_outcomes(self, model: ModelTask, first: Status, retryable: bool) -> set[Status]:
-        if not retryable or model.attempt >= model.max_attempts or model.deadline_at <= self.now:
+        """What a failure may lead to: a scheduled retry only when the policy allows one."""
+        if (
+            not retryable
+            or model.cancel_requested_at is not None  # the user asked it to stop
+            or model.attempt >= model.max_attempts
+            or model.deadline_at <= self.now
+        ):
             return {first}
         if model.deadline_at - self.now > self.ceiling(model):
             return {S.RETRYING}
@@ -534,7 +536,8 @@ class StoreMachine(RuleBasedStateMachine):
     def tasks_match_the_model(self) -> None:
         rows = self.sql(
             "SELECT id, status, attempt, max_attempts, epoch, dedup_key, lease_owner,"
-            " lease_expires_at, state_deadline_at, finished_at, cancel_requested FROM tasks"
+            " lease_expires_at, state_deadline_at, finished_at, cancel_requested, ready_at,"
+            " deadline_at FROM tasks"
         )
         assert {row[0] for row in rows} == set(self.tasks)  # I1: nothing lost, nothing extra
         for task_id, status, attempt, max_attempts, epoch, dedup, owner, *rest in rows:
@@ -544,7 +547,8 @@ class StoreMachine(RuleBasedStateMachine):
                                                       model.epoch)  # fmt: skip
             assert attempt <= max_attempts  # I7
             assert dedup == (None if model.dedup is None else DEDUP_KEYS[model.dedup])
-            lease_expires_at, state_deadline_at, finished_at, cancel_requested = rest
+            lease_expires_at, state_deadline_at, finished_at, cancel_requested, *times = rest
+            assert times == [model.ready_at, model.deadline_at]
             assert bool(cancel_requested) == (model.cancel_requested_at is not None)
             assert (finished_at is not None) == (model.status in FINAL)  # I1
             if model.status in RUNNING:

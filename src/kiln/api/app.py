@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
@@ -34,7 +30,8 @@ from kiln.api import errors, events, tasks
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
 from kiln.api.metrics import RequestMetrics
-from kiln.api.schemas import HealthOut, ReviewRequest, SubmitRequest
+from kiln.api.openapi import openapi_builder
+from kiln.api.schemas import HealthOut
 from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
@@ -209,61 +206,6 @@ def _version() -> str:
         return "0.0.0"
 
 
-REF_TEMPLATE = "#/components/schemas/{model}"
-
-
-def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
-    schema = model.model_json_schema(ref_template=REF_TEMPLATE)
-    components.update(schema.pop("$defs", {}))
-    return schema
-
-
-def submit_schema(app: App, components: dict[str, Any]) -> dict[str, Any]:
-    """The submission body: one variant per registered kind, with that kind's params."""
-    base = _model_schema(SubmitRequest, components)
-    variants = []
-    for name, kind in sorted(app.kinds.items()):
-        variant = copy.deepcopy(base)
-        variant["title"] = f"Submit {name}"
-        variant["properties"]["kind"] = {"type": "string", "const": name}
-        if kind.params is not None:
-            components[f"{name}.params"] = _model_schema(kind.params, components)
-            variant["properties"]["params"] = {"$ref": REF_TEMPLATE.format(model=f"{name}.params")}
-        variants.append(variant)
-    if not variants:
-        return base
-    return {"title": "SubmitRequest", "description": base.get("description", ""),
-            "oneOf": variants}  # fmt: skip
-
-
-def _without_security(schema: dict[str, Any]) -> None:
-    """With no keys configured nothing asks for a key: say so in the document."""
-    schema.get("components", {}).pop("securitySchemes", None)
-    for path in schema.get("paths", {}).values():
-        for operation in path.values():
-            operation.pop("security", None)
-
-
-def _openapi(api: FastAPI, app: App, settings: Settings) -> Callable[[], dict[str, Any]]:
-    """OpenAPI with the JSON bodies the routes read themselves (size limit, strict JSON)."""
-
-    def build() -> dict[str, Any]:
-        if api.openapi_schema:
-            return api.openapi_schema
-        schema = get_openapi(
-            title=api.title, version=api.version, description=api.description, routes=api.routes
-        )
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components["SubmitRequest"] = submit_schema(app, components)
-        components["ReviewRequest"] = _model_schema(ReviewRequest, components)
-        if not settings.auth_enabled:
-            _without_security(schema)
-        api.openapi_schema = schema
-        return schema
-
-    return build
-
-
 def create_app(
     app: App,
     *,
@@ -298,6 +240,6 @@ def create_app(
     api.include_router(ops)
     if DASHBOARD_DIR.is_dir():
         api.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR), name="dashboard")
-    api.openapi = _openapi(api, app, settings)  # type: ignore[method-assign]
+    api.openapi = openapi_builder(api, app, settings)  # type: ignore[method-assign]
     install_log_redaction()
     return api

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Header, Query, WebSocket
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import HTTPConnection
@@ -35,6 +36,8 @@ router = APIRouter()
 WS_UNAUTHORIZED = 4401
 WS_NOT_FOUND = 4404
 WS_INVALID = 4422
+#: How long a stream may take to end by itself once the server is shutting down.
+SHUTDOWN_GRACE_S = 2.0
 
 _SSE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
@@ -74,11 +77,41 @@ def sse_event(message: Message) -> ServerSentEvent:
     return ServerSentEvent(data=data, event="progress")
 
 
-async def _sse(state: ApiState, messages: AsyncIterator[Message]) -> AsyncIterator[ServerSentEvent]:
+async def until_stopped(
+    messages: AsyncIterator[Message], stop: anyio.Event
+) -> AsyncIterator[Message]:
+    """The messages, until ``stop`` is set (the server is shutting down).
+
+    Each message is awaited in a task of its own; whichever way this ends (the stream's
+    end, shutdown, the client going away), that task is cancelled, so the subscription
+    behind ``messages`` is released.
+    """
+    stopping = asyncio.ensure_future(stop.wait())
+    step: asyncio.Future[Message] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(messages))
+            await asyncio.wait({step, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return
+            try:
+                message = step.result()
+            except StopAsyncIteration:
+                return
+            yield message
+    finally:
+        stopping.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+
+
+async def _sse(
+    state: ApiState, messages: AsyncIterator[Message], stop: anyio.Event
+) -> AsyncIterator[ServerSentEvent]:
     gauge = state.metrics.streams.labels("sse")
     gauge.inc()
     try:
-        async for message in messages:
+        async for message in until_stopped(messages, stop):
             yield sse_event(message)
     finally:
         gauge.dec()
@@ -87,11 +120,14 @@ async def _sse(state: ApiState, messages: AsyncIterator[Message]) -> AsyncIterat
 
 
 def _response(state: ApiState, messages: AsyncIterator[Message]) -> EventSourceResponse:
+    stop = anyio.Event()
     return EventSourceResponse(
-        _sse(state, messages),
+        _sse(state, messages, stop),
         ping=state.ping_interval_s,
         ping_message_factory=lambda: ServerSentEvent(comment="ping"),
         sep="\n",
+        shutdown_event=stop,
+        shutdown_grace_period=SHUTDOWN_GRACE_S,
     )
 
 

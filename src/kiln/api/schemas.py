@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from kiln.models import JSON, Task, iso
 from kiln.states import Status
 
 JSONObject = dict[str, Any]
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says), 3.5 is not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
 
 # Requests -------------------------------------------------------------------------------
 
@@ -38,8 +46,10 @@ class SubmitRequest(BaseModel):
     params: Annotated[
         JSONObject, Field(examples=[{"prompt": "a red fox in snow", "steps": 30, "seed": 7}])
     ]
-    priority: Annotated[int, Field(ge=-100, le=100, description="higher first")] = 0
-    max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
+    priority: Annotated[
+        int, Field(ge=-100, le=100, description="higher first"), BeforeValidator(_integral)
+    ] = 0
+    max_attempts: Annotated[int, Field(ge=1, le=20), BeforeValidator(_integral)] = 3
     deadline_s: Annotated[float, Field(ge=1, le=604_800)] = 86_400
     dedup: bool = True
     timeouts: TimeoutsIn | None = None

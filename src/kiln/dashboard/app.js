@@ -78,8 +78,10 @@ function route() {
 const CONN_TEXT = { live: "live", reconnecting: "reconnecting…", closed: "offline", connecting: "connecting…" };
 
 on("connection", (state) => {
+  // The feed closes after a 401 too: then the key is what is missing, not the server.
+  const keyNeeded = state === "closed" && !authPanel.hidden;
   conn.dataset.state = state;
-  conn.textContent = CONN_TEXT[state] || state;
+  conn.textContent = keyNeeded ? "key needed" : CONN_TEXT[state] || state;
   conn.title =
     state === "live"
       ? "Receiving live events"

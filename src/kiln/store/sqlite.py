@@ -966,8 +966,9 @@ class SqliteStore:
                 r[0]
                 for r in conn.execute(
                     "SELECT dwell_s FROM events WHERE from_status = ? AND dwell_s IS NOT NULL"
-                    " ORDER BY seq DESC LIMIT 2000",
-                    (str(status),),
+                    + (" AND tenant = ?" if tenant is not None else "")
+                    + " ORDER BY seq DESC LIMIT 2000",
+                    (str(status), *args),
                 )
             )
             if values:

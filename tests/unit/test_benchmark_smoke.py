@@ -1,0 +1,72 @@
+"""The lifecycle benchmark runs end to end and ends with its one-line JSON summary.
+
+Timings are never asserted: only that a tiny run completes every task and reports
+positive figures in the documented shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "lifecycle.py"
+FIGURES = ("lifecycles_per_s", "transitions_per_s", "raw_tx_per_s", "ratio")
+
+
+def run_benchmark(tmp_path: Path, *options: str) -> tuple[dict[str, Any], str]:
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--tasks", "200", "--raw-seconds", "0.3", *options],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr
+    last = completed.stdout.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert isinstance(summary, dict)
+    return summary, completed.stdout
+
+
+def assert_positive(summary: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = summary[key]
+        assert isinstance(value, int | float) and not isinstance(value, bool), key
+        assert math.isfinite(value) and value > 0, (key, value)
+
+
+def test_default_run_prints_both_figures_and_ends_with_the_json_summary(tmp_path: Path) -> None:
+    # Given a tiny run with the default settings (no-op and 1 KiB figures, NORMAL)
+    # When it finishes
+    summary, stdout = run_benchmark(tmp_path)
+
+    # Then the human summary comes first and the JSON object is the very last line
+    assert "lifecycles/s" in stdout and "raw single-row" in stdout
+    assert_positive(summary, FIGURES)
+    assert_positive(summary, ("lifecycles_per_s_1k", "transitions_per_s_1k", "ratio_1k"))
+    assert summary["synchronous"] == "NORMAL"
+    assert summary["tasks"] == 200
+    # And every lifecycle counted its five transitions (submit, claim, acquire, generated,
+    # uploaded), so the two rates agree
+    assert summary["transitions_per_s"] == pytest.approx(5 * summary["lifecycles_per_s"], rel=0.01)
+
+
+def test_json_only_full_run_prints_one_json_line_of_the_same_shape(tmp_path: Path) -> None:
+    # Given a no-op-only run with synchronous=FULL and --json-only
+    # When it finishes
+    summary, stdout = run_benchmark(
+        tmp_path, "--synchronous", "FULL", "--output-bytes", "0", "--json-only"
+    )
+
+    # Then the JSON line is all it printed, with the same keys and FULL named
+    assert len(stdout.strip().splitlines()) == 1
+    assert_positive(summary, FIGURES)
+    assert summary["synchronous"] == "FULL"
+    assert summary["output_bytes"] == 0
+    assert "lifecycles_per_s_1k" not in summary
