@@ -43,6 +43,7 @@ Handler = Callable[..., Awaitable[HandlerResult]]
 ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
 
 DEFAULT_TENANT = "default"
+HISTORY_PAGE = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,49 +427,51 @@ class App:
         async with self.hub.subscribe(task_id=task_id, tenant=tenant) as sub:
             live_only = task_id is None and after is None and not replay
             last = self.hub.last_seq if live_only else (after or 0)
-            history = await self._history(task_id, tenant, last)
-            for event in history:
-                last = event.seq
+            replayed, final_seen = False, False
+            async for event in self._history(task_id, tenant, last):
+                last, replayed, final_seen = event.seq, True, event.final
                 yield event
-            if task_id is not None and await self._ended(task_id, history):
+            if task_id is not None and await self._ended(task_id, replayed, final_seen):
                 return
             while True:
-                for message in await self._next(sub, task_id, tenant, last):
+                async for message in self._next(sub, task_id, tenant, last):
                     if isinstance(message, TaskEvent):
                         last = message.seq
                     yield message
                     if task_id is not None and message.final:
                         return
 
-    async def _ended(self, task_id: str, history: list[TaskEvent]) -> bool:
-        if history:
-            return history[-1].final
+    async def _ended(self, task_id: str, replayed: bool, final_seen: bool) -> bool:
+        """Whether a task stream is done after its replay: its latest event was final."""
+        if replayed:
+            return final_seen
         task = await self.store.get(task_id)
         return task is not None and task.final
 
     async def _next(
         self, sub: Subscription, task_id: str | None, tenant: str | None, last: int
-    ) -> list[Message]:
+    ) -> AsyncIterator[Message]:
         """The next messages of a subscription, re-read from the log if it fell behind."""
         message = await sub.queue.get()
         if sub.lagged:
             sub.lagged = False
-            return list(await self._history(task_id, tenant, last))
-        if isinstance(message, TaskEvent) and message.seq <= last:
-            return []
-        return [message]
+            async for event in self._history(task_id, tenant, last):
+                yield event
+        elif not isinstance(message, TaskEvent) or message.seq > last:
+            yield message
 
     async def _history(
         self, task_id: str | None, tenant: str | None, after: int
-    ) -> list[TaskEvent]:
-        found: list[TaskEvent] = []
+    ) -> AsyncIterator[TaskEvent]:
+        """The persisted events after ``after``, read page by page."""
         while True:
             page = await self.store.events(
-                task_id=task_id, tenant=tenant, after=after, limit=1000
+                task_id=task_id, tenant=tenant, after=after, limit=HISTORY_PAGE
             )
-            found += page
-            if len(page) < 1000:
-                return found
+            for event in page:
+                yield event
+            if len(page) < HISTORY_PAGE:
+                return
             after = page[-1].seq
 
     async def wait(self, task_id: str, *, timeout_s: float | None = None) -> Task:

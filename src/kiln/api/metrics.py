@@ -81,6 +81,7 @@ class StoreSnapshot:
     counts: dict[str, int] = field(default_factory=dict)
     ghosts: int = 0
     counters: dict[tuple[str, str], int] = field(default_factory=dict)
+    oldest_ready_age_s: float = 0.0
 
 
 def _split_pair(labels: str) -> tuple[str, str]:
@@ -106,6 +107,11 @@ class StoreCollector:
         yield tasks
         yield GaugeMetricFamily(
             "kiln_ghost_tasks", "Running tasks whose lease lapsed unswept", value=snap.ghosts
+        )
+        yield GaugeMetricFamily(
+            "kiln_queue_oldest_age_seconds",
+            "How long the oldest ready (PENDING or due RETRYING) task has waited; 0 when none",
+            value=snap.oldest_ready_age_s,
         )
         yield self._pairs("transitions", "kiln_transitions", "Status transitions")
         yield self._pairs(
@@ -186,7 +192,11 @@ class ApiMetrics:
         stats = await store.stats(tenant=None, ghost_after_s=ghost_after_s)
         counters = await store.counters()
         await self.histogram.catch_up(store)
-        self.store_collector.snapshot = StoreSnapshot(dict(stats.counts), stats.ghosts, counters)
+        oldest = stats.oldest_ready_at
+        age_s = max(0.0, store.clock() - oldest) if oldest is not None else 0.0
+        self.store_collector.snapshot = StoreSnapshot(
+            dict(stats.counts), stats.ghosts, counters, age_s
+        )
         return generate_latest(self.registry)
 
 
