@@ -32,7 +32,7 @@ from kiln.errors import (
 )
 from kiln.models import JSON, NewTask, Output, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
-from kiln.states import CLAIMABLE, FINAL, RUNNING, Event, IllegalTransition, Status, check
+from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage, verify
 from kiln.store import Change, LeaderToken, Store, open_store
 
@@ -229,12 +229,13 @@ class App:
             to = check(task.status, event, target)
         except IllegalTransition as exc:
             self.illegal_transitions += 1
-            await self.store.bump("illegal_transitions", f"{task.status}>{exc.target or '?'}")
+            wanted = exc.target or "|".join(sorted(RULES[event].targets))
+            await self.store.bump("illegal_transitions", f"{task.status}>{wanted}")
             log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
             raise
         steps = [(event, to)]
         changes = dict(fields or {})
-        if to in FINAL or to in CLAIMABLE:
+        if to not in RUNNING:  # no worker holds the task any more
             changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
         if retry_error is not None:
             changes["error"] = retry_error

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from factories import KIND, make_new_task
+from factories import KIND, make_new_task  # type: ignore[import-not-found]
 
 from kiln.errors import KilnError
 from kiln.store import Store, open_store

@@ -23,7 +23,7 @@ from kiln.models import Task, TaskEvent, Timeouts
 from kiln.states import Event, Status, replay
 from kiln.store import Progress, Store
 
-from .conftest import Backend, Row
+from .backends import Backend, Row
 from .factories import KIND, SettableClock, claim_one, drive, make_new_task, step_change
 
 Truth = Callable[..., list[Row]]
@@ -307,7 +307,7 @@ async def test_change_and_its_event_rows_commit_together(
     )
     before = await store.get(claimed.id)
     # When a change needs that event id
-    with pytest.raises(Exception, match="(?i)unique|duplicate"):
+    with pytest.raises(Exception, match=r"(?i)unique|duplicate"):
         await store.apply(step_change(claimed, Event.ACQUIRE))
     # Then the task row did not change either
     assert await store.get(claimed.id) == before
@@ -321,9 +321,7 @@ async def test_change_and_its_event_rows_commit_together(
 # claim -------------------------------------------------------------------------------------
 
 
-async def test_claim_order_is_priority_then_ready_time(
-    store: Store, clock: SettableClock
-) -> None:
+async def test_claim_order_is_priority_then_ready_time(store: Store, clock: SettableClock) -> None:
     # Given tasks of two priorities submitted one second apart
     ids: dict[str, str] = {}
     for name, priority in [("a", 0), ("b", 5), ("c", 0), ("d", 5)]:
@@ -341,9 +339,7 @@ async def test_claim_order_is_priority_then_ready_time(
     assert await store.claim(worker_id="w", kinds=[KIND], limit=5, lease_ttl_s=30) == []
 
 
-async def test_retrying_task_is_claimed_only_when_due(
-    store: Store, clock: SettableClock
-) -> None:
+async def test_retrying_task_is_claimed_only_when_due(store: Store, clock: SettableClock) -> None:
     # Given a task whose retry is due in 10 s
     claimed = await drive(store, make_new_task(), S.WAITING_FOR_RESOURCE)
     due = clock() + 10
@@ -409,9 +405,7 @@ async def test_claimed_task_gets_attempt_epoch_lease_and_result_location(
     assert again.started_at == now
 
 
-async def test_task_past_its_deadline_is_not_claimed(
-    store: Store, clock: SettableClock
-) -> None:
+async def test_task_past_its_deadline_is_not_claimed(store: Store, clock: SettableClock) -> None:
     late = (await store.submit(make_new_task({"n": 1}, deadline_s=10))).task
     clock.advance(10)
     assert await store.claim(worker_id="w", kinds=[KIND], limit=5, lease_ttl_s=30) == []
@@ -455,9 +449,7 @@ async def test_heartbeat_extends_the_lease_and_persists_progress(
     assert (plain.progress_step, plain.lease_expires_at) == (3, clock() + 30)
 
 
-async def test_heartbeat_with_a_stale_epoch_is_refused(
-    store: Store, clock: SettableClock
-) -> None:
+async def test_heartbeat_with_a_stale_epoch_is_refused(store: Store, clock: SettableClock) -> None:
     stale, current = await _moved_on(store, clock)
     before = await state_of(store, current.id)
     with pytest.raises(LeaseLost):
@@ -494,6 +486,11 @@ async def test_due_finds_exactly_what_the_supervisor_must_act_on(
     await store.submit(make_new_task({"n": "fine"}, kind="kind.x", deadline_s=1000))
     done = await drive(store, make_new_task({"n": "done"}, kind="kind.y", deadline_s=5),
                        S.CANCELLED)  # fmt: skip
+    review = await drive(store, make_new_task({"n": "review"}, kind="kind.z"), S.NEEDS_REVIEW,
+                         lease_ttl_s=5)  # fmt: skip
+    gave_up = await _running(store, "gave_up", lease_ttl_s=5, waiting_s=5)
+    asked = await store.request_cancel(gave_up.id)
+    await store.apply(step_change(asked, Event.FAIL))  # ended before it saw the request
     await store.request_cancel(cancel.id)
     clock.advance(9)
     await store.request_cancel(recent.id)
@@ -506,6 +503,7 @@ async def test_due_finds_exactly_what_the_supervisor_must_act_on(
     assert [t.id for t in due.deadline_passed] == [late.id]
     assert [t.id for t in due.cancel_overdue] == [cancel.id]
     assert done.id not in {t.id for t in due.deadline_passed}
+    assert review.id not in {t.id for t in due.lease_expired + due.state_expired}
     # And the ghost count sees the lapsed lease only once it is older than asked
     assert await store.count_ghosts(older_than_s=0) == 1
     assert await store.count_ghosts(older_than_s=5) == 0
@@ -554,7 +552,7 @@ async def test_stats_agree_with_the_tasks_table(
     # When stats are read
     stats = await store.stats(tenant=None, ghost_after_s=10)
     # Then counts equal the table's ground truth
-    truth_counts = dict(truth("SELECT status, COUNT(*) FROM tasks GROUP BY status"))
+    truth_counts: dict[str, int] = dict(truth("SELECT status, COUNT(*) FROM tasks GROUP BY status"))
     assert stats.counts == {str(s): truth_counts.get(str(s), 0) for s in Status}
     assert sum(stats.counts.values()) == 6
     # And failures are counted by code, and the one lapsed lease is a ghost
@@ -565,7 +563,7 @@ async def test_stats_agree_with_the_tasks_table(
     # And per tenant, counts follow that tenant's rows
     for tenant in ("acme", "globex"):
         mine = await store.stats(tenant=tenant, ghost_after_s=10)
-        rows = dict(truth("SELECT status, COUNT(*) FROM tasks WHERE tenant = ?"
+        rows: dict[str, int] = dict(truth("SELECT status, COUNT(*) FROM tasks WHERE tenant = ?"
                           " GROUP BY status", tenant))  # fmt: skip
         assert mine.counts == {str(s): rows.get(str(s), 0) for s in Status}
 
@@ -583,7 +581,9 @@ async def test_two_stores_on_one_database_both_work(
     )
     try:
         # When both submit the same content at once
-        results = await asyncio.gather(first.submit(make_new_task()), second.submit(make_new_task()))
+        results = await asyncio.gather(
+            first.submit(make_new_task()), second.submit(make_new_task())
+        )
         # Then one task exists, and each store sees and moves it
         assert sorted(r.created for r in results) == [False, True]
         task_id = results[0].task.id

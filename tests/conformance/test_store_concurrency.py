@@ -21,7 +21,7 @@ from kiln.errors import KilnError
 from kiln.models import NewTask
 from kiln.store import Store
 
-from .conftest import Backend, Row
+from .backends import Backend, Row
 from .factories import KIND, make_new_task
 
 CLIENT = Path(__file__).with_name("store_client.py")
@@ -150,8 +150,11 @@ def _clients(url: str, argvs: list[list[str]]) -> Iterator[list[subprocess.Popen
     procs = [
         subprocess.Popen(
             [sys.executable, str(CLIENT), url, *argv],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for argv in argvs
     ]
     try:
@@ -191,15 +194,35 @@ async def test_identical_submissions_from_four_processes_make_one_task(
     url = backend.url(tmp_path)
     await backend.open(tmp_path, time.time).close()  # a migrated database
     # When they all submit at once
-    answers = await asyncio.to_thread(
-        _run_together, url, [["submit", "25", "same body", key]] * 4
-    )
+    answers = await asyncio.to_thread(_run_together, url, [["submit", "25", "same body", key]] * 4)
     # Then there is one task, created exactly once across all processes
     outcomes = [o for answer in answers for o in answer]
     assert len(outcomes) == 100
     assert {o.get("error") for o in outcomes} == {None}
     assert len({o["id"] for o in outcomes}) == 1
     assert [o["created"] for o in outcomes].count(True) == 1
+
+
+@pytest.mark.slow
+async def test_one_key_with_two_bodies_from_four_processes_is_refused_for_the_loser(
+    backend: Backend, tmp_path: Path
+) -> None:
+    # Given four processes sharing one key, two of them with another body
+    url = backend.url(tmp_path)
+    await backend.open(tmp_path, time.time).close()
+    argvs = [["submit", "25", body, "shared-key"] for body in ("a", "b", "a", "b")]
+    # When they all submit at once
+    answers = await asyncio.to_thread(_run_together, url, argvs)
+    # Then one body won everywhere: one task, created once; the other body was refused
+    by_body: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for argv, answer in zip(argvs, answers, strict=True):
+        by_body[argv[2]] += answer
+    winner = "a" if any("id" in o for o in by_body["a"]) else "b"
+    loser = "b" if winner == "a" else "a"
+    assert len({o.get("id") for o in by_body[winner]}) == 1
+    assert None not in {o.get("id") for o in by_body[winner]}
+    assert [o["created"] for o in by_body[winner]].count(True) == 1
+    assert by_body[loser] == [{"error": "idempotency_key_reused"}] * 50
 
 
 @pytest.mark.slow
@@ -222,9 +245,7 @@ async def test_four_processes_claiming_never_take_a_task_twice(
         assert set(claims) == pending
         tasks, _ = await store.list_tasks(tenant=None, kind=KIND, limit=500)
         assert {(t.status, t.attempt, t.epoch) for t in tasks} == {("WAITING_FOR_RESOURCE", 1, 1)}
-        claim_events = [
-            e for e in await store.events(limit=1000) if e.event == "claim"
-        ]
+        claim_events = [e for e in await store.events(limit=1000) if e.event == "claim"]
         assert Counter(e.task_id for e in claim_events) == Counter(claims)
     finally:
         await store.close()

@@ -16,6 +16,7 @@ import json
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
@@ -90,11 +91,26 @@ def sqlite_path(url: str) -> str:
 def connect(path: str, *, synchronous: str = "NORMAL") -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
     conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA journal_mode=WAL")
+    _use_wal(conn)
     conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute("PRAGMA busy_timeout=30000")
     conn.execute("PRAGMA temp_store=MEMORY")
     return conn
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Switch to WAL once per file. Switching needs a lock that SQLite does not wait for
+    when another connection opens the same new file at that moment, so retry briefly."""
+    for attempt in range(50):
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+                return
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if attempt == 49:
+                raise
+            time.sleep(0.01 * (attempt + 1))
 
 
 # Migrations ------------------------------------------------------------------------------
@@ -786,9 +802,19 @@ class SqliteStore:
 
     async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         applied: tuple[Task, list[TaskEvent]] = await self._write(
-            lambda conn: self._apply(conn, change)
+            lambda conn: self._apply_atomically(conn, change)
         )
         return applied
+
+    def _apply_atomically(
+        self, conn: sqlite3.Connection, change: Change
+    ) -> tuple[Task, list[TaskEvent]] | _Refused:
+        try:
+            return self._apply(conn, change)
+        except sqlite3.IntegrityError as exc:
+            # Raised, not returned: the operation's savepoint rolls back as a whole, so a
+            # status change never lands without its event row (I6).
+            raise Conflict(f"task {change.task_id} changed concurrently: {exc}") from None
 
     def _apply(
         self, conn: sqlite3.Connection, change: Change

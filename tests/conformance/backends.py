@@ -1,0 +1,77 @@
+"""The backends the conformance suite runs against.
+
+Each backend names a fresh database by URL (what ``kiln.store.open_store`` and other
+processes open) and gives a direct connection for ground truth and fault injection, in
+plain SQL with ``?`` placeholders. Add a backend by adding a ``Backend`` to ``BACKENDS``:
+a ``postgres`` one would clone a template database per directory and translate the
+placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kiln.store import Clock, Store, open_store
+from kiln.store.sqlite import SqliteStore, connect
+
+Row = tuple[Any, ...]
+
+
+class Connection(Protocol):
+    """A direct connection to a store's database, for ground truth and fault injection."""
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]: ...
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    url: Callable[[Path], str]
+    connect: Callable[[Store], Connection]
+
+    def open(self, directory: Path, clock: Clock) -> Store:
+        """A store on the database of ``directory`` (the same one on every call)."""
+        return open_store(self.url(directory), clock=clock)
+
+    def rows(self, store: Store, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        conn = self.connect(store)
+        try:
+            return conn.rows(sql, args)
+        finally:
+            conn.close()
+
+    def execute(self, store: Store, sql: str, args: Sequence[Any] = ()) -> None:
+        conn = self.connect(store)
+        try:
+            conn.execute(sql, args)
+        finally:
+            conn.close()
+
+
+class SqliteConnection:
+    def __init__(self, store: Store) -> None:
+        assert isinstance(store, SqliteStore)
+        self._conn = connect(store.path)
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        return [tuple(row) for row in self._conn.execute(sql, tuple(args)).fetchall()]
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self._conn.execute(sql, tuple(args))
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _sqlite_url(directory: Path) -> str:
+    return f"sqlite:///{directory / 'kiln.db'}"
+
+
+BACKENDS = [Backend("sqlite", _sqlite_url, SqliteConnection)]
