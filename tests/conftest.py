@@ -61,3 +61,9 @@ async def app(settings: Settings) -> AsyncIterator[kiln.App]:
     demo.register(instance)
     async with instance:
         yield instance
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the browser tests last: Playwright's sync API keeps an event loop set on the
+    main thread for the rest of the session, which async tests after it would trip on."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
