@@ -11,6 +11,7 @@ same file serialize through SQLite's write lock (``busy_timeout``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import queue
@@ -89,7 +90,9 @@ def sqlite_path(url: str) -> str:
 
 
 def connect(path: str, *, synchronous: str = "NORMAL") -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=30.0, factory=Connection
+    )
     conn.row_factory = sqlite3.Row
     _use_wal(conn)
     conn.execute(f"PRAGMA synchronous={synchronous}")
@@ -268,18 +271,24 @@ class _DbThread(threading.Thread):
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             return [(job, None, exc) for job in batch]
+        tally = _tally(conn)
+        committed: collections.Counter[tuple[str, str, str]] = collections.Counter()
         for job in batch:
             conn.execute("SAVEPOINT op")
+            tally.clear()
             try:
                 result = job.fn(conn)
             except Exception as exc:
-                conn.execute("ROLLBACK TO op")
+                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
                 conn.execute("RELEASE op")
                 outcomes.append((job, None, exc))
                 continue
             conn.execute("RELEASE op")
+            committed.update(tally)
             outcomes.append((job, result, None))
+        tally.clear()
         try:
+            flush_tally(conn, committed)
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             if conn.in_transaction:
@@ -415,20 +424,45 @@ def _append_event(
     )
 
 
+class Connection(sqlite3.Connection):
+    """A connection with a tally of counter deltas, flushed once per transaction.
+
+    Status counts and event counters change on every transition; adding them up in
+    memory and writing each distinct row once per group commit keeps them off the hot path.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tally: collections.Counter[tuple[str, str, str]] = collections.Counter()
+
+
 def _count_status(conn: sqlite3.Connection, tenant: str, status: Status, delta: int) -> None:
-    conn.execute(
-        "INSERT INTO task_counts (tenant, status, n) VALUES (?, ?, ?)"
-        " ON CONFLICT (tenant, status) DO UPDATE SET n = n + excluded.n",
-        (tenant, str(status), delta),
-    )
+    _tally(conn)[("task_counts", tenant, str(status))] += delta
 
 
 def _bump(conn: sqlite3.Connection, name: str, labels: str = "", delta: int = 1) -> None:
-    conn.execute(
-        "INSERT INTO counters (name, labels, n) VALUES (?, ?, ?)"
-        " ON CONFLICT (name, labels) DO UPDATE SET n = n + excluded.n",
-        (name, labels, delta),
-    )
+    _tally(conn)[("counters", name, labels)] += delta
+
+
+def _tally(conn: sqlite3.Connection) -> collections.Counter[tuple[str, str, str]]:
+    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
+    return conn.tally
+
+
+_FLUSH_SQL = {
+    "task_counts": "INSERT INTO task_counts (tenant, status, n) VALUES (?, ?, ?)"
+    " ON CONFLICT (tenant, status) DO UPDATE SET n = n + excluded.n",
+    "counters": "INSERT INTO counters (name, labels, n) VALUES (?, ?, ?)"
+    " ON CONFLICT (name, labels) DO UPDATE SET n = n + excluded.n",
+}
+
+
+def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, str, str]]) -> None:
+    """Write the summed counter deltas, one UPSERT per distinct row."""
+    for table, sql in _FLUSH_SQL.items():
+        rows = [(a, b, n) for (t, a, b), n in tally.items() if t == table and n]
+        if rows:
+            conn.executemany(sql, rows)
 
 
 def _percentile(sorted_values: list[float], fraction: float) -> float:
