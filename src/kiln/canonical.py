@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import threading
 import time
 from typing import Any
@@ -32,10 +33,13 @@ class _IdClock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last = 0
+        # Seeded once from the OS: reading os.urandom per id costs tens of microseconds
+        # here, and ids need uniqueness, not secrecy.
+        self._random = random.Random(os.urandom(32))
 
     def next(self) -> int:
         with self._lock:
-            value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+            value = (int(time.time() * 1000) << 80) | self._random.getrandbits(80)
             if value <= self._last:
                 value = self._last + 1
             self._last = value

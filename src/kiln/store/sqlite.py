@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -24,10 +25,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
+from kiln.errors import (
+    Conflict,
+    IdempotencyKeyReused,
+    LeaseLost,
+    NotFound,
+    NotLeader,
+    StoreUnavailable,
+)
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
 from kiln.states import ACTIVE, CLAIMABLE, FINAL, Event, Status
 from kiln.store import Change, Clock, Due, LeaderToken, Progress, Stats
+
+log = logging.getLogger("kiln.store")
 
 _RUNNING_SQL = "('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
 _CLAIMABLE_SQL = "('PENDING', 'RETRYING')"
@@ -246,7 +256,14 @@ class _DbThread(threading.Thread):
         self.operations += len(batch)
         outcomes: list[tuple[_Job, Any, BaseException | None]]
         if self._writer:
-            outcomes = self._run_transaction(conn, batch)
+            try:
+                outcomes = self._run_transaction(conn, batch)
+            except Exception as exc:  # the transaction itself broke: fail the whole batch
+                log.exception("sqlite_batch_failed", extra={"operations": len(batch)})
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                outcomes = [(job, None, exc) for job in batch]
         else:
             outcomes = []
             for job in batch:
@@ -505,15 +522,18 @@ class SqliteStore:
     # plumbing
 
     async def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._writer.put(_Job(fn, loop, future))
-        return await future
+        return await self._submit_to(self._writer, fn)
 
     async def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return await self._submit_to(self._reader, fn)
+
+    @staticmethod
+    async def _submit_to(thread: _DbThread, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if not thread.is_alive():
+            raise StoreUnavailable(f"the store's {thread.name} thread is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._reader.put(_Job(fn, loop, future))
+        thread.put(_Job(fn, loop, future))
         return await future
 
     @property
