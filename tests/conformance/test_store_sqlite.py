@@ -17,9 +17,7 @@ from kiln.store.sqlite import (
     CLAIM_CANDIDATES_SQL,
     DEDUP_LOOKUP_SQL,
     DUE_CANCEL_SQL,
-    DUE_DEADLINE_SQL,
-    DUE_LEASE_SQL,
-    DUE_STATE_SQL,
+    DUE_SQL,
     GHOSTS_SQL,
     QUEUE_AHEAD_SQL,
     SqliteStore,
@@ -63,15 +61,13 @@ FROM shaped
 #: name -> (query, parameters, the indexes it may use)
 HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
     "claim": (CLAIM_CANDIDATES_SQL, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
-    "due_lease": (DUE_LEASE_SQL, (NOW, 500), ("tasks_lease_due",)),
-    "due_state": (DUE_STATE_SQL, (NOW, 500), ("tasks_state_due",)),
-    "due_deadline": (DUE_DEADLINE_SQL, (NOW, 500), ("tasks_deadline_due",)),
+    "due": (DUE_SQL, (NOW, 500), ("tasks_due",)),
     "due_cancel": (DUE_CANCEL_SQL, (NOW - 10, 500), ("tasks_cancel_due",)),
-    "ghosts": (GHOSTS_SQL, (NOW - 30,), ("tasks_lease_due",)),
+    "ghosts": (GHOSTS_SQL, (NOW - 30, NOW - 30), ("tasks_due",)),
     "ghosts_of_tenant": (
         GHOSTS_SQL + " AND tenant = ?",
-        (NOW - 30, "t1"),
-        ("tasks_lease_due", "tasks_tenant_status_id"),
+        (NOW - 30, NOW - 30, "t1"),
+        ("tasks_due", "tasks_tenant_status_id"),
     ),
     "dedup_lookup": (DEDUP_LOOKUP_SQL, ("t1", "d17"), ("tasks_dedup",)),
     "queue_position": (

@@ -57,7 +57,11 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Due:
-    """What a supervisor sweep must act on, each list bounded by the sweep's limit."""
+    """What a supervisor sweep must act on, bounded by the sweep's limit.
+
+    Each task is filed under one reason, the first that applies: deadline passed, lease
+    expired, state timeout; overdue cancels are found apart.
+    """
 
     lease_expired: list[Task]
     state_expired: list[Task]

@@ -68,25 +68,17 @@ QUEUE_AHEAD_SQL = (
     " OR (ready_at = ? AND id < ?))))"
 )
 #: Supervisor sweep, one query per reason: (now or cutoff, limit).
-DUE_LEASE_SQL = (
-    f"SELECT * FROM tasks WHERE status IN {_RUNNING_SQL}"
-    " AND lease_expires_at < ? ORDER BY lease_expires_at LIMIT ?"
-)
-DUE_STATE_SQL = (
-    f"SELECT * FROM tasks WHERE status IN {_RUNNING_SQL}"
-    " AND state_deadline_at < ? ORDER BY state_deadline_at LIMIT ?"
-)
-DUE_DEADLINE_SQL = (
-    f"SELECT * FROM tasks WHERE status IN {_DEADLINE_SQL}"
-    " AND deadline_at < ? ORDER BY deadline_at LIMIT ?"
-)
+DUE_SQL = "SELECT * FROM tasks WHERE due_at < ? ORDER BY due_at LIMIT ?"
 DUE_CANCEL_SQL = (
     "SELECT * FROM tasks WHERE cancel_requested = 1"
     f" AND status IN {_RUNNING_SQL} AND cancel_requested_at < ?"
     " ORDER BY cancel_requested_at LIMIT ?"
 )
 #: Running tasks whose lease lapsed before a cutoff: (cutoff).
-GHOSTS_SQL = f"SELECT COUNT(*) FROM tasks WHERE status IN {_RUNNING_SQL} AND lease_expires_at < ?"
+GHOSTS_SQL = (
+    f"SELECT COUNT(*) FROM tasks WHERE due_at < ? AND status IN {_RUNNING_SQL}"
+    " AND lease_expires_at < ?"
+)
 
 
 def sqlite_path(url: str) -> str:
@@ -487,6 +479,16 @@ def _percentile(sorted_values: list[float], fraction: float) -> float:
         return 0.0
     index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
     return round(sorted_values[index], 4)
+
+
+def _classify_due(task: Task, now: float, due: Due) -> None:
+    """File a task whose due_at passed under its reason: deadline, lease, state timeout."""
+    if task.deadline_at < now:
+        due.deadline_passed.append(task)
+    elif task.lease_expires_at is not None and task.lease_expires_at < now:
+        due.lease_expired.append(task)
+    elif task.state_deadline_at is not None and task.state_deadline_at < now:
+        due.state_expired.append(task)
 
 
 # The store ------------------------------------------------------------------------------
@@ -968,12 +970,10 @@ class SqliteStore:
                 found = conn.execute(sql, (cutoff, limit)).fetchall()
                 return [task_from_row(row) for row in found]
 
-            return Due(
-                lease_expired=rows(DUE_LEASE_SQL, now),
-                state_expired=rows(DUE_STATE_SQL, now),
-                deadline_passed=rows(DUE_DEADLINE_SQL, now),
-                cancel_overdue=rows(DUE_CANCEL_SQL, now - cancel_grace_s),
-            )
+            due = Due([], [], [], rows(DUE_CANCEL_SQL, now - cancel_grace_s))
+            for task in rows(DUE_SQL, now):
+                _classify_due(task, now, due)
+            return due
 
         due: Due = await self._read(read)
         return due
@@ -982,7 +982,7 @@ class SqliteStore:
         before = self.clock() - older_than_s
 
         def read(conn: sqlite3.Connection) -> int:
-            row = conn.execute(GHOSTS_SQL, (before,)).fetchone()
+            row = conn.execute(GHOSTS_SQL, (before, before)).fetchone()
             return int(row[0])
 
         count: int = await self._read(read)
@@ -1057,7 +1057,7 @@ class SqliteStore:
                     "p95": _percentile(values, 0.95),
                 }
         ghost_sql = GHOSTS_SQL
-        ghost_args: list[Any] = [ghost_before]
+        ghost_args: list[Any] = [ghost_before, ghost_before]
         if tenant is not None:
             ghost_sql += " AND tenant = ?"
             ghost_args.append(tenant)
