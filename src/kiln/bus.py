@@ -152,9 +152,7 @@ class EventHub:
             if task.id in self.local_progress or task.final:
                 continue
             self.publish(
-                ProgressEvent(
-                    task.id, task.tenant, str(task.status), task.stage, task.progress()
-                )
+                ProgressEvent(task.id, task.tenant, str(task.status), task.stage, task.progress())
             )
 
 

@@ -101,8 +101,6 @@ def derive_seed(params_without_seed: Mapping[str, object]) -> int:
     return int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:4], "big")
 
 
-
-
 KIND = "image.generate"
 
 

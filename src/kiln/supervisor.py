@@ -57,8 +57,8 @@ class Supervisor:
     ) -> None:
         self.app = app
         self.interval_s = interval_s or app.settings.supervisor_interval_s
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:" + (
-            canonical.new_id("s")[-8:]
+        self.owner = (
+            owner or f"{socket.gethostname()}:{os.getpid()}:" + (canonical.new_id("s")[-8:])
         )
         self.batch = batch
         self.leader_ttl_s = leader_ttl_s or max(3 * self.interval_s, 3.0)
@@ -167,4 +167,3 @@ class Supervisor:
 
 def _error(code: str, message: str, *, retryable: bool = True) -> JSON:
     return {"code": code, "message": message, "retryable": retryable}
-

@@ -134,8 +134,8 @@ class Worker:
         if unknown:
             raise ValueError(f"no handler registered for kinds {unknown}")
         self.pool = ResourcePool(resources if resources is not None else {})
-        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:" + (
-            canonical.new_id("w")[-8:]
+        self.worker_id = (
+            worker_id or f"{socket.gethostname()}:{os.getpid()}:" + (canonical.new_id("w")[-8:])
         )
         self.lease_ttl_s = lease_ttl_s or app.settings.lease_ttl_s
         self.idle_poll_s = idle_poll_s

@@ -413,10 +413,16 @@ class StoreMachine(RuleBasedStateMachine):
         due = self.run(self.store.due(limit=1000, cancel_grace_s=CANCEL_GRACE_S))
         running = [t for t in self.tasks.values() if t.status in RUNNING]
         # Each task is filed under one reason, in this order: deadline, lease, state.
-        deadline = {t.id for t in self.tasks.values()
-                    if t.status in ACTIVE - {S.NEEDS_REVIEW} and t.deadline_at < self.now}
-        lease = {t.id for t in running if t.lease_expires_at is not None
-                 and t.lease_expires_at < self.now}
+        deadline = {
+            t.id
+            for t in self.tasks.values()
+            if t.status in ACTIVE - {S.NEEDS_REVIEW} and t.deadline_at < self.now
+        }
+        lease = {
+            t.id
+            for t in running
+            if t.lease_expires_at is not None and t.lease_expires_at < self.now
+        }
         expected = {
             "lease": lease - deadline,
             "state": {t.id for t in running if t.state_deadline_at is not None

@@ -1063,8 +1063,7 @@ class SqliteStore:
             ghost_args.append(tenant)
         ghosts = int(conn.execute(ghost_sql, ghost_args).fetchone()[0])
         oldest = conn.execute(
-            f"SELECT ready_at FROM tasks WHERE status IN {_CLAIMABLE_SQL}"
-            " ORDER BY ready_at LIMIT 1"
+            f"SELECT ready_at FROM tasks WHERE status IN {_CLAIMABLE_SQL} ORDER BY ready_at LIMIT 1"
         ).fetchone()
         return Stats(counts, failures, dwell, ghosts, None if oldest is None else oldest[0])
 
