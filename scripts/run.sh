@@ -21,5 +21,5 @@ done
 echo
 echo "  Dashboard: $URL/   (Ctrl-C stops kiln)"
 echo
-"$KILN" submit "a lighthouse on a cliff at dusk, stormy sea" --steps 40 --server "$URL" --wait || true
+"$KILN" submit "a lighthouse on a cliff at dusk, stormy sea" --steps 50 --step-ms 150 --server "$URL" --wait || true
 wait "$server"

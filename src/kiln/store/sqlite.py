@@ -800,6 +800,12 @@ class SqliteStore:
                 at=now,
                 dwell_s=now - cand["status_since"],
             )
+            if log.isEnabledFor(logging.INFO):
+                log.info("transition", extra={
+                    "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
+                    "from": str(source), "to": str(task.status), "event": "claim",
+                    "duration_s": now - cand["status_since"], "worker": worker_id,
+                })  # fmt: skip
             _count_status(conn, task.tenant, source, -1)
             _count_status(conn, task.tenant, Status.WAITING_FOR_RESOURCE, 1)
             _bump(conn, "transitions", f"{source}>{Status.WAITING_FOR_RESOURCE}")
