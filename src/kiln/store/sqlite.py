@@ -319,46 +319,98 @@ def _dumps(value: Any) -> str | None:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+#: The tasks table's columns in ``SELECT *`` order, after every migration; rows are read
+#: by position, which is checked against the database when a store opens.
+TASK_COLUMNS: tuple[str, ...] = (
+    "id",
+    "tenant",
+    "kind",
+    "status",
+    "priority",
+    "ready_at",
+    "params",
+    "metadata",
+    "inputs",
+    "fingerprint",
+    "idempotency_key",
+    "dedup_key",
+    "attempt",
+    "max_attempts",
+    "epoch",
+    "version",
+    "lease_owner",
+    "lease_expires_at",
+    "state_deadline_at",
+    "deadline_s",
+    "deadline_at",
+    "timeouts",
+    "stage",
+    "progress_step",
+    "progress_total",
+    "progress_at",
+    "cancel_requested",
+    "cancel_requested_at",
+    "next_retry_at",
+    "result_prefix",
+    "error",
+    "result",
+    "created_at",
+    "updated_at",
+    "status_since",
+    "started_at",
+    "finished_at",
+    "due_at",
+)
+_STATUSES = {str(status): status for status in Status}
+
+
+def check_task_columns(conn: sqlite3.Connection) -> None:
+    found = tuple(row[1] for row in conn.execute("PRAGMA table_xinfo(tasks)"))
+    if found != TASK_COLUMNS:
+        raise RuntimeError(f"tasks columns {found} differ from TASK_COLUMNS {TASK_COLUMNS}")
+
+
 def task_from_row(row: sqlite3.Row) -> Task:
-    timeouts = json.loads(row["timeouts"])
+    """A task from a ``SELECT *`` row, read by position (see TASK_COLUMNS)."""
+    timeouts = json.loads(row[21])
     return Task(
-        id=row["id"],
-        tenant=row["tenant"],
-        kind=row["kind"],
-        status=Status(row["status"]),
-        params=json.loads(row["params"]),
-        metadata=json.loads(row["metadata"]),
-        inputs=json.loads(row["inputs"]),
-        priority=row["priority"],
-        attempt=row["attempt"],
-        max_attempts=row["max_attempts"],
-        epoch=row["epoch"],
-        version=row["version"],
-        idempotency_key=row["idempotency_key"],
-        dedup_key=row["dedup_key"],
-        fingerprint=row["fingerprint"],
-        lease_owner=row["lease_owner"],
-        lease_expires_at=row["lease_expires_at"],
-        state_deadline_at=row["state_deadline_at"],
-        deadline_s=row["deadline_s"],
-        deadline_at=row["deadline_at"],
+        id=row[0],
+        tenant=row[1],
+        kind=row[2],
+        status=_STATUSES[row[3]],
+        params=json.loads(row[6]),
+        metadata=json.loads(row[7]),
+        inputs=json.loads(row[8]),
+        priority=row[4],
+        attempt=row[12],
+        max_attempts=row[13],
+        epoch=row[14],
+        version=row[15],
+        idempotency_key=row[10],
+        dedup_key=row[11],
+        fingerprint=row[9],
+        lease_owner=row[16],
+        lease_expires_at=row[17],
+        state_deadline_at=row[18],
+        deadline_s=row[19],
+        deadline_at=row[20],
         timeouts=Timeouts(**timeouts),
-        stage=row["stage"],
-        progress_step=row["progress_step"],
-        progress_total=row["progress_total"],
-        progress_at=row["progress_at"],
-        cancel_requested=bool(row["cancel_requested"]),
-        cancel_requested_at=row["cancel_requested_at"],
-        next_retry_at=row["next_retry_at"],
-        ready_at=row["ready_at"],
-        result_prefix=row["result_prefix"],
-        error=_loads(row["error"]),
-        result=_loads(row["result"]),
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        status_since=row["status_since"],
-        started_at=row["started_at"],
-        finished_at=row["finished_at"],
+        stage=row[22],
+        progress_step=row[23],
+        progress_total=row[24],
+        progress_at=row[25],
+        cancel_requested=bool(row[26]),
+        cancel_requested_at=row[27],
+        next_retry_at=row[28],
+        ready_at=row[5],
+        result_prefix=row[29],
+        error=_loads(row[30]),
+        result=_loads(row[31]),
+        created_at=row[32],
+        updated_at=row[33],
+        status_since=row[34],
+        started_at=row[35],
+        finished_at=row[36],
     )
 
 
@@ -509,6 +561,7 @@ class SqliteStore:
         setup = connect(path, synchronous=synchronous)
         try:
             migrate(setup)
+            check_task_columns(setup)
         finally:
             setup.close()
         self._writer = _DbThread(
