@@ -76,6 +76,8 @@ async def test_metrics_match_the_store_after_a_scripted_run(working_api: ApiUnde
     assert samples[("kiln_ghost_tasks", ())] == 0
     assert samples[("kiln_stale_writes_total", ())] == counters.get(("stale_writes", ""), 0)
     assert samples[("kiln_recovered_total", ())] == 0
+    renewals = counters.get(("lease_renewals", ""), 0)
+    assert samples[("kiln_lease_renewals_total", ())] == renewals
     assert labelled(samples, "kiln_illegal_transitions_total", "from", "to") == {}
 
     events = await store.events(limit=10_000)

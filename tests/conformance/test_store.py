@@ -447,6 +447,8 @@ async def test_heartbeat_extends_the_lease_and_persists_progress(
     clock.advance(1)
     plain = await store.heartbeat(task.id, task.epoch, 30, None)
     assert (plain.progress_step, plain.lease_expires_at) == (3, clock() + 30)
+    # And both renewals are counted, for kiln_lease_renewals_total
+    assert await counter(store, "lease_renewals") == 2
 
 
 async def test_heartbeat_with_a_stale_epoch_is_refused(store: Store, clock: SettableClock) -> None:
@@ -456,6 +458,7 @@ async def test_heartbeat_with_a_stale_epoch_is_refused(store: Store, clock: Sett
         await store.heartbeat(stale.id, stale.epoch, 30, Progress("x", 1, 2))
     assert await state_of(store, current.id) == before
     assert await counter(store, "stale_writes") == 1
+    assert await counter(store, "lease_renewals") == 0
 
 
 async def test_heartbeat_on_a_task_that_left_running_is_refused(store: Store) -> None:

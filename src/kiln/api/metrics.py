@@ -137,6 +137,11 @@ class StoreCollector:
             value=snap.counters.get(("stale_writes", ""), 0),
         )
         yield CounterMetricFamily(
+            "kiln_lease_renewals",
+            "Worker heartbeats that extended a lease",
+            value=snap.counters.get(("lease_renewals", ""), 0),
+        )
+        yield CounterMetricFamily(
             "kiln_recovered",
             "Outputs recovered after a lost lease",
             value=snap.counters.get(("recovered", ""), 0),

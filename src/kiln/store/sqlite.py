@@ -895,6 +895,7 @@ class SqliteStore:
         if row is None:
             _bump(conn, "stale_writes")
             return _Refused(LeaseLost(f"task {task_id} is no longer held at epoch {epoch}"))
+        _bump(conn, "lease_renewals")
         return task_from_row(row)
 
     async def request_cancel(self, task_id: str) -> Task:
