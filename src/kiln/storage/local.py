@@ -30,9 +30,8 @@ class LocalStorage:
     async def put(self, key: str, data: bytes) -> None:
         await asyncio.to_thread(self._put, self._path(key), data)
 
-    @staticmethod
-    def _put(path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _put(self, path: Path, data: bytes) -> None:
+        created = self._make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -43,11 +42,21 @@ class LocalStorage:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(path.parent)
+        # A new directory's own entry lives in its parent: make those durable too, so a
+        # power cut cannot lose a folder whose files were acknowledged.
+        for folder in created:
+            _fsync_dir(folder.parent)
+
+    def _make_dirs(self, folder: Path) -> list[Path]:
+        """Create ``folder`` and missing parents below the root; return those created."""
+        missing = []
+        while folder != self.root and not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for created in reversed(missing):
+            created.mkdir(exist_ok=True)
+        return missing
 
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._path(key).read_bytes)
@@ -81,3 +90,11 @@ class LocalStorage:
                 if key.startswith(prefix):
                     found.append(ObjectInfo(key, path.stat().st_size))
         return sorted(found, key=lambda info: info.key)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,99 @@
+"""The Storage protocol, run against every storage backend (local folder for now)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kiln.models import StoredOutput
+from kiln.storage import (
+    MANIFEST,
+    Storage,
+    open_storage,
+    read_complete_manifest,
+    sha256_hex,
+    verify,
+    write_manifest,
+)
+
+BACKENDS = ["local"]
+
+
+@pytest.fixture(params=BACKENDS)
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
+    if request.param == "local":
+        yield open_storage((tmp_path / "objects").as_uri())
+
+
+def _output(prefix: str, name: str, data: bytes) -> StoredOutput:
+    return StoredOutput(name, f"{prefix}/{name}", "image/png", len(data), sha256_hex(data))
+
+
+async def test_put_then_get_stat_and_delete(storage: Storage) -> None:
+    await storage.put("tasks/t1/1-1/image.png", b"pixels")
+    assert await storage.get("tasks/t1/1-1/image.png") == b"pixels"
+    info = await storage.stat("tasks/t1/1-1/image.png")
+    assert info is not None and info.size == 6
+    await storage.delete("tasks/t1/1-1/image.png")
+    assert await storage.stat("tasks/t1/1-1/image.png") is None
+    with pytest.raises(FileNotFoundError):
+        await storage.get("tasks/t1/1-1/image.png")
+
+
+async def test_put_replaces_an_object_whole(storage: Storage) -> None:
+    await storage.put("a/b", b"first version, longer")
+    await storage.put("a/b", b"second")
+    assert await storage.get("a/b") == b"second"
+
+
+async def test_list_yields_the_objects_under_a_prefix_and_no_temporary_files(
+    storage: Storage,
+) -> None:
+    for key in ("tasks/t1/1-1/image.png", "tasks/t1/1-1/manifest.json", "tasks/t2/1-1/x"):
+        await storage.put(key, b"x")
+    found = [info.key async for info in storage.list("tasks/t1/")]
+    assert found == ["tasks/t1/1-1/image.png", "tasks/t1/1-1/manifest.json"]
+    everything = [info.key async for info in storage.list("")]
+    assert len(everything) == 3 and all(".tmp-" not in key for key in everything)
+
+
+@pytest.mark.parametrize("key", ["", "../escape", "a/../../b", "/abs", "a//b", "a/./b", "a\\b"])
+async def test_keys_that_could_leave_the_storage_are_refused(storage: Storage, key: str) -> None:
+    with pytest.raises(ValueError):
+        await storage.put(key, b"x")
+
+
+async def test_verify_checks_size_and_sha256(storage: Storage) -> None:
+    output = _output("tasks/t1/1-1", "image.png", b"pixels")
+    assert not await verify(storage, output)  # missing
+    await storage.put(output.key, b"pixels")
+    assert await verify(storage, output)
+    await storage.put(output.key, b"pixelz")  # same size, other bytes
+    assert not await verify(storage, output)
+
+
+async def test_complete_manifest_is_recognised_and_a_torn_one_is_not(storage: Storage) -> None:
+    prefix = "tasks/t1/2-3"
+    output = _output(prefix, "image.png", b"pixels")
+    await storage.put(output.key, b"pixels")
+    assert await read_complete_manifest(storage, prefix) is None  # manifest not written yet
+    await write_manifest(storage, prefix, [output], flagged=False)
+    assert await read_complete_manifest(storage, prefix) == [output]
+    await storage.delete(output.key)  # an object lost after the manifest
+    assert await read_complete_manifest(storage, prefix) is None
+
+
+async def test_flagged_or_misplaced_manifest_is_not_recovered(storage: Storage) -> None:
+    prefix = "tasks/t1/1-1"
+    output = _output(prefix, "image.png", b"pixels")
+    await storage.put(output.key, b"pixels")
+    await write_manifest(storage, prefix, [output], flagged=True)
+    assert await read_complete_manifest(storage, prefix) is None
+    elsewhere = _output("tasks/t1/9-9", "image.png", b"pixels")
+    await storage.put(elsewhere.key, b"pixels")
+    await write_manifest(storage, prefix, [elsewhere], flagged=False)
+    assert await read_complete_manifest(storage, prefix) is None
+    await storage.put(f"{prefix}/{MANIFEST}", b"{not json")
+    assert await read_complete_manifest(storage, prefix) is None
