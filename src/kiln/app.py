@@ -34,7 +34,7 @@ from kiln.models import JSON, NewTask, Output, StoredOutput, SubmitResult, Task,
 from kiln.retry import RetryPolicy
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage, verify
-from kiln.store import Change, LeaderToken, Store, open_store
+from kiln.store import FAILURES_BY_MINUTE, Change, LeaderToken, Store, open_store
 
 log = logging.getLogger("kiln")
 
@@ -247,6 +247,12 @@ class App:
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)
+        minute = int(self.now() // 60)
+        counters = [
+            *counters,
+            *((FAILURES_BY_MINUTE, f"{minute:010d}:{labels}") for name, labels in counters
+              if name == "failures"),
+        ]  # fmt: skip
         change = Change(
             task_id=task.id,
             expect_status=task.status,

@@ -230,7 +230,7 @@ async def test_stats_count_the_tenants_tasks(api: ApiUnderTest) -> None:
     body = response.json()
     StatsOut.model_validate(body)
     assert body["counts"]["PENDING"] == 1 and body["counts"]["CANCELLED"] == 1
-    assert body["ghosts"] == 0 and body["failures"] == {}
+    assert body["ghosts"] == 0 and body["failures"] == {} == body["failures_last_hour"]
     assert set(body["dwell_seconds"]["PENDING"]) == {"p50", "p95"}
 
 

@@ -571,6 +571,33 @@ async def test_stats_agree_with_the_tasks_table(
         assert mine.counts == {str(s): rows.get(str(s), 0) for s in Status}
 
 
+async def test_failures_of_the_last_hour_age_out_while_the_totals_stay(
+    store: Store, engine: kiln.App, clock: SettableClock
+) -> None:
+    # Given two failed attempts, one of each tenant, and a third 40 minutes later
+    for i in range(3):
+        await engine.submit(KIND, {"n": i}, tenant="acme" if i else "globex")
+    claimed = await store.claim(worker_id="w", kinds=[KIND], limit=3, lease_ttl_s=5)
+    boom = {"code": "boom", "message": "x", "retryable": False}
+    await engine.apply(claimed[0], Event.FAIL, fenced=True, retry_error=boom)
+    await engine.apply(claimed[1], Event.FAIL, fenced=True, retry_error=boom)
+    clock.advance(40 * 60)
+    await engine.apply(claimed[2], Event.FAIL, fenced=True, retry_error=boom)
+    # Then all three count in the last hour, each tenant seeing its own
+    assert (await store.stats(tenant=None, ghost_after_s=10)).failures_last_hour == {"boom": 3}
+    by_tenant = {
+        t.tenant: (await store.stats(tenant=t.tenant, ghost_after_s=10)).failures_last_hour
+        for t in claimed
+    }
+    assert sum(f["boom"] for f in by_tenant.values()) == 3
+    # When 30 more minutes pass, only the latest failure is still within the hour
+    clock.advance(30 * 60)
+    stats = await store.stats(tenant=None, ghost_after_s=10)
+    assert stats.failures_last_hour == {"boom": 1}
+    # And the all-time totals keep all three
+    assert stats.failures == {"boom": 3}
+
+
 # two stores on one database --------------------------------------------------------------------
 
 

@@ -152,6 +152,7 @@ class StatsOut(_Out):
     counts: dict[str, int]
     dwell_seconds: dict[str, Percentiles]
     failures: dict[str, int]
+    failures_last_hour: dict[str, int]
     ghosts: int
 
 

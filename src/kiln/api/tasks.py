@@ -322,6 +322,7 @@ async def stats(request: Request, principal: Caller) -> Response:
             "counts": found.counts,
             "dwell_seconds": found.dwell_seconds,
             "failures": found.failures,
+            "failures_last_hour": found.failures_last_hour,
             "ghosts": found.ghosts,
         }
     )

@@ -242,7 +242,7 @@ function createCharts() {
       "section",
       { class: "card", dataset: { testid: "failures-chart" }, "aria-labelledby": "failures-title" },
       h("h2", { id: "failures-title", text: "Failure reasons" }),
-      h("p", { class: "muted small", text: "Failed attempts by error code" }),
+      h("p", { class: "muted small", text: "Failed attempts by error code, last hour" }),
       failuresBody,
     ),
     h(
@@ -269,7 +269,7 @@ function createCharts() {
       .sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]));
     clear(failuresBody);
     if (!entries.length) {
-      failuresBody.appendChild(h("p", { class: "chart-empty", text: "No failed attempts recorded." }));
+      failuresBody.appendChild(h("p", { class: "chart-empty", text: "No failed attempts in the last hour." }));
       return;
     }
     const max = entries[0][1];
@@ -371,7 +371,7 @@ function createCharts() {
         return;
       }
       everLoaded = true;
-      renderFailures(stats.failures);
+      renderFailures(stats.failures_last_hour ?? stats.failures);
       renderDwell(stats.dwell_seconds);
       setText(updated, `Updated ${formatClock(Date.now())} · refreshes every 10 s`);
     },

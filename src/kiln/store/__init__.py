@@ -16,6 +16,11 @@ from kiln.states import Event, Status
 
 Clock = Callable[[], float]
 
+#: Counter of failed attempts per minute, labels ``<minute since epoch, 10 digits>:<tenant>:
+#: <code>``, so a time range is a key range. Buckets older than a day are dropped.
+FAILURES_BY_MINUTE = "failures_by_minute"
+FAILURE_BUCKETS_KEPT_MIN = 24 * 60
+
 
 @dataclass(frozen=True, slots=True)
 class LeaderToken:
@@ -76,6 +81,8 @@ class Stats:
     dwell_seconds: dict[str, dict[str, float]]
     ghosts: int
     oldest_ready_at: float | None
+    #: Failed attempts by code over the last 60 minutes (per-minute buckets).
+    failures_last_hour: dict[str, int] = field(default_factory=dict)
 
 
 class Store(Protocol):

@@ -35,7 +35,16 @@ from kiln.errors import (
 )
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
 from kiln.states import ACTIVE, CLAIMABLE, FINAL, Event, Status
-from kiln.store import Change, Clock, Due, LeaderToken, Progress, Stats
+from kiln.store import (
+    FAILURE_BUCKETS_KEPT_MIN,
+    FAILURES_BY_MINUTE,
+    Change,
+    Clock,
+    Due,
+    LeaderToken,
+    Progress,
+    Stats,
+)
 
 log = logging.getLogger("kiln.store")
 
@@ -524,6 +533,13 @@ def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, 
         rows = [(a, b, n) for (t, a, b), n in tally.items() if t == table and n]
         if rows:
             conn.executemany(sql, rows)
+    buckets = [b for (t, a, b) in tally if t == "counters" and a == FAILURES_BY_MINUTE]
+    if buckets:  # keep a day of per-minute failure buckets
+        newest = int(max(buckets).split(":", 1)[0])
+        conn.execute(
+            "DELETE FROM counters WHERE name = ? AND labels < ?",
+            (FAILURES_BY_MINUTE, f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"),
+        )
 
 
 def _percentile(sorted_values: list[float], fraction: float) -> float:
@@ -1125,7 +1141,26 @@ class SqliteStore:
         oldest = conn.execute(
             f"SELECT ready_at FROM tasks WHERE status IN {_CLAIMABLE_SQL} ORDER BY ready_at LIMIT 1"
         ).fetchone()
-        return Stats(counts, failures, dwell, ghosts, None if oldest is None else oldest[0])
+        return Stats(
+            counts,
+            failures,
+            dwell,
+            ghosts,
+            None if oldest is None else oldest[0],
+            self._failures_last_hour(conn, tenant),
+        )
+
+    def _failures_last_hour(self, conn: sqlite3.Connection, tenant: str | None) -> dict[str, int]:
+        since = int(self.clock() // 60) - 59
+        found: dict[str, int] = {}
+        for row in conn.execute(
+            "SELECT labels, n FROM counters WHERE name = ? AND labels >= ?",
+            (FAILURES_BY_MINUTE, f"{since:010d}:"),
+        ):
+            _minute, row_tenant, code = str(row["labels"]).split(":", 2)
+            if tenant is None or row_tenant == tenant:
+                found[code] = found.get(code, 0) + int(row["n"])
+        return found
 
     async def counters(self) -> dict[tuple[str, str], int]:
         def read(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
