@@ -435,8 +435,10 @@ class App:
             live_only = task_id is None and after is None and not replay
             last = self.hub.last_seq if live_only else (after or 0)
             replayed, final_seen = False, False
+            status_of: dict[str, Status] = {}
             async for event in self._history(task_id, tenant, last):
                 last, replayed, final_seen = event.seq, True, event.final
+                status_of[event.task_id] = event.status
                 yield event
             if task_id is not None and await self._ended(task_id, replayed, final_seen):
                 return
@@ -444,9 +446,14 @@ class App:
                 async for message in self._next(sub, task_id, tenant, last):
                     if isinstance(message, TaskEvent):
                         last = message.seq
+                        status_of[message.task_id] = message.status
+                    elif status_of.get(message.task_id, Status.GENERATING) != Status.GENERATING:
+                        continue  # live progress overtook its GENERATING event: the next comes
                     yield message
-                    if task_id is not None and message.final:
-                        return
+                    if isinstance(message, TaskEvent) and message.final:
+                        status_of.pop(message.task_id, None)
+                        if task_id is not None:
+                            return
 
     async def _ended(self, task_id: str, replayed: bool, final_seen: bool) -> bool:
         """Whether a task stream is done after its replay: its latest event was final."""

@@ -69,9 +69,21 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record comes, not when it was built."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup(*, fmt: str = "text", level: str = "INFO") -> None:
     """Configure the ``kiln`` loggers: ``fmt`` is ``text`` or ``json``."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     logger = logging.getLogger("kiln")
     logger.handlers[:] = [handler]

@@ -18,6 +18,8 @@ from kiln.store.sqlite import (
     DEDUP_LOOKUP_SQL,
     DUE_CANCEL_SQL,
     DUE_SQL,
+    DWELL_SQL,
+    DWELL_TENANT_SQL,
     GHOSTS_SQL,
     QUEUE_AHEAD_SQL,
     SqliteStore,
@@ -70,6 +72,7 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("tasks_due", "tasks_tenant_status_id"),
     ),
     "dedup_lookup": (DEDUP_LOOKUP_SQL, ("t1", "d17"), ("tasks_dedup",)),
+    "dwell_of_tenant": (DWELL_TENANT_SQL, ("t1", 10_000), ("events_tenant",)),
     "queue_position": (
         QUEUE_AHEAD_SQL,
         ("kind.1", NOW, NOW, 1, 1, NOW - 500, NOW - 500, "tsk_00000500"),
@@ -111,6 +114,13 @@ def test_hot_query_reads_through_its_index(filled: sqlite3.Connection, name: str
     assert any(f"INDEX {index} " in d for d in uses_index for index in indexes), details
     assert not [d for d in details if d.startswith("SCAN tasks")], details
     assert not [d for d in details if "TEMP B-TREE" in d], details
+
+
+def test_dwell_of_all_tenants_reads_only_the_latest_events(filled: sqlite3.Connection) -> None:
+    # The event log is read backwards in seq (rowid) order: the LIMIT stops the scan, and
+    # nothing is sorted, so the cost is the window, not the log's length.
+    details = plan(filled, DWELL_SQL, (10_000,))
+    assert details == ["SCAN events"], details
 
 
 def test_plan_check_tells_a_scan_apart(filled: sqlite3.Connection) -> None:

@@ -185,8 +185,14 @@ async def test_cancel_of_a_generating_task_stops_the_worker_at_its_next_heartbea
 
         # Then it only gets cancel_requested, and the worker stops it: CANCELLED via stopped
         assert requested.status is Status.GENERATING and requested.cancel_requested
-        again = await live_app.cancel(task.id)
-        assert again.cancel_requested and again.status in (Status.GENERATING, Status.CANCELLED)
+        # (a worker in the same process is told at once, so a second cancel may find the
+        # task already CANCELLED)
+        try:
+            again = await live_app.cancel(task.id)
+        except AlreadyFinal:
+            pass
+        else:
+            assert again.cancel_requested and again.status is Status.GENERATING
         done = await wait_for_status(live_app.store, task.id, Status.CANCELLED, timeout_s=5)
 
     assert done.attempt == generating.attempt == 1

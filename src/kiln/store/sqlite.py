@@ -83,6 +83,12 @@ DUE_CANCEL_SQL = (
     f" AND status IN {_RUNNING_SQL} AND cancel_requested_at < ?"
     " ORDER BY cancel_requested_at LIMIT ?"
 )
+#: The time spent in each status over the latest transitions: (window) or (tenant, window).
+DWELL_WINDOW = 10_000
+DWELL_SQL = "SELECT from_status, dwell_s FROM events ORDER BY seq DESC LIMIT ?"
+DWELL_TENANT_SQL = (
+    "SELECT from_status, dwell_s FROM events WHERE tenant = ? ORDER BY seq DESC LIMIT ?"
+)
 #: Running tasks whose lease lapsed before a cutoff: (cutoff).
 GHOSTS_SQL = (
     f"SELECT COUNT(*) FROM tasks WHERE due_at < ? AND status IN {_RUNNING_SQL}"
@@ -540,6 +546,19 @@ def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, 
             "DELETE FROM counters WHERE name = ? AND labels < ?",
             (FAILURES_BY_MINUTE, f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"),
         )
+
+
+def _dwell_percentiles(rows: Iterable[sqlite3.Row]) -> dict[str, dict[str, float]]:
+    by_status: dict[str, list[float]] = {}
+    final = {str(status) for status in FINAL}
+    for source, dwell_s in rows:
+        if source is not None and dwell_s is not None and source not in final:
+            by_status.setdefault(source, []).append(dwell_s)
+    found = {}
+    for status, values in by_status.items():
+        values.sort()
+        found[status] = {"p50": _percentile(values, 0.5), "p95": _percentile(values, 0.95)}
+    return found
 
 
 def _percentile(sorted_values: list[float], fraction: float) -> float:
@@ -1114,24 +1133,11 @@ class SqliteStore:
             row_tenant, _, code = str(row["labels"]).partition(":")
             if tenant is None or row_tenant == tenant:
                 failures[code] = failures.get(code, 0) + int(row["n"])
-        dwell: dict[str, dict[str, float]] = {}
-        for status in Status:
-            if status in FINAL:
-                continue
-            values = sorted(
-                r[0]
-                for r in conn.execute(
-                    "SELECT dwell_s FROM events WHERE from_status = ? AND dwell_s IS NOT NULL"
-                    + (" AND tenant = ?" if tenant is not None else "")
-                    + " ORDER BY seq DESC LIMIT 2000",
-                    (str(status), *args),
-                )
-            )
-            if values:
-                dwell[str(status)] = {
-                    "p50": _percentile(values, 0.5),
-                    "p95": _percentile(values, 0.95),
-                }
+        dwell = _dwell_percentiles(
+            conn.execute(DWELL_TENANT_SQL, (tenant, DWELL_WINDOW))
+            if tenant is not None
+            else conn.execute(DWELL_SQL, (DWELL_WINDOW,))
+        )
         ghost_sql = GHOSTS_SQL
         ghost_args: list[Any] = [ghost_before, ghost_before]
         if tenant is not None:
