@@ -8,7 +8,6 @@ it, so the supervisor expires the attempt while the first worker is still paused
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from kiln.app import running
 from kiln.config import Settings
 from kiln.models import Output, Task
 from kiln.states import Event, Status
-from kiln.storage import ObjectInfo
+from kiln.storage import StorageWrapper
 from kiln.storage.local import LocalStorage
 
 from .conftest import (
@@ -35,12 +34,11 @@ KIND = "stale.generate"
 PAUSED_LEASE_S = 300.0
 
 
-class GatedStorage:
+class GatedStorage(StorageWrapper):
     """LocalStorage whose puts under ``gated_prefix`` wait for ``opened`` to be set."""
 
     def __init__(self, root: Path) -> None:
-        self.inner = LocalStorage(root)
-        self.url = self.inner.url
+        super().__init__(LocalStorage(root))
         self.gated_prefix: str | None = None
         self.entered = asyncio.Event()
         self.opened = asyncio.Event()
@@ -52,22 +50,6 @@ class GatedStorage:
             await self.opened.wait()
         await self.inner.put(key, data)
         self.written.append(key)
-
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    async def stat(self, key: str) -> ObjectInfo | None:
-        return await self.inner.stat(key)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
-        async for info in self.inner.list(prefix):
-            yield info
-
-    def local_path(self, key: str) -> Path | None:
-        return self.inner.local_path(key)
 
 
 class Stage:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
@@ -14,7 +13,7 @@ from kiln.app import running
 from kiln.config import Settings
 from kiln.models import StoredOutput, Task
 from kiln.states import Event, Status
-from kiln.storage import ObjectInfo, verify
+from kiln.storage import StorageWrapper, verify
 from kiln.storage.local import LocalStorage
 
 from .conftest import assert_one_final_state, demo_params, wait_for_status
@@ -22,7 +21,7 @@ from .conftest import assert_one_final_state, demo_params, wait_for_status
 Fault = Literal["raise", "corrupt", "drop"]
 
 
-class FaultyStorage:
+class FaultyStorage(StorageWrapper):
     """LocalStorage whose first ``failing`` puts go wrong the way ``fault`` says.
 
     ``raise``: OSError, nothing written. ``corrupt``: the object is written with one byte
@@ -30,8 +29,7 @@ class FaultyStorage:
     """
 
     def __init__(self, root: Path, *, fault: Fault, failing: int) -> None:
-        self.inner = LocalStorage(root)
-        self.url = self.inner.url
+        super().__init__(LocalStorage(root))
         self.fault = fault
         self.failing = failing
         self.puts = 0
@@ -47,22 +45,6 @@ class FaultyStorage:
             raise OSError(28, "No space left on device")
         if self.fault == "corrupt":
             await self.inner.put(key, bytes([data[0] ^ 0xFF]) + data[1:])
-
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    async def stat(self, key: str) -> ObjectInfo | None:
-        return await self.inner.stat(key)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
-        async for info in self.inner.list(prefix):
-            yield info
-
-    def local_path(self, key: str) -> Path | None:
-        return self.inner.local_path(key)
 
 
 def fault_settings(settings: Settings) -> Settings:

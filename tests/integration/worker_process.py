@@ -13,22 +13,20 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import kiln
 from kiln import demo
-from kiln.storage import ObjectInfo
+from kiln.storage import StorageWrapper
 from kiln.storage.local import LocalStorage
 
 
-class CrashingStorage:
+class CrashingStorage(StorageWrapper):
     """LocalStorage that kills its own process around the write of one chosen key."""
 
     def __init__(self, inner: LocalStorage, *, before: str | None, after: str | None) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.before = before
         self.after = after
 
@@ -38,22 +36,6 @@ class CrashingStorage:
         await self.inner.put(key, data)
         if self.after and key.endswith(self.after):
             os.kill(os.getpid(), signal.SIGKILL)
-
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    async def stat(self, key: str) -> ObjectInfo | None:
-        return await self.inner.stat(key)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
-        async for info in self.inner.list(prefix):
-            yield info
-
-    def local_path(self, key: str) -> Path | None:
-        return self.inner.local_path(key)
 
 
 def parse_args() -> argparse.Namespace:

@@ -43,6 +43,34 @@ class Storage(Protocol):
     def local_path(self, key: str) -> Path | None: ...
 
 
+class StorageWrapper:
+    """A Storage that hands every call to ``inner``: subclass it to change one method
+    (fault injection, instrumentation) and keep the others."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self.inner.put(key, data)
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        return await self.inner.stat(key)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        async for info in self.inner.list(prefix):
+            yield info
+
+    def local_path(self, key: str) -> Path | None:
+        return self.inner.local_path(key)
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
