@@ -44,6 +44,8 @@ ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
 
 DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
+#: How many tasks' latest status a stream remembers to keep progress behind its status.
+STATUS_MEMORY = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,10 +452,10 @@ class App:
                     elif status_of.get(message.task_id, Status.GENERATING) != Status.GENERATING:
                         continue  # live progress overtook its GENERATING event: the next comes
                     yield message
-                    if isinstance(message, TaskEvent) and message.final:
-                        status_of.pop(message.task_id, None)
-                        if task_id is not None:
-                            return
+                    if task_id is not None and message.final:
+                        return
+                    if len(status_of) > STATUS_MEMORY:  # a long-lived feed forgets old tasks
+                        del status_of[next(iter(status_of))]
 
     async def _ended(self, task_id: str, replayed: bool, final_seen: bool) -> bool:
         """Whether a task stream is done after its replay: its latest event was final."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.models import JSON, TaskEvent
+from kiln.states import Status
 from kiln.store import Store
 
 log = logging.getLogger("kiln.bus")
@@ -149,7 +150,7 @@ class EventHub:
             return
         for task in await self.store.progressed(since=self._progress_since):
             self._progress_since = max(self._progress_since, task.progress_at or 0.0)
-            if task.id in self.local_progress or task.final:
+            if task.id in self.local_progress or task.status is not Status.GENERATING:
                 continue
             self.publish(
                 ProgressEvent(task.id, task.tenant, str(task.status), task.stage, task.progress())
