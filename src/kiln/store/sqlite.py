@@ -450,7 +450,7 @@ def event_from_row(row: sqlite3.Row) -> TaskEvent:
 def _append_event(
     conn: sqlite3.Connection,
     *,
-    task: sqlite3.Row | Task,
+    task: Task,
     version: int,
     event: Event,
     source: Status | None,
@@ -460,10 +460,7 @@ def _append_event(
     dwell_s: float | None,
     final: bool = False,
 ) -> TaskEvent:
-    task_id = task["id"] if isinstance(task, sqlite3.Row) else task.id
-    tenant = task["tenant"] if isinstance(task, sqlite3.Row) else task.tenant
-    attempt = task["attempt"] if isinstance(task, sqlite3.Row) else task.attempt
-    epoch = task["epoch"] if isinstance(task, sqlite3.Row) else task.epoch
+    task_id, tenant, attempt, epoch = task.id, task.tenant, task.attempt, task.epoch
     row = conn.execute(
         "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
         " attempt, epoch, error, at, dwell_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
