@@ -11,6 +11,7 @@ import pytest
 import kiln
 from kiln import demo
 from kiln.config import Settings
+from services.seaweed import s3_server  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

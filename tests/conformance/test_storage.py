@@ -1,7 +1,9 @@
-"""The Storage protocol, run against every storage backend (local folder for now)."""
+"""The Storage protocol, run against every storage backend: a local folder, and S3 (the
+session's SeaweedFS server, under a fresh prefix per test)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +20,15 @@ from kiln.storage import (
     write_manifest,
 )
 
-BACKENDS = ["local"]
+BACKENDS = ["local", "s3"]
 
 
 @pytest.fixture(params=BACKENDS)
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     if request.param == "local":
         yield open_storage((tmp_path / "objects").as_uri())
+    else:
+        yield open_storage(request.getfixturevalue("s3_server").url())
 
 
 def _output(prefix: str, name: str, data: bytes) -> StoredOutput:
@@ -97,3 +101,37 @@ async def test_flagged_or_misplaced_manifest_is_not_recovered(storage: Storage) 
     assert await read_complete_manifest(storage, prefix) is None
     await storage.put(f"{prefix}/{MANIFEST}", b"{not json")
     assert await read_complete_manifest(storage, prefix) is None
+
+
+async def test_a_key_never_written_is_missing_everywhere(storage: Storage) -> None:
+    with pytest.raises(FileNotFoundError):
+        await storage.get("tasks/none/1-1/image.png")
+    assert await storage.stat("tasks/none/1-1/image.png") is None
+    await storage.delete("tasks/none/1-1/image.png")  # deleting nothing is fine
+    assert [info async for info in storage.list("tasks/none/")] == []
+
+
+async def test_list_prefix_is_a_plain_string_prefix_and_keys_come_sorted(storage: Storage) -> None:
+    keys = ["tasks/t1/a", "tasks/t10/b", "tasks/t2/c", "tasks/t1-x/d", "tasks/t1.y/e", "top"]
+    for key in reversed(keys):
+        await storage.put(key, key.encode())
+    assert [i.key async for i in storage.list("tasks/t1")] == sorted(keys[:2] + keys[3:5])
+    assert [i.key async for i in storage.list("")] == sorted(keys)
+    assert [i.size async for i in storage.list("top")] == [3]
+
+
+async def test_list_pages_through_more_objects_than_one_listing_page(storage: Storage) -> None:
+    # S3 servers answer a listing 1,000 keys at a time: 1,100 objects need a second page.
+    keys = [f"tasks/many/{n:05d}" for n in range(1100)]
+    slots = asyncio.Semaphore(32)
+
+    async def put(key: str) -> None:
+        async with slots:
+            await storage.put(key, b"x")
+
+    await asyncio.gather(*(put(key) for key in keys))
+    await storage.put("tasks/other/1", b"x")
+
+    found = [info.key async for info in storage.list("tasks/many/")]
+
+    assert found == keys

@@ -42,6 +42,11 @@ class Storage(Protocol):
 
     def local_path(self, key: str) -> Path | None: ...
 
+    async def presign(self, key: str, ttl_s: float) -> str | None:
+        """A URL that fetches ``key`` without credentials for ``ttl_s`` seconds, or None
+        when this storage cannot make one (the API then serves the bytes itself)."""
+        ...
+
 
 class StorageWrapper:
     """A Storage that hands every call to ``inner``: subclass it to change one method
@@ -69,6 +74,9 @@ class StorageWrapper:
 
     def local_path(self, key: str) -> Path | None:
         return self.inner.local_path(key)
+
+    async def presign(self, key: str, ttl_s: float) -> str | None:
+        return await self.inner.presign(key, ttl_s)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -111,7 +119,8 @@ async def read_complete_manifest(storage: Storage, prefix: str) -> list[StoredOu
 
 
 def open_storage(url: str) -> Storage:
-    """Open the storage a URL names: ``file:///abs/path`` or a plain directory path."""
+    """Open the storage a URL names: ``file:///abs/path``, a plain directory path, or
+    ``s3://bucket/prefix?endpoint_url=...`` (see :mod:`kiln.storage.s3`)."""
     parsed = urlparse(url)
     if parsed.scheme in ("file", ""):
         from kiln.storage.local import LocalStorage
@@ -119,5 +128,9 @@ def open_storage(url: str) -> Storage:
         path = parsed.path if parsed.scheme == "file" else url
         return LocalStorage(Path(path))
     if parsed.scheme == "s3":
-        raise NotImplementedError("S3 storage is not part of this build yet")
-    raise ValueError(f"unsupported storage URL {url!r}: use file:///path")
+        from kiln.storage.s3 import S3Storage
+
+        return S3Storage.from_url(url)
+    raise ValueError(
+        f"unsupported storage URL {url!r}: use file:///path or s3://bucket/prefix?endpoint_url=..."
+    )

@@ -27,6 +27,10 @@ class LocalStorage:
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
 
+    async def presign(self, key: str, ttl_s: float) -> str | None:
+        self._path(key)
+        return None  # a folder has no URL of its own: the API serves the bytes
+
     async def put(self, key: str, data: bytes) -> None:
         await asyncio.to_thread(self._put, self._path(key), data)
 
