@@ -11,6 +11,8 @@ from typing import Any
 from kiln.errors import InvalidRequest
 
 RESERVED_TENANTS = frozenset({"admin"})
+OUTPUT_URL_MODES = ("proxy", "presigned")
+MAX_PRESIGN_TTL_S = 7 * 24 * 3600.0  # the longest S3 signature version 4 allows
 
 
 def parse_api_keys(raw: str | None) -> dict[str, str]:
@@ -54,6 +56,8 @@ class Settings:
     sqlite_synchronous: str = "NORMAL"
     log_format: str = "text"
     log_level: str = "INFO"
+    output_urls: str = "proxy"
+    presign_ttl_s: float = 900.0
 
     @property
     def resolved_database_url(self) -> str:
@@ -91,6 +95,17 @@ class Settings:
             return value
 
         metrics = env.get("KILN_METRICS_PORT")
+        output_urls = (env.get("KILN_OUTPUT_URLS") or "proxy").lower()
+        if output_urls not in OUTPUT_URL_MODES:
+            raise InvalidRequest(
+                f"KILN_OUTPUT_URLS must be 'proxy' or 'presigned', got {env['KILN_OUTPUT_URLS']!r}"
+            )
+        presign_ttl_s = num("KILN_PRESIGN_TTL_S", 900.0)
+        if presign_ttl_s > MAX_PRESIGN_TTL_S:
+            raise InvalidRequest(
+                f"KILN_PRESIGN_TTL_S may be at most {MAX_PRESIGN_TTL_S:.0f} (7 days), "
+                f"got {env['KILN_PRESIGN_TTL_S']!r}"
+            )
         return cls(
             data_dir=Path(env.get("KILN_DATA_DIR") or "./kiln-data"),
             database_url=env.get("KILN_DATABASE_URL") or None,
@@ -110,4 +125,6 @@ class Settings:
             sqlite_synchronous=(env.get("KILN_SQLITE_SYNCHRONOUS") or "NORMAL").upper(),
             log_format=(env.get("KILN_LOG_FORMAT") or "text").lower(),
             log_level=(env.get("KILN_LOG_LEVEL") or "INFO").upper(),
+            output_urls=output_urls,
+            presign_ttl_s=presign_ttl_s,
         )

@@ -17,7 +17,7 @@ from starlette.requests import HTTPConnection
 
 from kiln.api.state import api_state
 from kiln.app import DEFAULT_TENANT
-from kiln.config import RESERVED_TENANTS, Settings
+from kiln.config import OUTPUT_URL_MODES, RESERVED_TENANTS, Settings
 from kiln.errors import Forbidden, Unauthorized
 
 ADMIN_TENANT = "admin"
@@ -48,6 +48,9 @@ def check_settings(settings: Settings) -> None:
         raise ValueError("KILN_ADMIN_KEY must differ from every key in KILN_API_KEYS")
     if any(not key for key in settings.api_keys) or settings.admin_key == "":
         raise ValueError("an API key may not be empty")
+    if settings.output_urls not in OUTPUT_URL_MODES:
+        modes = " or ".join(OUTPUT_URL_MODES)
+        raise ValueError(f"KILN_OUTPUT_URLS must be {modes}, not {settings.output_urls!r}")
 
 
 def authenticate(settings: Settings, key: str | None) -> Principal:

@@ -16,7 +16,7 @@ import pydantic
 from fastapi import APIRouter, Depends, Header, Query
 from pydantic import BeforeValidator
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
 from kiln import canonical
 from kiln.api.auth import Principal, require_principal, require_reviewer
@@ -406,6 +406,10 @@ def etag_matches(if_none_match: str | None, sha256: str) -> bool:
             "content": {"application/octet-stream": {"schema": {"type": "string"}}},
         },
         304: {"description": "Not modified (If-None-Match matched the ETag)"},
+        307: {
+            "description": "With KILN_OUTPUT_URLS=presigned and a storage that can presign: "
+            "`Location` is a URL that serves the bytes for KILN_PRESIGN_TTL_S seconds"
+        },
         **error_responses(401, 404, 422),
     },
 )
@@ -422,6 +426,10 @@ async def get_output(
     headers = {"ETag": etag, "Cache-Control": "private, no-cache"}
     if etag_matches(if_none_match, output.sha256):
         return Response(status_code=304, headers=headers)
+    if state.settings.output_urls == "presigned":
+        url = await state.app.storage.presign(output.key, state.settings.presign_ttl_s)
+        if url is not None:  # the signed URL expires: a cache must not keep the redirect
+            return RedirectResponse(url, 307, headers={"ETag": etag, "Cache-Control": "no-store"})
     headers["Content-Disposition"] = f"inline; filename*=UTF-8''{quote(output.name, safe='')}"
     headers["X-Content-Type-Options"] = "nosniff"
     path = state.app.storage.local_path(output.key)
