@@ -22,17 +22,9 @@ from kiln.errors import StorageError
 from kiln.storage import open_storage
 from kiln.storage.local import LocalStorage
 from kiln.storage.s3 import MIB, S3Options, S3Storage
-from services.seaweed import S3Server
+from services.seaweed import S3Server, closed_port
 
 KEY = "tasks/t1/1-1/image.png"
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from kiln.models import StoredOutput, Task
 from kiln.states import Event, Status
 from kiln.storage import StorageWrapper, verify
 from kiln.storage.local import LocalStorage
+from kiln.storage.s3 import S3Storage
+from services.seaweed import S3Server, closed_port
 
 from .conftest import assert_one_final_state, demo_params, wait_for_status
 
@@ -45,6 +47,27 @@ class FaultyStorage(StorageWrapper):
             raise OSError(28, "No space left on device")
         if self.fault == "corrupt":
             await self.inner.put(key, bytes([data[0] ^ 0xFF]) + data[1:])
+
+
+class UnreachableS3(StorageWrapper):
+    """S3 storage whose first ``failing`` puts go to an endpoint that refuses connections,
+    as when the bucket's server is down or cut off; everything else reaches the bucket."""
+
+    def __init__(self, inner: S3Storage, *, failing: int) -> None:
+        super().__init__(inner)
+        down = f"http://127.0.0.1:{closed_port()}"
+        self.down = S3Storage(inner.bucket, inner.prefix, endpoint_url=down)
+        self.failing = failing
+        self.puts = 0
+        self.faulted: list[str] = []
+
+    async def put(self, key: str, data: bytes) -> None:
+        self.puts += 1
+        if self.puts > self.failing:
+            await self.inner.put(key, data)
+            return
+        self.faulted.append(key)
+        await self.down.put(key, data)
 
 
 def fault_settings(settings: Settings) -> Settings:
@@ -160,3 +183,53 @@ async def test_many_tasks_with_intermittent_faults_never_commit_an_unverified_su
         images = [key for key in storage.faulted if key.endswith("/image.png")]
         assert sum(t.attempt - 1 for t in tasks) == len(images)
         assert len(storage.faulted) == 5
+
+
+async def test_an_unreachable_bucket_fails_the_attempt_and_the_retry_succeeds(
+    settings: Settings, s3_server: S3Server
+) -> None:
+    # Given S3 storage whose first upload finds the server unreachable
+    storage = UnreachableS3(S3Storage.from_url(s3_server.url("faults")), failing=1)
+    app = kiln.App(settings=fault_settings(settings), storage_backend=storage)
+    demo.register(app)
+    async with app:
+        task = (await app.submit("image.generate", demo_params("a fjord"))).task
+
+        # When a worker runs it
+        done = await run_to_final(app, task.id)
+
+        # Then attempt 1 failed on the connection error, retryable, and nothing of it is in
+        # the bucket; attempt 2 succeeded with outputs verified in the bucket
+        assert done.status is Status.SUCCESS and done.attempt == 2
+        assert storage.faulted == [f"tasks/{task.id}/1-1/image.png"]
+        events = await assert_one_final_state(app.store, task.id)
+        failed = [e for e in events if e.event is Event.FAIL]
+        assert len(failed) == 1 and failed[0].attempt == 1 and failed[0].error is not None
+        assert failed[0].error["code"] == "internal_error" and failed[0].error["retryable"]
+        assert "StorageError: S3 put of" in failed[0].error["message"]
+        assert [i.key async for i in storage.list(f"tasks/{task.id}/1-")] == []
+        await assert_every_success_verified(app)
+
+
+async def test_a_bucket_that_stays_unreachable_ends_failed_never_success(
+    settings: Settings,
+) -> None:
+    # Given S3 storage on a port nothing listens on, and a task allowed two attempts
+    storage = S3Storage.from_url(f"s3://kiln/x?endpoint_url=http://127.0.0.1:{closed_port()}")
+    app = kiln.App(settings=fault_settings(settings), storage_backend=storage)
+    demo.register(app)
+    async with app:
+        task = (await app.submit("image.generate", demo_params("a delta"), max_attempts=2)).task
+
+        # When a worker runs it
+        done = await run_to_final(app, task.id)
+
+        # Then both uploads failed within the storage's timeouts: FAILED, never SUCCESS
+        assert done.status is Status.FAILED
+        assert done.attempt == done.max_attempts == 2
+        assert done.error is not None and done.error["code"] == "internal_error"
+        assert "S3 put of" in done.error["message"]
+        assert done.result is None
+        events = await assert_one_final_state(app.store, task.id)
+        assert not [e for e in events if e.status in (Status.SUCCESS, Status.NEEDS_REVIEW)]
+        assert [e.attempt for e in events if e.event is Event.FAIL] == [1, 2]

