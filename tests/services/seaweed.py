@@ -148,7 +148,10 @@ class WeedProcess:
             f"-filer.localSocket={data / 'filer.sock'}", f"-s3.localSocket={data / 's3.sock'}",
             *(f"-{flag}={port}" for flag, port in ports.items()),
         ]  # fmt: skip
-        env = {**os.environ, **CREDENTIALS}
+        # weed puts its gRPC unix sockets and glog files in TMPDIR: keep them in our folder
+        tmp = self.root / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {**os.environ, **CREDENTIALS, "TMPDIR": str(tmp)}
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
@@ -250,7 +253,9 @@ def s3_server() -> Iterator[S3Server]:
         weed = _start_weed(binary, root)
         yield S3Server(weed.endpoint_url, BUCKET, startup_s=time.monotonic() - started)
     finally:
-        if weed is not None:
-            weed.stop()
-        env.undo()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if weed is not None:
+                weed.stop()
+        finally:
+            env.undo()
+            shutil.rmtree(root, ignore_errors=True)
