@@ -11,6 +11,7 @@ import pytest
 import kiln
 from kiln import demo
 from kiln.config import Settings
+from services.postgres import postgres_server  # noqa: F401
 from services.seaweed import s3_server  # noqa: F401
 
 

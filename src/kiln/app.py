@@ -382,7 +382,7 @@ class App:
                 "finished_at": None,
                 "next_retry_at": now,
                 "ready_at": now,
-                "cancel_requested": 0,
+                "cancel_requested": False,
                 "cancel_requested_at": None,
                 "deadline_at": max(task.deadline_at, now + task.deadline_s),
             }

@@ -139,7 +139,7 @@ class EventHub:
 
     async def _poll(self) -> None:
         while True:
-            batch = await self.store.events(after=self.last_seq, limit=1000)
+            batch = await self.store.tail(after=self.last_seq, limit=1000)
             for event in batch:
                 self.last_seq = event.seq
                 self.publish(event)

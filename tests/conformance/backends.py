@@ -2,20 +2,23 @@
 
 Each backend names a fresh database by URL (what ``kiln.store.open_store`` and other
 processes open) and gives a direct connection for ground truth and fault injection, in
-plain SQL with ``?`` placeholders. Add a backend by adding a ``Backend`` to ``BACKENDS``:
-a ``postgres`` one would clone a template database per directory and translate the
-placeholders.
+plain SQL with ``?`` placeholders. Add a backend by adding a ``Backend`` to ``BACKENDS``.
+The PostgreSQL backend gives each directory its own database, cloned from the migrated
+template of the session's server (``tests/services/postgres.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kiln.store import Clock, Store, open_store
+from kiln.store.postgres import PostgresStore
 from kiln.store.sqlite import SqliteStore, connect
+from services.postgres import PostgresServer
 
 Row = tuple[Any, ...]
 
@@ -74,4 +77,41 @@ def _sqlite_url(directory: Path) -> str:
     return f"sqlite:///{directory / 'kiln.db'}"
 
 
-BACKENDS = [Backend("sqlite", _sqlite_url, SqliteConnection)]
+class PostgresConnection:
+    def __init__(self, store: Store) -> None:
+        import psycopg
+
+        assert isinstance(store, PostgresStore)
+        self._conn = psycopg.connect(store.url, autocommit=True)
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        cur = self._conn.execute(sql.replace("?", "%s"), tuple(args))  # type: ignore[arg-type]
+        return [tuple(row) for row in cur.fetchall()]
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self._conn.execute(sql.replace("?", "%s"), tuple(args))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class PostgresDatabases:
+    """One database per directory on the session's server (set by the fixture)."""
+
+    server: PostgresServer | None = None
+    _urls: ClassVar[dict[Path, str]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def url(cls, directory: Path) -> str:
+        assert cls.server is not None, "the postgres_server fixture is not active"
+        with cls._lock:  # stores open from several threads at once
+            if directory not in cls._urls:
+                cls._urls[directory] = cls.server.new_database()
+            return cls._urls[directory]
+
+
+BACKENDS = [
+    Backend("sqlite", _sqlite_url, SqliteConnection),
+    Backend("postgres", PostgresDatabases.url, PostgresConnection),
+]

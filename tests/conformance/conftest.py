@@ -10,12 +10,14 @@ import pytest
 
 from kiln.store import Clock, Store
 
-from .backends import BACKENDS, Backend, Row
+from .backends import BACKENDS, Backend, PostgresDatabases, Row
 
 
 @pytest.fixture(params=BACKENDS, ids=[b.name for b in BACKENDS])
 def backend(request: pytest.FixtureRequest) -> Backend:
     found: Backend = request.param
+    if found.name == "postgres":
+        PostgresDatabases.server = request.getfixturevalue("postgres_server")
     return found
 
 

@@ -302,7 +302,7 @@ async def test_change_and_its_event_rows_commit_together(
         store,
         "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
         " attempt, epoch, error, at, dwell_s) VALUES (?, 'other', 'acme', 'claim', NULL,"
-        " 'PENDING', 0, 0, 0, NULL, 0, NULL)",
+        " 'PENDING', false, 0, 0, NULL, 0, NULL)",
         [taken],
     )
     before = await store.get(claimed.id)

@@ -218,8 +218,8 @@ def test_concurrent_migrations_apply_each_version_once(tmp_path: Path) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    # Then every version was applied exactly once, by one of them
-    assert sorted(applied) == [0, 0, 0, len(migrations())]
+    # Then every version was applied exactly once (each by whichever got there first)
+    assert len(applied) == 4 and sum(applied) == len(migrations())
     conn = connect(path)
     try:
         assert conn.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == len(

@@ -127,7 +127,19 @@ class Store(Protocol):
         limit: int = 500,
     ) -> list[TaskEvent]: ...
 
-    async def last_seq(self) -> int: ...
+    async def last_seq(self) -> int:
+        """Where a tail of the log may start (see ``tail``)."""
+        ...
+
+    async def tail(self, *, after: int, limit: int = 1000) -> list[TaskEvent]:
+        """Events after ``after`` in seq order, such that no event with a smaller seq can
+        still appear: what a follower of the whole log reads (one per process)."""
+        ...
+
+    def watch_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when another process made work claimable. Backends without
+        a notification channel do nothing: their workers find such work by polling."""
+        ...
 
     async def progressed(self, *, since: float, limit: int = 500) -> list[Task]: ...
 
@@ -146,8 +158,11 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-def open_store(url: str, *, clock: Clock | None = None, synchronous: str = "NORMAL") -> Store:
-    """Open the store a URL names: ``sqlite:///relative.db``, ``sqlite:////abs.db``."""
+def open_store(
+    url: str, *, clock: Clock | None = None, synchronous: str = "NORMAL", pool_size: int = 10
+) -> Store:
+    """Open the store a URL names: ``sqlite:///relative.db``, ``sqlite:////abs.db``,
+    ``postgresql://user:password@host:5432/database``."""
     import time
 
     if url.startswith("sqlite:"):
@@ -155,5 +170,7 @@ def open_store(url: str, *, clock: Clock | None = None, synchronous: str = "NORM
 
         return SqliteStore(sqlite_path(url), clock=clock or time.time, synchronous=synchronous)
     if url.startswith(("postgresql:", "postgres:")):
-        raise NotImplementedError("the PostgreSQL store is not part of this build yet")
-    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path.db")
+        from kiln.store.postgres import PostgresStore
+
+        return PostgresStore(url, clock=clock or time.time, pool_size=pool_size)
+    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path.db or postgresql://...")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import queue
 import sqlite3
@@ -33,7 +32,7 @@ from kiln.errors import (
     NotLeader,
     StoreUnavailable,
 )
-from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
+from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import ACTIVE, CLAIMABLE, FINAL, Event, Status
 from kiln.store import (
     FAILURE_BUCKETS_KEPT_MIN,
@@ -45,6 +44,15 @@ from kiln.store import (
     Progress,
     Stats,
 )
+from kiln.store.rows import (
+    JSON_COLUMNS,
+    TASK_COLUMNS,
+    classify_due,
+    dumps,
+    dwell_percentiles,
+    loads,
+    task_from_row,
+)
 
 log = logging.getLogger("kiln.store")
 
@@ -52,7 +60,6 @@ _RUNNING_SQL = "('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
 _CLAIMABLE_SQL = "('PENDING', 'RETRYING')"
 _NOT_LIVE_SQL = "('FAILED', 'TIMEOUT', 'CANCELLED')"
 _DEADLINE_SQL = "('PENDING', 'RETRYING', 'WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
-_JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result"})
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 # The queries whose cost must follow what they find, not the table size; the conformance
@@ -324,109 +331,10 @@ class _DbThread(threading.Thread):
 # Row mapping ------------------------------------------------------------------------------
 
 
-def _loads(raw: str | None) -> Any:
-    return None if raw is None else json.loads(raw)
-
-
-def _dumps(value: Any) -> str | None:
-    if value is None:
-        return None
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
-
-
-#: The tasks table's columns in ``SELECT *`` order, after every migration; rows are read
-#: by position, which is checked against the database when a store opens.
-TASK_COLUMNS: tuple[str, ...] = (
-    "id",
-    "tenant",
-    "kind",
-    "status",
-    "priority",
-    "ready_at",
-    "params",
-    "metadata",
-    "inputs",
-    "fingerprint",
-    "idempotency_key",
-    "dedup_key",
-    "attempt",
-    "max_attempts",
-    "epoch",
-    "version",
-    "lease_owner",
-    "lease_expires_at",
-    "state_deadline_at",
-    "deadline_s",
-    "deadline_at",
-    "timeouts",
-    "stage",
-    "progress_step",
-    "progress_total",
-    "progress_at",
-    "cancel_requested",
-    "cancel_requested_at",
-    "next_retry_at",
-    "result_prefix",
-    "error",
-    "result",
-    "created_at",
-    "updated_at",
-    "status_since",
-    "started_at",
-    "finished_at",
-    "due_at",
-)
-_STATUSES = {str(status): status for status in Status}
-
-
 def check_task_columns(conn: sqlite3.Connection) -> None:
     found = tuple(row[1] for row in conn.execute("PRAGMA table_xinfo(tasks)"))
     if found != TASK_COLUMNS:
         raise RuntimeError(f"tasks columns {found} differ from TASK_COLUMNS {TASK_COLUMNS}")
-
-
-def task_from_row(row: sqlite3.Row) -> Task:
-    """A task from a ``SELECT *`` row, read by position (see TASK_COLUMNS)."""
-    timeouts = json.loads(row[21])
-    return Task(
-        id=row[0],
-        tenant=row[1],
-        kind=row[2],
-        status=_STATUSES[row[3]],
-        params=json.loads(row[6]),
-        metadata=json.loads(row[7]),
-        inputs=json.loads(row[8]),
-        priority=row[4],
-        attempt=row[12],
-        max_attempts=row[13],
-        epoch=row[14],
-        version=row[15],
-        idempotency_key=row[10],
-        dedup_key=row[11],
-        fingerprint=row[9],
-        lease_owner=row[16],
-        lease_expires_at=row[17],
-        state_deadline_at=row[18],
-        deadline_s=row[19],
-        deadline_at=row[20],
-        timeouts=Timeouts(**timeouts),
-        stage=row[22],
-        progress_step=row[23],
-        progress_total=row[24],
-        progress_at=row[25],
-        cancel_requested=bool(row[26]),
-        cancel_requested_at=row[27],
-        next_retry_at=row[28],
-        ready_at=row[5],
-        result_prefix=row[29],
-        error=_loads(row[30]),
-        result=_loads(row[31]),
-        created_at=row[32],
-        updated_at=row[33],
-        status_since=row[34],
-        started_at=row[35],
-        finished_at=row[36],
-    )
 
 
 def event_from_row(row: sqlite3.Row) -> TaskEvent:
@@ -440,7 +348,7 @@ def event_from_row(row: sqlite3.Row) -> TaskEvent:
         status=Status(row["to_status"]),
         attempt=row["attempt"],
         epoch=row["epoch"],
-        error=_loads(row["error"]),
+        error=loads(row["error"]),
         at=row["at"],
         dwell_s=row["dwell_s"],
         final=bool(row["final"]),
@@ -475,7 +383,7 @@ def _append_event(
             int(final),
             attempt,
             epoch,
-            _dumps(error),
+            dumps(error),
             at,
             dwell_s,
         ),
@@ -543,36 +451,6 @@ def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, 
             "DELETE FROM counters WHERE name = ? AND labels < ?",
             (FAILURES_BY_MINUTE, f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"),
         )
-
-
-def _dwell_percentiles(rows: Iterable[sqlite3.Row]) -> dict[str, dict[str, float]]:
-    by_status: dict[str, list[float]] = {}
-    final = {str(status) for status in FINAL}
-    for source, dwell_s in rows:
-        if source is not None and dwell_s is not None and source not in final:
-            by_status.setdefault(source, []).append(dwell_s)
-    found = {}
-    for status, values in by_status.items():
-        values.sort()
-        found[status] = {"p50": _percentile(values, 0.5), "p95": _percentile(values, 0.95)}
-    return found
-
-
-def _percentile(sorted_values: list[float], fraction: float) -> float:
-    if not sorted_values:
-        return 0.0
-    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
-    return round(sorted_values[index], 4)
-
-
-def _classify_due(task: Task, now: float, due: Due) -> None:
-    """File a task whose due_at passed under its reason: deadline, lease, state timeout."""
-    if task.deadline_at < now:
-        due.deadline_passed.append(task)
-    elif task.lease_expires_at is not None and task.lease_expires_at < now:
-        due.lease_expired.append(task)
-    elif task.state_deadline_at is not None and task.state_deadline_at < now:
-        due.state_expired.append(task)
 
 
 # The store ------------------------------------------------------------------------------
@@ -703,16 +581,16 @@ class SqliteStore:
                 new.kind,
                 new.priority,
                 now,
-                _dumps(new.params),
-                _dumps(new.metadata),
-                _dumps(new.inputs),
+                dumps(new.params),
+                dumps(new.metadata),
+                dumps(new.inputs),
                 new.fingerprint,
                 new.idempotency_key,
                 new.dedup_key,
                 new.max_attempts,
                 new.deadline_s,
                 now + new.deadline_s,
-                _dumps(timeouts),
+                dumps(timeouts),
                 now,
                 now,
                 now,
@@ -804,6 +682,13 @@ class SqliteStore:
 
         seq: int = await self._read(read)
         return seq
+
+    async def tail(self, *, after: int, limit: int = 1000) -> list[TaskEvent]:
+        """One writer commits in seq order, so the log has no gaps to wait out."""
+        return await self.events(after=after, limit=limit)
+
+    def watch_ready(self, callback: Callable[[], None]) -> None:
+        """Workers in other processes on the same file find new work by polling."""
 
     async def progressed(self, *, since: float, limit: int = 500) -> list[Task]:
         def read(conn: sqlite3.Connection) -> list[Task]:
@@ -987,7 +872,7 @@ class SqliteStore:
             args.append(now)
         for column, value in change.fields.items():
             sets.append(f"{column} = ?")
-            args.append(_dumps(value) if column in _JSON_COLUMNS else value)
+            args.append(dumps(value) if column in JSON_COLUMNS else value)
         where = "id = ? AND status = ?"
         args += [change.task_id, str(change.expect_status)]
         if change.expect_epoch is not None:
@@ -1064,7 +949,7 @@ class SqliteStore:
 
             due = Due([], [], [], rows(DUE_CANCEL_SQL, now - cancel_grace_s))
             for task in rows(DUE_SQL, now):
-                _classify_due(task, now, due)
+                classify_due(task, now, due)
             return due
 
         due: Due = await self._read(read)
@@ -1130,7 +1015,7 @@ class SqliteStore:
             row_tenant, _, code = str(row["labels"]).partition(":")
             if tenant is None or row_tenant == tenant:
                 failures[code] = failures.get(code, 0) + int(row["n"])
-        dwell = _dwell_percentiles(
+        dwell = dwell_percentiles(
             conn.execute(DWELL_TENANT_SQL, (tenant, DWELL_WINDOW))
             if tenant is not None
             else conn.execute(DWELL_SQL, (DWELL_WINDOW,))

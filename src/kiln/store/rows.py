@@ -1,0 +1,143 @@
+"""Row mapping shared by the SQL stores: both keep the same ``tasks`` columns in the same
+order, JSON documents as text, and times as seconds since the epoch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kiln.models import Task, Timeouts
+from kiln.states import FINAL, Status
+from kiln.store import Due
+
+JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result"})
+
+
+def loads(raw: str | None) -> Any:
+    return None if raw is None else json.loads(raw)
+
+
+def dumps(value: Any) -> str | None:
+    if value is None:
+        return None
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+#: The tasks table's columns in ``SELECT *`` order, after every migration; rows are read
+#: by position, which is checked against the database when a store opens.
+TASK_COLUMNS: tuple[str, ...] = (
+    "id",
+    "tenant",
+    "kind",
+    "status",
+    "priority",
+    "ready_at",
+    "params",
+    "metadata",
+    "inputs",
+    "fingerprint",
+    "idempotency_key",
+    "dedup_key",
+    "attempt",
+    "max_attempts",
+    "epoch",
+    "version",
+    "lease_owner",
+    "lease_expires_at",
+    "state_deadline_at",
+    "deadline_s",
+    "deadline_at",
+    "timeouts",
+    "stage",
+    "progress_step",
+    "progress_total",
+    "progress_at",
+    "cancel_requested",
+    "cancel_requested_at",
+    "next_retry_at",
+    "result_prefix",
+    "error",
+    "result",
+    "created_at",
+    "updated_at",
+    "status_since",
+    "started_at",
+    "finished_at",
+    "due_at",
+)
+STATUSES = {str(status): status for status in Status}
+
+
+def task_from_row(row: Sequence[Any]) -> Task:
+    """A task from a ``SELECT *`` row, read by position (see TASK_COLUMNS)."""
+    timeouts = json.loads(row[21])
+    return Task(
+        id=row[0],
+        tenant=row[1],
+        kind=row[2],
+        status=STATUSES[row[3]],
+        params=json.loads(row[6]),
+        metadata=json.loads(row[7]),
+        inputs=json.loads(row[8]),
+        priority=row[4],
+        attempt=row[12],
+        max_attempts=row[13],
+        epoch=row[14],
+        version=row[15],
+        idempotency_key=row[10],
+        dedup_key=row[11],
+        fingerprint=row[9],
+        lease_owner=row[16],
+        lease_expires_at=row[17],
+        state_deadline_at=row[18],
+        deadline_s=row[19],
+        deadline_at=row[20],
+        timeouts=Timeouts(**timeouts),
+        stage=row[22],
+        progress_step=row[23],
+        progress_total=row[24],
+        progress_at=row[25],
+        cancel_requested=bool(row[26]),
+        cancel_requested_at=row[27],
+        next_retry_at=row[28],
+        ready_at=row[5],
+        result_prefix=row[29],
+        error=loads(row[30]),
+        result=loads(row[31]),
+        created_at=row[32],
+        updated_at=row[33],
+        status_since=row[34],
+        started_at=row[35],
+        finished_at=row[36],
+    )
+
+
+def dwell_percentiles(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, float]]:
+    by_status: dict[str, list[float]] = {}
+    final = {str(status) for status in FINAL}
+    for source, dwell_s in rows:
+        if source is not None and dwell_s is not None and source not in final:
+            by_status.setdefault(source, []).append(dwell_s)
+    found = {}
+    for status, values in by_status.items():
+        values.sort()
+        found[status] = {"p50": _percentile(values, 0.5), "p95": _percentile(values, 0.95)}
+    return found
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return round(sorted_values[index], 4)
+
+
+def classify_due(task: Task, now: float, due: Due) -> None:
+    """File a task whose due_at passed under its reason: deadline, lease, state timeout."""
+    if task.deadline_at < now:
+        due.deadline_passed.append(task)
+    elif task.lease_expires_at is not None and task.lease_expires_at < now:
+        due.lease_expired.append(task)
+    elif task.state_deadline_at is not None and task.state_deadline_at < now:
+        due.state_expired.append(task)
