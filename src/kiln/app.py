@@ -159,6 +159,7 @@ class App:
                 self.settings.resolved_database_url,
                 clock=self.clock,
                 synchronous=self.settings.sqlite_synchronous,
+                pool_size=self.settings.db_pool_size,
             )
         return self._store
 
@@ -176,9 +177,11 @@ class App:
 
     @property
     def wake(self) -> asyncio.Event:
-        """Set when this process made work claimable; workers in this process wait on it."""
+        """Set when work became claimable (here, or in another process where the store
+        can tell); workers in this process wait on it."""
         if self._wake is None:
             self._wake = asyncio.Event()
+            self.store.watch_ready(self._wake.set)  # and when another process did
         return self._wake
 
     def now(self) -> float:
@@ -438,7 +441,11 @@ class App:
             last = self.hub.last_seq if live_only else (after or 0)
             replayed, final_seen = False, False
             status_of: dict[str, Status] = {}
-            async for event in self._history(task_id, tenant, last):
+            # A feed of many tasks replays up to where the tail stands and takes the rest
+            # live: past that point a smaller seq may still commit (PostgreSQL). One
+            # task's events commit in seq order, so its replay reads to the end.
+            upto = None if task_id is not None else self.hub.last_seq
+            async for event in self._history(task_id, tenant, last, upto):
                 last, replayed, final_seen = event.seq, True, event.final
                 status_of[event.task_id] = event.status
                 yield event
@@ -471,20 +478,23 @@ class App:
         message = await sub.queue.get()
         if sub.lagged:
             sub.lagged = False
-            async for event in self._history(task_id, tenant, last):
+            upto = None if task_id is not None else self.hub.last_seq
+            async for event in self._history(task_id, tenant, last, upto):
                 yield event
         elif not isinstance(message, TaskEvent) or message.seq > last:
             yield message
 
     async def _history(
-        self, task_id: str | None, tenant: str | None, after: int
+        self, task_id: str | None, tenant: str | None, after: int, upto: int | None = None
     ) -> AsyncIterator[TaskEvent]:
-        """The persisted events after ``after``, read page by page."""
+        """The persisted events after ``after`` (up to ``upto``), read page by page."""
         while True:
             page = await self.store.events(
                 task_id=task_id, tenant=tenant, after=after, limit=HISTORY_PAGE
             )
             for event in page:
+                if upto is not None and event.seq > upto:
+                    return
                 yield event
             if len(page) < HISTORY_PAGE:
                 return

@@ -57,6 +57,8 @@ class Settings:
     log_format: str = "text"
     log_level: str = "INFO"
     output_urls: str = "proxy"
+    #: Connections each process keeps open to PostgreSQL at most (KILN_DB_POOL_SIZE).
+    db_pool_size: int = 10
     presign_ttl_s: float = 900.0
 
     @property
@@ -127,4 +129,5 @@ class Settings:
             log_level=(env.get("KILN_LOG_LEVEL") or "INFO").upper(),
             output_urls=output_urls,
             presign_ttl_s=presign_ttl_s,
+            db_pool_size=int(num("KILN_DB_POOL_SIZE", 10)),
         )

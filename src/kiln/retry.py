@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pydantic
 
-from kiln.errors import TaskError
+from kiln.errors import StorageError, StoreUnavailable, TaskError
 from kiln.models import JSON, Task
 
 #: Exceptions that mean the handler itself is wrong: another attempt would fail the same way.
@@ -47,11 +47,14 @@ def classify(exc: BaseException) -> JSON:
     ``kiln.Retryable`` and ``kiln.Permanent`` say it themselves. Programming errors
     (TypeError, AttributeError, NameError, NotImplementedError, pydantic's
     ValidationError) are permanent: retrying cannot fix code. Everything else (I/O,
-    timeouts, out-of-memory, upstream errors) is retryable, code ``internal_error``.
+    timeouts, out-of-memory, upstream errors) is retryable, code ``internal_error``; a
+    storage or store outage is retryable with its own code (``storage_error``).
     """
     message = str(exc) or type(exc).__name__
     if isinstance(exc, TaskError):
         return {"code": exc.code, "message": message, "retryable": exc.retryable}
+    if isinstance(exc, StorageError | StoreUnavailable):  # an outage, not the task's fault
+        return {"code": exc.code, "message": message, "retryable": True}
     retryable = not isinstance(exc, PROGRAMMING_ERRORS)
     return {"code": "internal_error", "message": f"{type(exc).__name__}: {message}",
             "retryable": retryable}  # fmt: skip

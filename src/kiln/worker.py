@@ -20,7 +20,7 @@ from typing import Any
 from kiln import canonical
 from kiln.app import App, HandlerResult, TaskKind, call_review
 from kiln.bus import ProgressEvent
-from kiln.errors import LeaseLost, Retryable
+from kiln.errors import LeaseLost, Retryable, StoreUnavailable
 from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.retry import classify
 from kiln.states import Event, Status
@@ -34,6 +34,8 @@ PROGRESS_PERSIST_S = 1.0
 #: Heartbeats come every lease_ttl/3, and at least this often so a cancel asked from
 #: another process is seen within seconds.
 HEARTBEAT_MAX_S = 2.0
+#: Backoff between tries of a write while the store does not answer (seconds).
+STORE_RETRY_S = (0.1, 2.0)
 
 
 class ResourcePool:
@@ -161,10 +163,16 @@ class Worker:
                 free = self.concurrency - len(self.attempts)
                 if free > 0:
                     self.app.wake.clear()
-                    claimed = await self.app.store.claim(
-                        worker_id=self.worker_id, kinds=self.kinds, limit=free,
-                        lease_ttl_s=self.lease_ttl_s,
-                    )  # fmt: skip
+                    try:
+                        claimed = await self.app.store.claim(
+                            worker_id=self.worker_id, kinds=self.kinds, limit=free,
+                            lease_ttl_s=self.lease_ttl_s,
+                        )  # fmt: skip
+                    except StoreUnavailable as exc:  # wait for the store, claim nothing
+                        log.warning("claim_failed", extra={"error": exc.message})
+                        await self._idle(idle_s, False)
+                        idle_s = min(idle_s * 2, self.idle_poll_s[1])
+                        continue
                     for task in claimed:
                         self._start(task)
                     if claimed:
@@ -311,9 +319,27 @@ class Worker:
         if attempt.progress_dirty and attempt.progress is not None and event is Event.GENERATED:
             changes.update(stage=attempt.progress.stage, progress_step=attempt.progress.step,
                            progress_total=attempt.progress.total)  # fmt: skip
-        attempt.task = await self.app.apply(
-            attempt.task, event, target, fields=changes, fenced=True, retry_error=retry_error
-        )
+        delay = STORE_RETRY_S[0]
+        while True:
+            try:
+                attempt.task = await self.app.apply(
+                    attempt.task, event, target, fields=changes, fenced=True,
+                    retry_error=retry_error,
+                )  # fmt: skip
+                return
+            except StoreUnavailable as exc:
+                # Try again while the lease holds; after that the supervisor owns the task
+                # (and finds a complete upload through its manifest).
+                expires = attempt.task.lease_expires_at or 0.0
+                if self.app.now() + delay >= expires:
+                    raise LeaseLost(
+                        f"could not record {event} for {attempt.task.id} before its lease"
+                        f" ran out: {exc.message}"
+                    ) from exc
+                log.warning("transition_retry", extra={**self._ids(attempt),
+                            "event": str(event), "error": exc.message})  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, STORE_RETRY_S[1])
 
     # heartbeats, progress, cancellation
 
@@ -331,6 +357,9 @@ class Worker:
             )
         except LeaseLost:
             self._halt(attempt, "lease_lost")
+            return
+        except StoreUnavailable as exc:  # the next beat tries again; the lease may hold
+            log.warning("heartbeat_failed", extra={**self._ids(attempt), "error": exc.message})
             return
         if progress is not None:
             attempt.progress_dirty = False

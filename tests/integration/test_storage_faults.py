@@ -205,8 +205,8 @@ async def test_an_unreachable_bucket_fails_the_attempt_and_the_retry_succeeds(
         events = await assert_one_final_state(app.store, task.id)
         failed = [e for e in events if e.event is Event.FAIL]
         assert len(failed) == 1 and failed[0].attempt == 1 and failed[0].error is not None
-        assert failed[0].error["code"] == "internal_error" and failed[0].error["retryable"]
-        assert "StorageError: S3 put of" in failed[0].error["message"]
+        assert failed[0].error["code"] == "storage_error" and failed[0].error["retryable"]
+        assert failed[0].error["message"].startswith("S3 put of")
         assert [i.key async for i in storage.list(f"tasks/{task.id}/1-")] == []
         await assert_every_success_verified(app)
 
@@ -227,7 +227,7 @@ async def test_a_bucket_that_stays_unreachable_ends_failed_never_success(
         # Then both uploads failed within the storage's timeouts: FAILED, never SUCCESS
         assert done.status is Status.FAILED
         assert done.attempt == done.max_attempts == 2
-        assert done.error is not None and done.error["code"] == "internal_error"
+        assert done.error is not None and done.error["code"] == "storage_error"
         assert "S3 put of" in done.error["message"]
         assert done.result is None
         events = await assert_one_final_state(app.store, task.id)

@@ -38,7 +38,7 @@ PROCESSES = ("serve", "worker", "supervisor", "reconcile")
 #: the guide and, commented out, in kiln.env.example; no deploy file may set them. Once
 #: kiln reads one, remove it from here: test_pending_settings_are_not_read_yet fails
 #: until then.
-PENDING = frozenset({"KILN_DB_POOL_SIZE"})
+PENDING: frozenset[str] = frozenset()
 
 
 # what kiln reads

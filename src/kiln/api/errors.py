@@ -85,6 +85,13 @@ def status_of(error: KilnError) -> int:
 
 def kiln_error_response(error: KilnError) -> JSONResponse:
     status = status_of(error)
+    if status == 503:  # the database or the bucket does not answer: try again shortly
+        log.warning("request_unavailable", extra={"code": error.code, "error": error.message})
+        return error_response(
+            error.code,
+            "the store or the storage does not answer; try again shortly",
+            headers={"Retry-After": "1"},
+        )
     if status >= 500:
         log.error("request_failed", extra={"code": error.code}, exc_info=error)
         return error_response("internal_error", "the server failed to answer this request")

@@ -1,0 +1,284 @@
+"""What only the PostgreSQL store has to get right: the event tail under concurrent
+commits, the query plans of the hot queries, and migrations across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from kiln.errors import StoreUnavailable
+from kiln.states import Status
+from kiln.store.postgres import (
+    CLAIM_CANDIDATES_SQL,
+    DEDUP_LOOKUP_SQL,
+    DUE_CANCEL_SQL,
+    DUE_SQL,
+    DWELL_SQL,
+    DWELL_TENANT_SQL,
+    GHOSTS_SQL,
+    QUEUE_AHEAD_SQL,
+    PostgresStore,
+    migrate,
+    migrations,
+)
+from services.postgres import PostgresServer, free_port
+
+from .factories import KIND, make_new_task
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+async def pg(postgres_server: PostgresServer) -> AsyncIterator[PostgresStore]:
+    store = await PostgresStore.open(postgres_server.new_database(), clock=time.time)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _hold_an_event(conn: psycopg.Connection[Any], task_id: str) -> int:
+    """In an open transaction, write like the store does (a task row first, then an event)
+    and return the seq the event took."""
+    conn.execute("BEGIN")
+    conn.execute("UPDATE tasks SET updated_at = updated_at WHERE id = %s", (task_id,))
+    row = conn.execute(
+        "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+        " attempt, epoch, error, at, dwell_s) VALUES (%s, %s, 'acme', 'claim', 'PENDING',"
+        " 'WAITING_FOR_RESOURCE', false, 1, 1, NULL, 0, NULL) RETURNING seq",
+        (f"{task_id}:held", task_id),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_the_tail_waits_for_an_event_whose_transaction_is_still_open(
+    pg: PostgresStore,
+) -> None:
+    # Given a first event, then a transaction holding the next seq open, then a later
+    # event that committed before it
+    first = (await pg.submit(make_new_task({"prompt": "one"}))).task
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        held = _hold_an_event(conn, first.id)
+        later = (await pg.submit(make_new_task({"prompt": "two"}))).task
+        # When the tail reads while that transaction is open
+        seen = [e.seq for e in await pg.tail(after=0)]
+        again = [e.seq for e in await pg.tail(after=0)]
+        # Then it stops before the gap, however often it reads
+        assert seen == again == [held - 1]
+        assert (await pg.events(task_id=later.id))[0].seq == held + 1  # visible to reads
+        # And where a tail may start is before the gap too
+        assert await pg.last_seq() == held - 1
+        # When the transaction commits
+        conn.execute("COMMIT")
+    # Then the tail reads the held event and the later one, in seq order
+    assert [e.seq for e in await pg.tail(after=held - 1)] == [held, held + 1]
+
+
+async def test_the_tail_moves_past_a_rolled_back_seq(pg: PostgresStore) -> None:
+    # Given a seq taken by a transaction that rolled back, and a later committed event
+    first = (await pg.submit(make_new_task({"prompt": "one"}))).task
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        held = _hold_an_event(conn, first.id)
+        later_task = (await pg.submit(make_new_task({"prompt": "two"}))).task
+        assert [e.seq for e in await pg.tail(after=0)] == [held - 1]  # waiting
+        conn.execute("ROLLBACK")
+    # When the tail reads again
+    events = await pg.tail(after=held - 1)
+    # Then the gap is known to be permanent and the later event comes through
+    assert [(e.seq, e.task_id) for e in events] == [(held + 1, later_task.id)]
+
+
+async def test_a_tail_behind_an_unrelated_long_transaction_still_moves_on(
+    pg: PostgresStore,
+) -> None:
+    # Given a rolled-back seq seen while an unrelated transaction stays open
+    first = (await pg.submit(make_new_task({"prompt": "one"}))).task
+    with (
+        psycopg.connect(pg.url, autocommit=True) as long_running,
+        psycopg.connect(pg.url, autocommit=True) as conn,
+    ):
+        long_running.execute("BEGIN")
+        long_running.execute("SELECT pg_current_xact_id()")  # a writer: it has an id
+        held = _hold_an_event(conn, first.id)
+        conn.execute("ROLLBACK")
+        later = (await pg.submit(make_new_task({"prompt": "two"}))).task
+        # When the tail first sees the gap, an older transaction may still hold it
+        assert [e.seq for e in await pg.tail(after=0)] == [held - 1]
+        # When that transaction ends
+        long_running.execute("COMMIT")
+    # Then the gap is given up and the tail goes on
+    assert [e.task_id for e in await pg.tail(after=held - 1)] == [later.id]
+
+
+async def test_a_stream_on_one_store_sees_a_task_moved_by_another(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given two stores on one database, as on two machines
+    url = postgres_server.new_database()
+    api = await PostgresStore.open(url, clock=time.time)
+    worker = await PostgresStore.open(url, clock=time.time)
+    try:
+        start = await api.last_seq()
+        task = (await worker.submit(make_new_task())).task
+        claimed = await worker.claim(worker_id="w1", kinds=[KIND], limit=1, lease_ttl_s=30)
+        assert [t.id for t in claimed] == [task.id]
+        # When the API's tail reads
+        events = await api.tail(after=start)
+        # Then it has both events of the task, in order
+        assert [(e.task_id, e.status) for e in events] == [
+            (task.id, Status.PENDING),
+            (task.id, Status.WAITING_FOR_RESOURCE),
+        ]
+    finally:
+        await api.close()
+        await worker.close()
+
+
+async def test_a_listener_hears_work_made_ready_in_another_store(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given a store listening for ready work, and another store
+    url = postgres_server.new_database()
+    listener = await PostgresStore.open(url, clock=time.time)
+    other = await PostgresStore.open(url, clock=time.time)
+    heard = asyncio.Event()
+    try:
+        connected = asyncio.Event()
+        listener.watch_ready(connected.set)  # fires once when LISTEN is in place
+        await asyncio.wait_for(connected.wait(), 10)
+        listener.watch_ready(heard.set)
+        # When the other store accepts a task
+        await other.submit(make_new_task())
+        # Then the listener hears of it
+        await asyncio.wait_for(heard.wait(), 10)
+    finally:
+        await listener.close()
+        await other.close()
+
+
+# Query plans ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def filled(postgres_server: PostgresServer) -> Iterator[psycopg.Connection[Any]]:
+    """A database with 20,000 tasks across statuses, analysed."""
+    url = postgres_server.new_database()
+    with psycopg.connect(url, autocommit=True) as conn:
+        statuses = ["SUCCESS"] * 16 + ["PENDING", "GENERATING", "FAILED", "RETRYING"]
+        conn.execute(
+            "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
+            " inputs, fingerprint, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,"
+            " created_at, updated_at, status_since, lease_expires_at)"
+            " SELECT 'tsk_' || lpad(i::text, 8, '0'), 't' || (i %% 7), 'k' || (i %% 3),"
+            " (%s::text[])[1 + i %% 20], i %% 5, i, '{}', '{}', '[]', 'f', 'd' || i, 3, 600,"
+            " 1e12, %s, i, i, i, CASE WHEN i %% 20 = 1 THEN 1e12 END"
+            " FROM generate_series(1, 20000) AS i",
+            (statuses, json.dumps({"waiting_s": 1, "generating_s": 1, "uploading_s": 1})),
+        )
+        conn.execute(
+            "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+            " attempt, epoch, at, dwell_s) SELECT 'e' || i, 'tsk_' || i, 't' || (i % 7),"
+            " 'claim', 'PENDING', 'WAITING_FOR_RESOURCE', false, 1, 1, i, 0.1"
+            " FROM generate_series(1, 20000) AS i"
+        )
+        conn.execute("ANALYZE")
+        yield conn
+
+
+HOT = {
+    "claim candidates": (CLAIM_CANDIDATES_SQL, ("k1", 1e9, 1e9, 8)),
+    "dedup lookup": (DEDUP_LOOKUP_SQL, ("t1", "d8")),
+    "queue position": (QUEUE_AHEAD_SQL, ("k1", 1e9, 1e9, 2, 2, 500.0, 500.0, "tsk_x")),
+    "due": (DUE_SQL, (100.0, 100)),
+    "due cancels": (DUE_CANCEL_SQL, (100.0, 100)),
+    "ghosts": (GHOSTS_SQL, (100.0, 100.0)),
+    "dwell": (DWELL_SQL, (10_000,)),
+    "dwell of a tenant": (DWELL_TENANT_SQL, ("t3", 10_000)),
+}
+
+
+def plan(conn: psycopg.Connection[Any], sql: str, args: tuple[Any, ...]) -> str:
+    rows = conn.execute(f"EXPLAIN {sql}", args).fetchall()  # type: ignore[arg-type]
+    return "\n".join(row[0] for row in rows)
+
+
+@pytest.mark.parametrize("name", sorted(HOT))
+def test_hot_query_reads_through_an_index(filled: psycopg.Connection[Any], name: str) -> None:
+    sql, args = HOT[name]
+    found = plan(filled, sql, args)
+    assert "Seq Scan" not in found, found
+    assert "Index" in found, found
+
+
+def test_the_plan_check_tells_a_scan_apart(filled: psycopg.Connection[Any]) -> None:
+    found = plan(filled, "SELECT * FROM tasks WHERE params = %s", ("{}",))
+    assert "Seq Scan" in found
+
+
+# Migrations ------------------------------------------------------------------------------
+
+
+async def test_migrations_apply_once_across_concurrent_processes(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given an empty database and several connections migrating it at once
+    url = postgres_server.new_database(template=None)
+
+    async def run() -> int:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            return await migrate(conn)
+
+    applied = await asyncio.gather(*(run() for _ in range(4)))
+    # Then every version was applied once, and once more is nothing
+    assert sum(applied) == len(migrations())
+    assert await run() == 0
+    with psycopg.connect(url) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
+    assert sorted(versions) == [v for v, _, _ in migrations()]
+
+
+async def test_a_store_upgrades_a_database_at_an_older_version_in_place(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given a database with a task, migrated up to the first version only
+    url = postgres_server.new_database(template=None)
+    first_version, _, first_sql = migrations()[0]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(first_sql.encode())
+        conn.execute(
+            "CREATE TABLE schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        conn.execute(
+            "INSERT INTO schema_migrations (version, name) VALUES (%s, 'first')", (first_version,)
+        )
+    before = await PostgresStore.open(url, clock=time.time)
+    task = (await before.submit(make_new_task())).task
+    await before.close()
+    # When a store opens it
+    store = await PostgresStore.open(url, clock=time.time)
+    try:
+        # Then the task is still there and the store works on it
+        assert await store.get(task.id) == task
+        claimed = await store.claim(worker_id="w", kinds=[KIND], limit=1, lease_ttl_s=30)
+        assert [t.id for t in claimed] == [task.id]
+    finally:
+        await store.close()
+
+
+async def test_an_unreachable_database_raises_store_unavailable(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given a URL where nothing listens
+    store = PostgresStore(f"postgresql://kiln@127.0.0.1:{free_port()}/x", clock=time.time)
+    # Then every call says the store is unavailable
+    with pytest.raises(StoreUnavailable):
+        await store.get("tsk_x")
+    await store.close()
