@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from typing import Any
 
 import pytest
@@ -15,8 +16,12 @@ from api_support import (
     running_api,
 )
 
+import kiln
+from kiln import demo
 from kiln.api.schemas import StatsOut, TaskList, TaskOut
 from kiln.config import Settings
+from kiln.store.postgres import PostgresStore
+from services.postgres import PostgresServer
 
 
 async def _submit(api: ApiUnderTest, prompt: str = "a fox", **fields: Any) -> dict[str, Any]:
@@ -298,3 +303,28 @@ async def test_openapi_asks_for_a_bearer_key_when_keys_are_set(keyed_api: ApiUnd
     (scheme,) = schema["components"]["securitySchemes"].values()
     assert scheme == {**scheme, "type": "http", "scheme": "bearer"}
     assert schema["paths"]["/v1/tasks"]["post"]["security"]
+
+
+@pytest.mark.postgres
+async def test_an_unreachable_database_answers_503_and_the_server_keeps_serving(
+    settings: Settings, postgres_server: PostgresServer
+) -> None:
+    # Given an API on a PostgreSQL database that holds a task
+    url = postgres_server.new_database()
+    store = PostgresStore(url, clock=time.time, acquire_timeout_s=0.5)
+    app = kiln.App(settings=settings, store=store)
+    demo.register(app)
+    async with app, running_api(settings, kiln_app=app) as api:
+        created = await api.client.post("/v1/tasks", json=image_body("a lighthouse"))
+        assert created.status_code == 201
+        # When the database goes away (dropped, its connections cut)
+        postgres_server.sql(f"DROP DATABASE {url.rsplit('/', 1)[1]} WITH (FORCE)")
+        read = await api.client.get(f"/v1/tasks/{created.json()['id']}")
+        submit = await api.client.post("/v1/tasks", json=image_body("a harbour"))
+        # Then requests answer 503 store_unavailable with a hint to retry, not 500
+        assert_error(read, 503, "store_unavailable")
+        assert_error(submit, 503, "store_unavailable")
+        assert read.headers["Retry-After"] == "1"
+        assert_error(await api.client.get("/readyz"), 503, "not_ready")
+        # And the server still answers what needs no database
+        assert (await api.client.get("/healthz")).status_code == 200

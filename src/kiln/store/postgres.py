@@ -309,10 +309,14 @@ class _CommitUnknown(Exception):
 class PostgresStore:
     """The store for many processes on many machines. See the module docstring."""
 
-    def __init__(self, url: str, *, clock: Clock, pool_size: int = 10) -> None:
+    def __init__(
+        self, url: str, *, clock: Clock, pool_size: int = 10, acquire_timeout_s: float = 5.0
+    ) -> None:
         self.url = url
         self.clock = clock
         self.pool_size = pool_size
+        #: How long a call waits for a connection before it says the store is unavailable.
+        self.acquire_timeout_s = acquire_timeout_s
         self._pool: Pool | None = None
         self._home: asyncio.AbstractEventLoop | None = None
         self._migrated = False
@@ -348,7 +352,7 @@ class PostgresStore:
                 min_size=1,
                 max_size=max(1, self.pool_size),
                 open=False,
-                timeout=10.0,
+                timeout=self.acquire_timeout_s,
                 kwargs={"autocommit": True},
                 name="kiln",
             )
