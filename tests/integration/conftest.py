@@ -196,9 +196,15 @@ async def crash_app(crash_settings: Settings) -> AsyncIterator[kiln.App]:
         yield instance
 
 
-@pytest.fixture
-async def fake_app(settings: Settings, clock: AdvancingClock) -> AsyncIterator[kiln.App]:
-    """An App on the fake clock: supervisor tests move time instead of sleeping."""
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fake_app(
+    request: pytest.FixtureRequest, settings: Settings, clock: AdvancingClock
+) -> AsyncIterator[kiln.App]:
+    """An App on the fake clock, on each store backend: supervisor tests move time instead
+    of sleeping."""
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        settings = settings.with_(database_url=server.new_database())
     instance = kiln.App(settings=settings, clock=clock)
     demo.register(instance)
     async with instance:
