@@ -1,14 +1,22 @@
 """Throughput of the whole task lifecycle, measured against the raw rate of the database.
 
 N tasks of a no-op kind go through submit, claim, acquire, generated and uploaded (five
-transitions each) in one process, on the real library: ``kiln.App``, ``app.submit`` and
-``app.worker``. In the same run, on a database file with the same settings (WAL, the same
-``synchronous``), a tight loop of single-row compare-and-set + event-insert transactions on
-stdlib ``sqlite3`` gives the ceiling that one transaction per transition would allow.
+transitions each) on the real library: ``kiln.App``, ``app.submit`` and ``app.worker``.
+
+SQLite: everything runs in one process. In the same run, on a database file with the same
+settings (WAL, the same ``synchronous``), a tight loop of single-row compare-and-set +
+event-insert transactions on stdlib ``sqlite3`` gives the ceiling that one transaction per
+transition would allow.
+
+PostgreSQL: this process submits, ``--workers`` separate worker processes claim and run,
+all on a fresh database of the cluster. The server's own counters give the transactions a
+lifecycle took, and ``pgbench -N`` on the same cluster, in the same run, gives the ceiling.
 
     python benchmarks/lifecycle.py                       # 20,000 tasks, NORMAL, both figures
     python benchmarks/lifecycle.py --synchronous FULL
     python benchmarks/lifecycle.py --tasks 200 --json-only
+    python benchmarks/lifecycle.py --start-postgres      # a throwaway cluster, 3 workers
+    python benchmarks/lifecycle.py --database postgresql://user@host/postgres --workers 2
 
 The last line printed is always one JSON object (see ``summary_json``).
 """
@@ -17,67 +25,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
-import shutil
-import sqlite3
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kiln
-from kiln.config import Settings
+from harness import (
+    Figure,
+    build_app,
+    cpu_line,
+    head_lines,
+    load,
+    machine,
+    scratch_dir,
+    submit_all,
+    transitions_of,
+    wait_for_success,
+)
 
-KIND = "bench.noop"
-SUBMIT_CHUNK = 500
-POLL_S = 0.01
+import kiln
+
 RAW_SECONDS = 3.0
 RAW_MAX_TX = 20_000
 RAW_ROWS = 1_000
 TRANSITIONS_PER_LIFECYCLE = 5
-
-
-@dataclass
-class Figure:
-    """One lifecycle run: N tasks of one output size, first submit to last SUCCESS."""
-
-    tasks: int
-    output_bytes: int
-    concurrency: int
-    wall_s: float
-    submit_s: float
-    transitions: int
-    succeeded: int
-    cpu_s: float = 0.0
-    thread_cpu_s: dict[str, float] = field(default_factory=dict)
-    write_batches: tuple[int, int] | None = None
-    by_transition: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def lifecycles_per_s(self) -> float:
-        return self.succeeded / self.wall_s
-
-    @property
-    def transitions_per_s(self) -> float:
-        return self.transitions / self.wall_s
-
-    @property
-    def cpu_us_per_lifecycle(self) -> float:
-        return self.cpu_s / max(self.succeeded, 1) * 1e6
-
-    @property
-    def mean_batch(self) -> float | None:
-        if not self.write_batches or not self.write_batches[0]:
-            return None
-        return self.write_batches[1] / self.write_batches[0]
+PG_TASKS = 3_000
+PG_WORKERS = 3
+PG_CONCURRENCY = 64
+PG_POOL_SIZE = 10
+PGBENCH_SECONDS = 10.0
 
 
 # The database under test --------------------------------------------------------------------
@@ -96,7 +77,7 @@ class Databases:
 
     ``sqlite:///path.db`` runs the no-op figure on ``path.db``, the 1 KiB figure on
     ``path-1k.db`` and the raw loop on ``path-raw.db``; none of them may exist yet. A
-    ``postgresql://`` URL is parsed here too, so that backend plugs in beside SQLite.
+    ``postgresql://`` URL only sets ``backend``: ``run_postgres`` takes over.
     """
 
     def __init__(self, url: str | None, scratch: Path, synchronous: str) -> None:
@@ -109,7 +90,9 @@ class Databases:
         elif url.startswith(("postgresql:", "postgres:")):
             self.backend = "postgresql"
         else:
-            raise SystemExit(f"unsupported --database {url!r}: use sqlite:///path.db")
+            raise SystemExit(
+                f"unsupported --database {url!r}: use sqlite:///path.db or postgresql://..."
+            )
 
     def figure(self, suffix: str) -> str:
         if self.backend != "sqlite":
@@ -176,55 +159,6 @@ def raw_sqlite(path: str, synchronous: str, seconds: float, max_tx: int) -> floa
     return done / elapsed
 
 
-# One lifecycle figure ------------------------------------------------------------------------
-
-
-def build_app(url: str, results: Path, synchronous: str, output_bytes: int) -> kiln.App:
-    settings = Settings(
-        data_dir=results.parent,
-        database_url=url,
-        storage_url=results.as_uri(),
-        sqlite_synchronous=synchronous,
-    )
-    app = kiln.App(settings=settings)
-    payload = os.urandom(output_bytes) if output_bytes else b""
-
-    @app.task(KIND)
-    async def noop(ctx: Any, params: Any) -> kiln.Output | None:
-        if payload:
-            return kiln.Output("out.bin", payload)
-        return None
-
-    return app
-
-
-async def submit_all(app: kiln.App, tasks: int) -> int:
-    created = 0
-    for start in range(0, tasks, SUBMIT_CHUNK):
-        results = await asyncio.gather(
-            *(app.submit(KIND, {"n": i}, dedup=False)
-              for i in range(start, min(start + SUBMIT_CHUNK, tasks)))
-        )  # fmt: skip
-        created += sum(1 for r in results if r.created)
-    return created
-
-
-def transitions_of(counters: dict[tuple[str, str], int]) -> dict[str, int]:
-    return {labels: n for (name, labels), n in counters.items() if name == "transitions"}
-
-
-async def wait_for_success(app: kiln.App, tasks: int, timeout_s: float) -> float:
-    """Poll the store's counter table until ``tasks`` tasks reached SUCCESS; return when."""
-    deadline = time.perf_counter() + timeout_s
-    while True:
-        moved = transitions_of(await app.store.counters())
-        if sum(n for label, n in moved.items() if label.endswith(">SUCCESS")) >= tasks:
-            return time.perf_counter()
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"not all {tasks} tasks reached SUCCESS in {timeout_s} s: {moved}")
-        await asyncio.sleep(POLL_S)
-
-
 def thread_cpu() -> dict[str, float]:
     """CPU seconds used so far by each live thread of this process, by role (Linux only)."""
     roles = {
@@ -257,7 +191,7 @@ async def run_figure(
             started = time.perf_counter()
             created = await submit_all(app, tasks)
             submitted = time.perf_counter()
-            finished = await wait_for_success(app, created, timeout_s=max(120.0, tasks / 10))
+            finished, _ = await wait_for_success(app, created, timeout_s=max(120.0, tasks / 10))
             cpu_s = time.process_time() - cpu_before
             threads = thread_cpu()
         stats = await app.store.stats(tenant=None, ghost_after_s=60)
@@ -279,33 +213,6 @@ async def run_figure(
 
 
 # Reporting ----------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "sqlite": sqlite3.sqlite_version,
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "loadavg": load(),
-    }
-
-
-def load() -> str:
-    """The 1-minute load average: other processes on the machine skew every figure."""
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:
-        return "unknown"
 
 
 def summary_json(
@@ -334,23 +241,13 @@ def summary_json(
 
 
 def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
-    label = "no-op, no outputs" if figure.output_bytes == 0 else f"{figure.output_bytes} B output"
     lines = [
-        f"lifecycle ({label}): {figure.tasks} tasks, concurrency {figure.concurrency}",
-        f"  wall (first submit to last SUCCESS) {figure.wall_s:.3f} s,"
-        f" of which submitting {figure.submit_s:.3f} s",
-        f"  lifecycles/s   {figure.lifecycles_per_s:10.1f}",
-        f"  transitions/s  {figure.transitions_per_s:10.1f}"
-        f"  ({figure.transitions} transitions,"
-        f" {figure.transitions / max(figure.tasks, 1):.2f} per task)",
+        *head_lines(figure),
         f"  ratio transitions/s : raw tx/s          {figure.transitions_per_s / raw_tx_per_s:.3f}",
         "  fraction of the raw rate a lifecycle gets"
         f" {figure.lifecycles_per_s / (raw_tx_per_s / TRANSITIONS_PER_LIFECYCLE):.3f}",
+        cpu_line(figure),
     ]
-    split = ", ".join(f"{role} {s:.2f} s" for role, s in sorted(figure.thread_cpu_s.items()))
-    lines.append(
-        f"  CPU {figure.cpu_s:.2f} s = {figure.cpu_us_per_lifecycle:.0f} us per lifecycle ({split})"
-    )
     if figure.write_batches:
         lines.append(
             f"  writer: {figure.write_batches[0]} transactions for {figure.write_batches[1]}"
@@ -364,17 +261,43 @@ def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=20_000, help="tasks per figure")
+    parser.add_argument(
+        "--tasks", type=int, default=None,
+        help=f"tasks per figure (default 20,000; {PG_TASKS:,} on PostgreSQL)",
+    )  # fmt: skip
     parser.add_argument(
         "--synchronous", type=str.upper, choices=["NORMAL", "FULL"], default="NORMAL"
     )
-    parser.add_argument("--concurrency", type=int, default=256, help="worker slots")
+    parser.add_argument(
+        "--concurrency", type=int, default=None,
+        help=f"worker slots, per worker process (default 256; {PG_CONCURRENCY} on PostgreSQL)",
+    )  # fmt: skip
     parser.add_argument(
         "--output-bytes", type=int, choices=[0, 1024], default=None,
-        help="run only this figure (default: both, no-op first)",
+        help="run only this figure (default: both, no-op first; no-op only on PostgreSQL)",
     )  # fmt: skip
     parser.add_argument("--both", action="store_true", help="run both figures (the default)")
-    parser.add_argument("--database", default=None, help="sqlite:///path.db (default: temp)")
+    parser.add_argument(
+        "--database", default=None,
+        help="sqlite:///path.db (default: temp), or postgresql://... of a database where"
+        " CREATE DATABASE may run (the run makes and drops its own databases)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-postgres", action="store_true",
+        help="run on a throwaway PostgreSQL cluster (fsync and synchronous_commit on)",
+    )  # fmt: skip
+    postgres = parser.add_argument_group("PostgreSQL only")
+    postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
+    postgres.add_argument(
+        "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
+    )  # fmt: skip
+    postgres.add_argument(
+        "--clients", type=int, default=None,
+        help="pgbench clients (default: the connections the engine held)",
+    )  # fmt: skip
+    postgres.add_argument(
+        "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
+    )  # fmt: skip
     parser.add_argument(
         "--raw-seconds", type=float, default=RAW_SECONDS,
         help=f"how long the raw loop runs at most (default {RAW_SECONDS}; {RAW_MAX_TX} tx at most)",
@@ -385,28 +308,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
-    if args.tasks <= 0 or args.concurrency <= 0 or args.raw_seconds <= 0:
-        parser.error("--tasks, --concurrency and --raw-seconds must be positive")
+    if args.start_postgres and args.database:
+        parser.error("give --database or --start-postgres, not both")
+    args.postgres = args.start_postgres or str(args.database).startswith(
+        ("postgresql:", "postgres:")
+    )
+    args.tasks = args.tasks or (PG_TASKS if args.postgres else 20_000)
+    args.concurrency = args.concurrency or (PG_CONCURRENCY if args.postgres else 256)
+    numbers = (args.tasks, args.concurrency, args.raw_seconds, args.workers, args.pool_size,
+               args.pgbench_seconds, args.clients or 1)  # fmt: skip
+    if min(numbers) <= 0:
+        parser.error("counts and seconds must be positive")
     return args
-
-
-@contextmanager
-def scratch_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = [0, 1024] if args.both or args.output_bytes is None else [args.output_bytes]
+    if args.postgres and not args.both and args.output_bytes is None:
+        sizes = [0]  # the 1 KiB figure measures the storage path, not the database
     say: Callable[[str], None] = (lambda _: None) if args.json_only else print
     if args.log != "off":
         from kiln import logs
 
         logs.setup(fmt=args.log, level="INFO")
+    if args.postgres:
+        from pg_lifecycle import run_postgres
+
+        return run_postgres(args, sizes, say)
     with scratch_dir() as scratch:
         dbs = Databases(args.database, scratch, args.synchronous)
         say(" ".join(f"{k}={v}" for k, v in machine().items()))
