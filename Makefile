@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test lint fmt types check bench docs clean
+.PHONY: help setup system-deps run test lint fmt types check bench bench-pg docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ check: lint types test ## lint, types and tests
 bench: $(STAMP) ## the lifecycle benchmark (NORMAL and FULL durability)
 	$(PY) benchmarks/lifecycle.py
 	$(PY) benchmarks/lifecycle.py --synchronous FULL
+
+bench-pg: $(STAMP) ## the lifecycle on a throwaway PostgreSQL (3 worker processes) beside pgbench -N
+	$(PY) benchmarks/lifecycle.py --start-postgres
 
 docs: $(STAMP) ## regenerate the state diagram in docs/states.md from the state table
 	$(PY) scripts/gen_docs.py

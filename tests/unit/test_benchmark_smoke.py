@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 
+from services.postgres import PostgresServer
+
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "lifecycle.py"
 FIGURES = ("lifecycles_per_s", "transitions_per_s", "raw_tx_per_s", "ratio")
 
 
-def run_benchmark(tmp_path: Path, *options: str) -> tuple[dict[str, Any], str]:
+def run_benchmark(tmp_path: Path, *options: str, tasks: int = 200) -> tuple[dict[str, Any], str]:
     completed = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--tasks", "200", "--raw-seconds", "0.3", *options],
+        [sys.executable, str(BENCHMARK), "--tasks", str(tasks), "--raw-seconds", "0.3", *options],
         capture_output=True,
         text=True,
         timeout=100,
@@ -70,3 +72,29 @@ def test_json_only_full_run_prints_one_json_line_of_the_same_shape(tmp_path: Pat
     assert summary["synchronous"] == "FULL"
     assert summary["output_bytes"] == 0
     assert "lifecycles_per_s_1k" not in summary
+
+
+def test_postgres_run_counts_transactions_and_compares_with_pgbench(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    # Given the test cluster and a tiny run with two worker processes and a short pgbench
+    url = postgres_server.new_database()
+
+    # When it finishes
+    summary, stdout = run_benchmark(
+        tmp_path, "--database", url, "--workers", "2", "--concurrency", "8",
+        "--pgbench-seconds", "1", tasks=60,
+    )  # fmt: skip
+
+    # Then it reports the lifecycle rate, the server-counted transactions per lifecycle,
+    # pgbench's rate as the raw rate, and the ratio against the aim
+    assert "pgbench -N" in stdout and "write transactions" in stdout
+    assert_positive(summary, (*FIGURES, "tx_per_lifecycle", "commits_per_lifecycle"))
+    assert summary["database"] == "postgresql"
+    assert summary["tasks"] == 60 and summary["workers"] == 2 and summary["aim"] == 0.6
+    assert summary["ratio"] == pytest.approx(
+        summary["lifecycles_per_s"] * summary["tx_per_lifecycle"] / summary["raw_tx_per_s"],
+        rel=0.01,
+    )
+    # And each lifecycle wrote in at least one transaction of its own (the submit)
+    assert summary["tx_per_lifecycle"] >= 1
