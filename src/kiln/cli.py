@@ -14,7 +14,7 @@ import functools
 import ipaddress
 import json
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
@@ -28,6 +28,7 @@ from kiln import demo, logs
 from kiln.client import DEFAULT_SERVER, Client
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError
+from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
 from kiln.reconcile import DEFAULT_GRACE_S, Report, reconcile
 
 P = ParamSpec("P")
@@ -260,14 +261,7 @@ async def _run_worker(
 ) -> None:
     async with app:
         process = app.worker(concurrency=concurrency, kinds=kinds, resources={"gpu": gpus})
-        counters = {
-            "kiln_worker_attempts_completed": lambda: process.completed,
-        }
-        gauges = {
-            "kiln_worker_attempts_running": lambda: len(process.attempts),
-            "kiln_worker_concurrency": lambda: process.concurrency,
-        }
-        with _metrics(app.settings.metrics_port, metrics_host, counters, gauges):
+        with _metrics(app.settings.metrics_port, metrics_host, worker_readings(process)):
             await _until_signalled(process.run())
 
 
@@ -298,15 +292,7 @@ def supervisor(
 async def _run_supervisor(app: kiln.App, metrics_host: str) -> None:
     async with app:
         process = app.supervisor()
-        counters = {"kiln_supervisor_sweeps": lambda: process.sweeps}
-        gauges = {
-            "kiln_supervisor_leading": lambda: int(process.last.leading),
-            "kiln_supervisor_last_sweep_seconds": lambda: process.last.duration_s,
-            "kiln_supervisor_last_sweep_expired": lambda: process.last.expired,
-            "kiln_supervisor_last_sweep_recovered": lambda: process.last.recovered,
-            "kiln_supervisor_ghost_tasks": lambda: process.last.ghosts,
-        }
-        with _metrics(app.settings.metrics_port, metrics_host, counters, gauges):
+        with _metrics(app.settings.metrics_port, metrics_host, supervisor_readings(process)):
             await _until_signalled(process.run())
 
 
@@ -324,36 +310,15 @@ async def _until_signalled(work: Awaitable[None]) -> None:
             loop.remove_signal_handler(sig)
 
 
-Reading = Callable[[], float]
-
-
-class _LiveMetrics:
-    """A Prometheus collector that reads a process's counters when scraped."""
-
-    def __init__(self, counters: dict[str, Reading], gauges: dict[str, Reading]) -> None:
-        self.counters = counters
-        self.gauges = gauges
-
-    def collect(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        for name, read in self.counters.items():
-            yield CounterMetricFamily(name, name.replace("_", " "), value=read())
-        for name, read in self.gauges.items():
-            yield GaugeMetricFamily(name, name.replace("_", " "), value=read())
-
-
 @contextlib.contextmanager
-def _metrics(
-    port: int | None, host: str, counters: dict[str, Reading], gauges: dict[str, Reading]
-) -> Iterator[None]:
+def _metrics(port: int | None, host: str, readings: Readings) -> Iterator[None]:
     if port is None:
         yield
         return
     from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(_LiveMetrics(counters, gauges))
+    registry.register(LiveMetrics(*readings))
     ProcessCollector(registry=registry)
     server, thread = start_http_server(port, addr=host, registry=registry)
     try:

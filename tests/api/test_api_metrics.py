@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from api_support import ApiUnderTest, image_body
+from api_support import ApiUnderTest, image_body, running_api, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.config import Settings
 from kiln.states import Status
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -99,3 +100,22 @@ async def test_metrics_need_no_key_and_count_open_streams(keyed_api: ApiUnderTes
 
     assert samples[("kiln_api_streams_open", (("transport", "sse"),))] == 0
     assert ("kiln_tasks", (("status", "PENDING"),)) in samples
+
+
+async def test_the_loops_of_kiln_serve_report_on_the_api_metrics(settings: Settings) -> None:
+    # Given an API process running a worker and a supervisor in process
+    async with running_api(settings, workers=2, supervisor=True) as api:
+        # When a task has run and the supervisor has swept as leader
+        await _run(api, "a quarry")
+
+        async def leading() -> bool:
+            return (await scrape(api)).get(("kiln_supervisor_leading", ())) == 1.0
+
+        await wait_until(leading)
+        samples = await scrape(api)
+    # Then /metrics carries the loops' own readings beside the store's
+    assert samples[("kiln_supervisor_sweeps_total", ())] >= 1
+    assert ("kiln_supervisor_last_sweep_seconds", ()) in samples
+    assert samples[("kiln_worker_concurrency", ())] == 2.0
+    assert samples[("kiln_worker_attempts_completed_total", ())] == 1.0
+    assert samples[("kiln_tasks", (("status", "SUCCESS"),))] == 1.0

@@ -35,6 +35,7 @@ from kiln.api.schemas import HealthOut
 from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
+from kiln.process_metrics import LiveMetrics, supervisor_readings, worker_readings
 
 log = logging.getLogger("kiln.api")
 
@@ -101,9 +102,12 @@ def _lifespan(
             await app.hub.start()
             if workers > 0:
                 worker = app.worker(concurrency=workers, resources={"gpu": gpus})
+                state.metrics.registry.register(LiveMetrics(*worker_readings(worker)))
                 loops.append(asyncio.create_task(_background("worker", worker.run())))
             if supervisor:
-                loops.append(asyncio.create_task(_background("supervisor", app.supervisor().run())))
+                sweeper = app.supervisor()
+                state.metrics.registry.register(LiveMetrics(*supervisor_readings(sweeper)))
+                loops.append(asyncio.create_task(_background("supervisor", sweeper.run())))
             yield
         finally:
             for loop in loops:
