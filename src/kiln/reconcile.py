@@ -142,12 +142,8 @@ def _task_id(key: str) -> str | None:
 def _age_s(
     storage: Storage, info: ObjectInfo, task: Task | None, clock: Callable[[], float]
 ) -> float | None:
-    path = storage.local_path(info.key)
-    if path is not None:
-        try:
-            return max(clock() - path.stat().st_mtime, 0.0)
-        except FileNotFoundError:
-            return None
+    if info.modified_at is not None:
+        return max(clock() - info.modified_at, 0.0)
     if task is not None:
         return max(clock() - task.updated_at, 0.0)
     return None

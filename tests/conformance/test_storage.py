@@ -4,6 +4,7 @@ session's SeaweedFS server, under a fresh prefix per test)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,16 @@ async def test_list_pages_through_more_objects_than_one_listing_page(storage: St
     found = [info.key async for info in storage.list("tasks/many/")]
 
     assert found == keys
+
+
+async def test_stat_and_list_tell_when_an_object_was_written(storage: Storage) -> None:
+    # Given an object written now
+    before = time.time()
+    await storage.put("tasks/t9/1-1/image.png", b"pixels")
+    after = time.time()
+    # Then stat and list carry its write time (S3 keeps whole seconds)
+    info = await storage.stat("tasks/t9/1-1/image.png")
+    listed = [i async for i in storage.list("tasks/t9/")]
+    for found in (info, *listed):
+        assert found is not None and found.modified_at is not None
+        assert before - 2 <= found.modified_at <= after + 2

@@ -23,6 +23,8 @@ MANIFEST = "manifest.json"
 class ObjectInfo:
     key: str
     size: int
+    #: When the object was last written (seconds since the epoch), where the backend says.
+    modified_at: float | None = None
 
 
 class Storage(Protocol):

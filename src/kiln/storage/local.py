@@ -68,10 +68,10 @@ class LocalStorage:
     async def stat(self, key: str) -> ObjectInfo | None:
         path = self._path(key)
         try:
-            size = (await asyncio.to_thread(path.stat)).st_size
+            found = await asyncio.to_thread(path.stat)
         except FileNotFoundError:
             return None
-        return ObjectInfo(key, size)
+        return ObjectInfo(key, found.st_size, found.st_mtime)
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._path(key).unlink, missing_ok=True)
@@ -92,7 +92,8 @@ class LocalStorage:
                 path = Path(dirpath) / name
                 key = path.relative_to(base).as_posix()
                 if key.startswith(prefix):
-                    found.append(ObjectInfo(key, path.stat().st_size))
+                    stat = path.stat()
+                    found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
         return sorted(found, key=lambda info: info.key)
 
 

@@ -19,7 +19,7 @@ import builtins
 import mimetypes
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 import obstore
@@ -176,7 +176,7 @@ class S3Storage:
             return None
         except BaseError as exc:
             raise _storage_error("stat", key, exc) from exc
-        return ObjectInfo(key, meta["size"])
+        return ObjectInfo(key, meta["size"], _timestamp(meta))
 
     async def delete(self, key: str) -> None:
         try:
@@ -201,7 +201,7 @@ class S3Storage:
             async for chunk in obstore.list(self.store, folder or None, chunk_size=1000):
                 for meta in chunk:
                     if meta["path"].startswith(prefix):
-                        found.append(ObjectInfo(meta["path"], meta["size"]))
+                        found.append(ObjectInfo(meta["path"], meta["size"], _timestamp(meta)))
         except BaseError as exc:
             raise _storage_error("list", prefix, exc) from exc
         return found
@@ -225,3 +225,8 @@ def _storage_error(operation: str, key: str, exc: BaseError) -> StorageError:
     # obstore's message ends in a multi-line debug dump; its first line says what failed.
     first_line = str(exc).split("\n", 1)[0].strip()
     return StorageError(f"S3 {operation} of {key!r} failed: {first_line}")
+
+
+def _timestamp(meta: Any) -> float | None:
+    modified = meta.get("last_modified")
+    return None if modified is None else float(modified.timestamp())
