@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 import kiln
-from kiln import demo, logs
+from kiln import demo, logs, transform
 from kiln.client import DEFAULT_SERVER, Client
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError
@@ -135,10 +135,11 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _app(settings: Settings) -> kiln.App:
-    """An App with the demo kind (nothing opened yet), logging as the settings say."""
+    """An App with the built-in kinds (nothing opened yet), logging as the settings say."""
     logs.setup(fmt=settings.log_format, level=settings.log_level)
     app = kiln.App(settings=settings)
     demo.register(app)
+    transform.register(app)
     return app
 
 
@@ -179,6 +180,14 @@ def serve(
     no_workers: Annotated[
         bool, typer.Option("--no-workers", envvar="KILN_NO_WORKERS", help="API only")
     ] = False,
+    no_supervisor: Annotated[
+        bool,
+        typer.Option(
+            "--no-supervisor",
+            envvar="KILN_NO_SUPERVISOR",
+            help="no supervisor loop here (run `kiln supervisor` processes instead)",
+        ),
+    ] = False,
     gpus: Annotated[int, typer.Option(envvar="KILN_GPUS", min=0, help="gpu slots")] = 1,
     insecure: Annotated[
         bool,
@@ -203,7 +212,11 @@ def serve(
     app = _app(settings)
     try:
         api = create_app(
-            app, workers=0 if no_workers else workers, gpus=gpus, supervisor=True, settings=settings
+            app,
+            workers=0 if no_workers else workers,
+            gpus=gpus,
+            supervisor=not no_supervisor,
+            settings=settings,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None

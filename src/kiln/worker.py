@@ -84,6 +84,7 @@ class Attempt:
     runner: asyncio.Task[None] | None = None
     pipeline: asyncio.Task[None] | None = None
     stop_reason: str | None = None
+    ended: bool = False
     progress: Progress | None = None
     progress_saved_at: float = 0.0
     progress_dirty: bool = False
@@ -111,9 +112,17 @@ class Context:
         return self._attempt.task.id
 
     async def progress(
-        self, step: int, total: int, *, stage: str | None = None, preview: str | None = None
+        self,
+        step: int | None,
+        total: int | None,
+        *,
+        stage: str | None = None,
+        preview: str | None = None,
     ) -> None:
-        """Report progress: published live now, persisted at most once a second."""
+        """Report progress: published live now, persisted at most once a second.
+
+        ``step`` and ``total`` may be None for a stage without steps (an upstream request).
+        """
         await self._worker.report_progress(self._attempt, Progress(stage, step, total), preview)
 
 
@@ -221,9 +230,11 @@ class Worker:
         except LeaseLost:
             log.warning("lease_lost", extra=self._ids(attempt))
         finally:
+            # The loop also ends by itself on ``ended``: a cancel that lands as a store
+            # call completes can be lost on Python 3.11, and the slot must come back.
+            attempt.ended = True
             heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await asyncio.wait([heartbeat], timeout=1.0)
             self.app.hub.local_progress.discard(attempt.task.id)
             self.attempts.pop(attempt.task.id, None)
             self.completed += 1
@@ -246,7 +257,8 @@ class Worker:
                 return
             error = classify(exc)
             log.info("attempt_failed", extra={**self._ids(attempt), "code": error["code"]})
-            await self._transition(attempt, Event.FAIL, retry_error=error)
+            wait_s = exc.retry_after_s if isinstance(exc, Retryable) else None
+            await self._transition(attempt, Event.FAIL, retry_error=error, retry_after_s=wait_s)
 
     async def _give_back(self, attempt: Attempt) -> None:
         """On shutdown, end the attempt now (retryable) instead of letting the lease lapse."""
@@ -312,6 +324,7 @@ class Worker:
         fields: dict[str, Any] | None = None,
         retry_error: JSON | None = None,
         state_timeout: float | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         changes = dict(fields or {})
         if state_timeout is not None:
@@ -324,7 +337,7 @@ class Worker:
             try:
                 attempt.task = await self.app.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
-                    retry_error=retry_error,
+                    retry_error=retry_error, retry_after_s=retry_after_s,
                 )  # fmt: skip
                 return
             except StoreUnavailable as exc:
@@ -345,9 +358,10 @@ class Worker:
 
     async def _heartbeat(self, attempt: Attempt) -> None:
         interval = max(min(self.lease_ttl_s / 3, HEARTBEAT_MAX_S), 0.01)
-        while True:
+        while not attempt.ended and attempt.stop_reason != "lease_lost":
             await asyncio.sleep(interval)
-            await self._beat(attempt, with_progress=attempt.progress_dirty)
+            if not attempt.ended:
+                await self._beat(attempt, with_progress=attempt.progress_dirty)
 
     async def _beat(self, attempt: Attempt, *, with_progress: bool) -> None:
         progress = attempt.progress if with_progress else None

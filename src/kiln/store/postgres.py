@@ -310,7 +310,7 @@ class PostgresStore:
     """The store for many processes on many machines. See the module docstring."""
 
     def __init__(
-        self, url: str, *, clock: Clock, pool_size: int = 10, acquire_timeout_s: float = 5.0
+        self, url: str, *, clock: Clock, pool_size: int = 10, acquire_timeout_s: float = 3.0
     ) -> None:
         self.url = url
         self.clock = clock
