@@ -44,7 +44,7 @@ async def test_alert_rules_and_dashboard_use_exported_metric_names(settings: Set
         exported = ApiMetrics().render
         text = (await exported(app.store, settings)).decode()
     api_names = {_base(m) for m in METRIC.findall(text)}
-    process_names = set(METRIC.findall((ROOT / "src/kiln/cli.py").read_text()))
+    process_names = set(METRIC.findall((ROOT / "src/kiln/process_metrics.py").read_text()))
 
     # When every expression of the alert rules and the dashboard is read
     exprs = _alert_exprs() + _dashboard_exprs()
