@@ -41,6 +41,8 @@ log = logging.getLogger("kiln")
 HandlerResult = Output | Sequence[Output] | None
 Handler = Callable[..., Awaitable[HandlerResult]]
 ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
+#: ``check(params, inputs)``: raises InvalidRequest when the params do not fit the inputs.
+InputCheck = Callable[[Any, list[JSON]], None]
 
 DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
@@ -60,6 +62,9 @@ class TaskKind:
     retry: RetryPolicy | None = None
     review: ReviewCheck | None = None
     normalize: Callable[[JSON], JSON] | None = None
+    #: Names of the inputs a task of this kind is submitted with (uploaded files).
+    inputs: tuple[str, ...] = ()
+    check: InputCheck | None = None
 
     def validate(self, params: Any) -> JSON:
         """Validated, canonical params (defaults applied) as plain JSON."""
@@ -80,6 +85,26 @@ class TaskKind:
 
     def parse(self, params: JSON) -> Any:
         return params if self.params is None else self.params.model_validate(params)
+
+    def check_inputs(self, params: JSON, inputs: list[JSON]) -> None:
+        """Refuse (InvalidRequest) an input this kind does not take or got twice, a missing
+        one, and params that do not fit the inputs (``check``)."""
+        names = [str(i["name"]) for i in inputs]
+        for name in names:
+            if name not in self.inputs or names.count(name) > 1:
+                why = "twice" if name in self.inputs else f"but {self.name} does not take it"
+                detail = {"loc": [name], "msg": "unexpected input", "type": "input"}
+                raise InvalidRequest(f"the input {name!r} was sent {why}", details=[detail])
+        for name in self.inputs:
+            if name not in names:
+                detail = {"loc": [name], "msg": "missing input", "type": "input"}
+                raise InvalidRequest(
+                    f"{self.name} needs the input {name!r}: upload it as a file part of a "
+                    "multipart/form-data request",
+                    details=[detail],
+                )
+        if self.check is not None:
+            self.check(self.parse(params), inputs)
 
 
 class App:
@@ -131,15 +156,22 @@ class App:
         retry: RetryPolicy | None = None,
         review: ReviewCheck | None = None,
         normalize: Callable[[JSON], JSON] | None = None,
+        inputs: Sequence[str] = (),
+        check: InputCheck | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Register ``handler(ctx, params)`` for tasks of kind ``name``."""
+        """Register ``handler(ctx, params)`` for tasks of kind ``name``.
+
+        ``inputs`` names the files a task of this kind is submitted with; ``check`` refuses
+        params that do not fit them (see :meth:`TaskKind.check_inputs`).
+        """
 
         def register(handler: Handler) -> Handler:
             if name in self.kinds:
                 raise ValueError(f"task kind {name!r} is already registered")
             self.kinds[name] = TaskKind(
-                name, handler, params, dict(resources or {}), timeouts, retry, review, normalize
-            )
+                name, handler, params, dict(resources or {}), timeouts, retry, review, normalize,
+                tuple(inputs), check,
+            )  # fmt: skip
             return handler
 
         return register
@@ -303,6 +335,8 @@ class App:
         clean = task_kind.validate(params)
         timeouts = timeouts or task_kind.timeouts or Timeouts()
         inputs = inputs or []
+        task_kind.check_inputs(clean, inputs)
+        contents = [f"{i['name']}:{i['sha256']}" for i in inputs]  # what, never a file name
         body = {
             "kind": kind,
             "params": clean,
@@ -312,7 +346,7 @@ class App:
             "dedup": dedup,
             "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
             "metadata": metadata or {},
-            "inputs": [i["sha256"] for i in inputs],
+            "inputs": contents,
         }
         new = NewTask(
             id=canonical.new_task_id(),
@@ -321,9 +355,7 @@ class App:
             params=clean,
             fingerprint=canonical.digest(body),
             idempotency_key=idempotency_key,
-            dedup_key=(
-                canonical.dedup_key(kind, clean, [i["sha256"] for i in inputs]) if dedup else None
-            ),
+            dedup_key=canonical.dedup_key(kind, clean, contents) if dedup else None,
             priority=priority,
             max_attempts=max_attempts,
             deadline_s=deadline_s,

@@ -15,6 +15,23 @@ OUTPUT_URL_MODES = ("proxy", "presigned")
 MAX_PRESIGN_TTL_S = 7 * 24 * 3600.0  # the longest S3 signature version 4 allows
 
 
+def parse_retention(raw: str | None) -> dict[str, float]:
+    """``tenant:seconds,tenant:seconds`` → {tenant: seconds}; 0 keeps a tenant's tasks."""
+    found: dict[str, float] = {}
+    for item in (raw or "").split(","):
+        if not item.strip():
+            continue
+        tenant, sep, seconds = (part.strip() for part in item.partition(":"))
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not sep or not tenant or value < 0:
+            raise InvalidRequest(f"KILN_RETENTION_TENANTS entry {item!r} is not tenant:seconds")
+        found[tenant] = value
+    return found
+
+
 def parse_api_keys(raw: str | None) -> dict[str, str]:
     """``tenant:key,tenant:key`` → {key: tenant}. The tenant name ``admin`` is reserved."""
     keys: dict[str, str] = {}
@@ -59,7 +76,21 @@ class Settings:
     output_urls: str = "proxy"
     #: Connections each process keeps open to PostgreSQL at most (KILN_DB_POOL_SIZE).
     db_pool_size: int = 10
+    #: Final tasks are purged this long after they finished (None: kept forever).
+    retention_s: float | None = None
+    #: Per-tenant retention overrides, seconds (0: forever).
+    retention_tenants: dict[str, float] = field(default_factory=dict)
     presign_ttl_s: float = 900.0
+    #: What serves the `image.generate` kind: demo, openai-images or comfyui (KILN_BACKEND).
+    backend: str = "demo"
+    openai_base_url: str = "https://api.openai.com/v1"
+    openai_api_key: str | None = field(default=None, repr=False)
+    openai_model: str = "gpt-image-1"
+    openai_timeout_s: float = 120.0
+    comfyui_url: str = "http://127.0.0.1:8188"
+    #: An API-format workflow JSON with {{prompt}}, {{seed}}, ... placeholders.
+    comfyui_workflow: Path | None = None
+    comfyui_timeout_s: float = 300.0
 
     @property
     def resolved_database_url(self) -> str:
@@ -97,6 +128,7 @@ class Settings:
             return value
 
         metrics = env.get("KILN_METRICS_PORT")
+        workflow = env.get("KILN_COMFYUI_WORKFLOW")
         output_urls = (env.get("KILN_OUTPUT_URLS") or "proxy").lower()
         if output_urls not in OUTPUT_URL_MODES:
             raise InvalidRequest(
@@ -130,4 +162,14 @@ class Settings:
             output_urls=output_urls,
             presign_ttl_s=presign_ttl_s,
             db_pool_size=int(num("KILN_DB_POOL_SIZE", 10)),
+            retention_s=num("KILN_RETENTION_S", 0.0) or None,
+            retention_tenants=parse_retention(env.get("KILN_RETENTION_TENANTS")),
+            backend=(env.get("KILN_BACKEND") or "demo").strip().lower(),
+            openai_base_url=env.get("KILN_OPENAI_BASE_URL") or "https://api.openai.com/v1",
+            openai_api_key=env.get("KILN_OPENAI_API_KEY") or None,
+            openai_model=env.get("KILN_OPENAI_MODEL") or "gpt-image-1",
+            openai_timeout_s=num("KILN_OPENAI_TIMEOUT_S", 120.0),
+            comfyui_url=env.get("KILN_COMFYUI_URL") or "http://127.0.0.1:8188",
+            comfyui_workflow=Path(workflow) if workflow else None,
+            comfyui_timeout_s=num("KILN_COMFYUI_TIMEOUT_S", 300.0),
         )

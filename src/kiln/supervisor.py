@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kiln import canonical
+from kiln import canonical, retention
 from kiln.app import App
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
@@ -39,6 +39,7 @@ class SweepReport:
     force_cancelled: int = 0
     conflicts: int = 0
     ghosts: int = 0
+    purged: int = 0
     duration_s: float = 0.0
 
 
@@ -65,6 +66,10 @@ class Supervisor:
         self.token: LeaderToken | None = None
         self.last: SweepReport = SweepReport()
         self.sweeps = 0
+        self.retention = retention.RetentionPolicy(
+            app.settings.retention_s, dict(app.settings.retention_tenants)
+        )
+        self._retention_due = 0.0
 
     @property
     def ghost_after_s(self) -> float:
@@ -102,8 +107,21 @@ class Supervisor:
             for task in due.state_expired:
                 await self._act(task, seen, report, self._state_expired)
         report.ghosts = await store.count_ghosts(older_than_s=self.ghost_after_s)
+        await self._retention_pass(report)
         report.duration_s = time.perf_counter() - started
         return report
+
+    async def _retention_pass(self, report: SweepReport) -> None:
+        now = self.app.now()
+        if not self.retention.enabled or now < self._retention_due:
+            return
+        self._retention_due = now + retention.PASS_EVERY_S
+        try:
+            report.purged = (
+                await retention.purge(self.app.store, self.app.storage, self.retention, now)
+            ).tasks
+        except Exception:
+            log.exception("retention_failed")
 
     async def _act(self, task: Task, seen: set[str], report: SweepReport, action: Action) -> None:
         if task.id in seen:

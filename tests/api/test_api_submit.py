@@ -286,17 +286,6 @@ async def test_json_with_charset_and_suffix_types_are_accepted(api: ApiUnderTest
     assert response.status_code == 201
 
 
-async def test_multipart_submission_is_415_for_now(api: ApiUnderTest) -> None:
-    response = await api.client.post(
-        "/v1/tasks",
-        data={"request": json.dumps(image_body())},
-        files={"image": ("a.png", b"\x89PNG", "image/png")},
-    )
-
-    assert_error(response, 415, "unsupported_media_type")
-    assert await api.task_count() == 0
-
-
 def _oversized_body(limit: int) -> bytes:
     return json.dumps(image_body("x" * (limit + 10))).encode()
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 import kiln
+from images import opened, png
 from kiln import errors
 from kiln.client import ConnectionFailed, SSEDecoder, error_from_response
 
@@ -73,6 +74,26 @@ def test_resubmission_reports_replay_and_deduplication(server: Server) -> None:
         True,
     )
     assert duplicate["id"] == first["id"]
+
+
+def test_an_upload_runs_and_the_same_file_again_is_the_same_task(server: Server) -> None:
+    # Given a picture no other test uploads
+    width = 20 + uuid.uuid4().int % 200
+    data = png(width, 30)
+    params = {"op": "resize", "width": 10, "height": 10, "format": "webp"}
+    with kiln.Client(server.url) as client:
+        # When it is uploaded, the task waited for, and the same file uploaded again
+        submitted = client.submit("image.transform", params, files={"image": ("a.png", data)})
+        done = client.wait(submitted["id"], timeout_s=30)
+        again = client.submit("image.transform", params, files={"image": ("b.png", data)})
+        output = client.download(done["id"], "image.webp")
+
+    # Then the first made the task, the second got it back finished, result included
+    assert submitted["created"] is True and submitted["inputs"][0]["size"] == len(data)
+    assert done["status"] == "SUCCESS"
+    assert (again["created"], again["deduplicated"], again["id"]) == (False, True, done["id"])
+    assert again["result"] == done["result"]
+    assert opened(output).size == (10, 10)
 
 
 def test_get_and_list_show_the_task(server: Server) -> None:

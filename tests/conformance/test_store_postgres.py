@@ -27,6 +27,7 @@ from kiln.store.postgres import (
     migrate,
     migrations,
 )
+from kiln.store.rows import purge_candidates
 from services.postgres import PostgresServer, free_port
 
 from .factories import KIND, make_new_task
@@ -175,10 +176,10 @@ def filled(postgres_server: PostgresServer) -> Iterator[psycopg.Connection[Any]]
         conn.execute(
             "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
             " inputs, fingerprint, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,"
-            " created_at, updated_at, status_since, lease_expires_at)"
+            " created_at, updated_at, status_since, lease_expires_at, finished_at)"
             " SELECT 'tsk_' || lpad(i::text, 8, '0'), 't' || (i %% 7), 'k' || (i %% 3),"
             " (%s::text[])[1 + i %% 20], i %% 5, i, '{}', '{}', '[]', 'f', 'd' || i, 3, 600,"
-            " 1e12, %s, i, i, i, CASE WHEN i %% 20 = 1 THEN 1e12 END"
+            " 1e12, %s, i, i, i, CASE WHEN i %% 20 = 1 THEN 1e12 END, i"
             " FROM generate_series(1, 20000) AS i",
             (statuses, json.dumps({"waiting_s": 1, "generating_s": 1, "uploading_s": 1})),
         )
@@ -201,6 +202,11 @@ HOT = {
     "ghosts": (GHOSTS_SQL, (100.0, 100.0)),
     "dwell": (DWELL_SQL, (10_000,)),
     "dwell of a tenant": (DWELL_TENANT_SQL, ("t3", 10_000)),
+    "purge": (purge_candidates("%s", 1e9, None, (), 500)[0], (1e9, 500)),
+    "purge sparing tenants": (
+        purge_candidates("%s", 1e9, None, ("t1",), 500)[0],
+        (1e9, "t1", 500),
+    ),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kiln.store.rows import purge_candidates
 from kiln.store.sqlite import (
     CLAIM_CANDIDATES_SQL,
     DEDUP_LOOKUP_SQL,
@@ -72,6 +73,12 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("tasks_due", "tasks_tenant_status_id"),
     ),
     "dedup_lookup": (DEDUP_LOOKUP_SQL, ("t1", "d17"), ("tasks_dedup",)),
+    "purge": (purge_candidates("?", NOW, None, (), 500)[0], (NOW, 500), ("tasks_finished",)),
+    "purge_sparing_tenants": (
+        purge_candidates("?", NOW, None, ("t1", "t2"), 500)[0],
+        (NOW, "t1", "t2", 500),
+        ("tasks_finished",),
+    ),
     "dwell_of_tenant": (DWELL_TENANT_SQL, ("t1", 10_000), ("events_tenant",)),
     "queue_position": (
         QUEUE_AHEAD_SQL,

@@ -112,6 +112,7 @@ class PostgresServer:
 
 def _prepare_template(server: PostgresServer) -> None:
     import asyncio
+    import concurrent.futures
 
     from kiln.store.postgres import PostgresStore
 
@@ -121,7 +122,9 @@ def _prepare_template(server: PostgresServer) -> None:
         store = await PostgresStore.open(server.url(TEMPLATE), clock=time.time, pool_size=1)
         await store.close()
 
-    asyncio.run(migrate())
+    # On a thread of its own: the first test to ask for the server may be inside a loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, migrate()).result()
 
 
 @pytest.fixture(scope="session")

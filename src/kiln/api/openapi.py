@@ -3,6 +3,8 @@
 The routes read their bodies themselves (to bound their size and parse strict JSON), so
 their request schemas are added here: the submission body has one variant per registered
 kind, each with that kind's params, so a client or a fuzzer can build valid requests.
+Kinds that take uploaded inputs are submitted as ``multipart/form-data`` instead: their
+variants are ``SubmitUploadRequest``, the schema of the ``request`` part.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[st
     return schema
 
 
-def submit_schema(app: App, components: dict[str, Any]) -> dict[str, Any]:
-    """The submission body: one variant per registered kind, with that kind's params."""
+def submit_schema(app: App, components: dict[str, Any], *, uploads: bool = False) -> dict[str, Any]:
+    """The submission body: one variant per registered kind, with that kind's params (the
+    kinds that take inputs with ``uploads``, the others without)."""
     base = _model_schema(SubmitRequest, components)
     variants = []
     for name, kind in sorted(app.kinds.items()):
+        if bool(kind.inputs) != uploads:
+            continue
         variant = copy.deepcopy(base)
         variant["title"] = f"Submit {name}"
         variant["properties"]["kind"] = {"type": "string", "const": name}
@@ -42,8 +47,29 @@ def submit_schema(app: App, components: dict[str, Any]) -> dict[str, Any]:
         variants.append(variant)
     if not variants:
         return base
-    return {"title": "SubmitRequest", "description": base.get("description", ""),
+    title = "SubmitUploadRequest" if uploads else "SubmitRequest"
+    return {"title": title, "description": base.get("description", ""),
             "oneOf": variants}  # fmt: skip
+
+
+def upload_body(app: App) -> dict[str, Any] | None:
+    """The ``multipart/form-data`` submission, when a registered kind takes inputs."""
+    names = sorted({name for kind in app.kinds.values() for name in kind.inputs})
+    if not names:
+        return None
+    files = {
+        name: {"type": "string", "format": "binary", "description": "a PNG, JPEG or WebP image"}
+        for name in names
+    }
+    request = {"$ref": REF_TEMPLATE.format(model="SubmitUploadRequest")}
+    return {
+        "schema": {
+            "type": "object",
+            "required": ["request"],
+            "properties": {"request": request, **files},
+        },
+        "encoding": {"request": {"contentType": "application/json"}},
+    }
 
 
 def _without_security(schema: dict[str, Any]) -> None:
@@ -65,6 +91,11 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["SubmitRequest"] = submit_schema(app, components)
+        upload = upload_body(app)
+        if upload is not None:
+            components["SubmitUploadRequest"] = submit_schema(app, components, uploads=True)
+            body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
+            body["content"]["multipart/form-data"] = upload
         components["ReviewRequest"] = _model_schema(ReviewRequest, components)
         if not settings.auth_enabled:
             _without_security(schema)

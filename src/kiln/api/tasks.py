@@ -18,7 +18,7 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical
+from kiln import canonical, inputs
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import (
@@ -30,8 +30,9 @@ from kiln.api.schemas import (
     task_json,
 )
 from kiln.api.state import ApiState, api_state
+from kiln.api.uploads import read_upload
 from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
-from kiln.models import StoredOutput, SubmitResult, Task, Timeouts
+from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
 from kiln.states import Status
 
 log = logging.getLogger("kiln.api")
@@ -98,16 +99,17 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes, where: str = "body") -> Any:
     """Strict JSON: no NaN or Infinity, no lone surrogates, no bottomless nesting."""
+    what = "the request body" if where == "body" else f"the {where!r} part"
     if not body.strip():
-        raise InvalidRequest("the request body is empty: send a JSON object")
+        raise InvalidRequest(f"{what} is empty: send a JSON object")
     try:
         data = json.loads(body, parse_constant=_reject_constant)
         canonical.canonical_json(data).encode("utf-8")
     except (ValueError, RecursionError) as exc:
-        detail = {"loc": ["body"], "msg": str(exc)[:300], "type": "json_invalid"}
-        raise InvalidRequest("the request body is not valid JSON", details=[detail]) from None
+        detail = {"loc": [where], "msg": str(exc)[:300], "type": "json_invalid"}
+        raise InvalidRequest(f"{what} is not valid JSON", details=[detail]) from None
     return data
 
 
@@ -117,14 +119,13 @@ async def json_body(request: Request, limit: int) -> Any:
     return parse_json(await read_body(request, limit))
 
 
-def validated(model: type[Model], data: Any) -> Model:
+def validated(model: type[Model], data: Any, where: str = "body") -> Model:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        details = validation_details(
-            [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
-        )
-        raise InvalidRequest("the request body is not valid", details=details) from None
+        details = validation_details([{**err, "loc": (where, *err["loc"])} for err in exc.errors()])
+        what = "the request body" if where == "body" else f"the {where!r} part"
+        raise InvalidRequest(f"{what} is not valid", details=details) from None
 
 
 def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
@@ -172,7 +173,11 @@ def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
 
 
 async def submit(
-    state: ApiState, principal: Principal, request: SubmitRequest, key: str | None
+    state: ApiState,
+    principal: Principal,
+    request: SubmitRequest,
+    key: str | None,
+    uploaded: list[JSON] | None = None,
 ) -> SubmitResult:
     """Submit through the store; identical concurrent requests share one round trip."""
     app = state.app
@@ -190,11 +195,13 @@ async def submit(
             deadline_s=request.deadline_s,
             timeouts=timeouts,
             metadata=request.metadata,
+            inputs=uploaded,
         )
 
     if key is None and not request.dedup:
         return await call()
-    flight = (principal.tenant, key, canonical.digest(request.model_dump(mode="json")))
+    contents = [f"{i['name']}:{i['sha256']}" for i in uploaded or []]
+    flight = (principal.tenant, key, canonical.digest([request.model_dump(mode="json"), contents]))
     result, led = await state.submissions.run(flight, call)
     if led:
         return result
@@ -210,10 +217,33 @@ async def submit(
 async def submit_upload(
     request: Request, state: ApiState, principal: Principal, key: str | None
 ) -> SubmitResult:
-    """``multipart/form-data`` submissions (inputs uploaded with the request)."""
-    raise UnsupportedMediaType(
-        "multipart uploads are not supported by this server yet: send the request as JSON"
-    )
+    """``multipart/form-data`` submissions: the ``request`` part plus the input files.
+
+    Everything is checked before anything is stored (limits, types, the JSON, the kind,
+    its params against the inputs); then each input is stored once by sha256, and the
+    task submitted as a JSON one would be. When the submission is still refused (an
+    Idempotency-Key reused with other content, an outage), the inputs this request wrote
+    are removed again, so a refused request leaves nothing behind.
+    """
+    upload = await read_upload(request, state.settings)
+    body = validated(SubmitRequest, parse_json(upload.request, "request"), "request")
+    uploaded = [f.record() for f in upload.files]
+    kind = state.app.kind(body.kind)
+    kind.check_inputs(kind.validate(body.params), uploaded)
+    storage = state.app.storage
+    written: list[str] = []
+    try:
+        for item in upload.files:
+            if await inputs.keep(storage, item.data, item.sha256):
+                written.append(item.sha256)
+        return await submit(state, principal, body, key, uploaded)
+    except BaseException:
+        # Only what this request wrote: an input found already stored belongs to others.
+        # (A submission running at the same moment may have found this request's write
+        # and used it; its task then fails with input_missing, and uploading again heals it.)
+        for sha256 in written:
+            await storage.delete(inputs.input_key(sha256))
+        raise
 
 
 _SUBMIT_HEADERS = {

@@ -7,7 +7,7 @@ how to insert-or-get a submission, and how to find what is due.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -150,6 +150,19 @@ class Store(Protocol):
     async def count_ghosts(self, *, older_than_s: float) -> int: ...
 
     async def lead(self, name: str, owner: str, ttl_s: float) -> LeaderToken | None: ...
+
+    async def purge(
+        self,
+        *,
+        finished_before: float,
+        tenant: str | None = None,
+        exclude: Sequence[str] = (),
+        limit: int = 500,
+    ) -> list[Task]:
+        """Delete up to ``limit`` final tasks that finished before ``finished_before`` (of
+        ``tenant``, or of every tenant but ``exclude``), oldest first, with their events and
+        idempotency keys, in one transaction; return them (their objects are the caller's)."""
+        ...
 
     async def counters(self) -> dict[tuple[str, str], int]: ...
 

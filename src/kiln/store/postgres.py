@@ -62,6 +62,7 @@ from kiln.store.rows import (
     dumps,
     dwell_percentiles,
     loads,
+    purge_candidates,
     task_from_row,
 )
 
@@ -981,6 +982,32 @@ class PostgresStore:
             tx.bump(name, labels)
 
         await self._write(write)
+
+    async def purge(
+        self,
+        *,
+        finished_before: float,
+        tenant: str | None = None,
+        exclude: Sequence[str] = (),
+        limit: int = 500,
+    ) -> list[Task]:
+        sql, args = purge_candidates("%s", finished_before, tenant, exclude, limit)
+        sql += " FOR UPDATE SKIP LOCKED"  # a manual retry in flight keeps its task
+
+        async def write(tx: _Tx) -> list[Task]:
+            tasks = [task_from_row(row) for row in await tx.all(sql, args)]
+            if not tasks:
+                return []
+            ids = [task.id for task in tasks]
+            await tx.conn.execute("DELETE FROM events WHERE task_id = ANY(%s)", (ids,))
+            await tx.conn.execute("DELETE FROM idempotency_keys WHERE task_id = ANY(%s)", (ids,))
+            await tx.conn.execute("DELETE FROM tasks WHERE id = ANY(%s)", (ids,))
+            for task in tasks:
+                tx.count_status(task.tenant, task.status, -1)
+            tx.bump("purged", "", len(tasks))
+            return tasks
+
+        return await self._write(write)
 
     async def prune_failure_buckets(self) -> None:
         """Drop per-minute failure buckets older than a day (the supervisor calls this)."""

@@ -141,3 +141,24 @@ def classify_due(task: Task, now: float, due: Due) -> None:
         due.lease_expired.append(task)
     elif task.state_deadline_at is not None and task.state_deadline_at < now:
         due.state_expired.append(task)
+
+
+_FINAL_SQL = "('SUCCESS', 'FAILED', 'TIMEOUT', 'CANCELLED')"
+
+
+def purge_candidates(
+    mark: str, finished_before: float, tenant: str | None, exclude: Sequence[str], limit: int
+) -> tuple[str, list[Any]]:
+    """The oldest final tasks a purge may delete, in either dialect (``mark`` is its
+    placeholder); reads through the ``tasks_finished`` index."""
+    sql = f"SELECT * FROM tasks WHERE status IN {_FINAL_SQL} AND finished_at < {mark}"
+    args: list[Any] = [finished_before]
+    if tenant is not None:
+        sql += f" AND tenant = {mark}"
+        args.append(tenant)
+    if exclude:
+        sql += f" AND tenant NOT IN ({', '.join([mark] * len(exclude))})"
+        args += list(exclude)
+    sql += f" ORDER BY finished_at LIMIT {mark}"
+    args.append(limit)
+    return sql, args

@@ -18,7 +18,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -51,6 +51,7 @@ from kiln.store.rows import (
     dumps,
     dwell_percentiles,
     loads,
+    purge_candidates,
     task_from_row,
 )
 
@@ -996,6 +997,32 @@ class SqliteStore:
             (token.name, token.owner, token.epoch, now),
         ).fetchone()
         return row is not None
+
+    # retention
+
+    async def purge(
+        self,
+        *,
+        finished_before: float,
+        tenant: str | None = None,
+        exclude: Sequence[str] = (),
+        limit: int = 500,
+    ) -> list[Task]:
+        sql, args = purge_candidates("?", finished_before, tenant, exclude, limit)
+
+        def write(conn: sqlite3.Connection) -> list[Task]:
+            tasks = [task_from_row(row) for row in conn.execute(sql, args).fetchall()]
+            for task in tasks:
+                conn.execute("DELETE FROM events WHERE task_id = ?", (task.id,))
+                conn.execute("DELETE FROM idempotency_keys WHERE task_id = ?", (task.id,))
+                conn.execute("DELETE FROM tasks WHERE id = ?", (task.id,))
+                _count_status(conn, task.tenant, task.status, -1)
+            if tasks:
+                _bump(conn, "purged", "", len(tasks))
+            return tasks
+
+        purged: list[Task] = await self._write(write)
+        return purged
 
     # stats and counters
 

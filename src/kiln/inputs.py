@@ -1,0 +1,178 @@
+"""Uploaded inputs: what their bytes are, and where they are kept.
+
+An input is kept once per content, under ``inputs/<sha256[:2]>/<sha256>``, whatever the
+number of tasks that use it; a task records ``{"name", "content_type", "size", "sha256"}``
+per input (plus ``width`` and ``height`` for images, which the API does not show).
+
+Only PNG, JPEG and WebP are accepted, recognised from the bytes, and an image's size is
+read from its header before anything is decoded, so a decompression bomb is refused
+without ever being expanded.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from kiln.errors import PayloadTooLarge, Permanent, UnsupportedMediaType
+from kiln.models import JSON
+from kiln.storage import Storage, sha256_hex
+
+INPUTS_PREFIX = "inputs/"
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+#: Pillow's format names → the content type; camera JPEGs open as MPO.
+PILLOW_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp"}
+#: The only decoders Pillow may try on uploaded bytes.
+PILLOW_FORMATS = ("PNG", "JPEG", "WEBP")
+#: Bytes needed to tell the three formats apart (WebP's signature ends at byte 12).
+SNIFF_BYTES = 12
+#: EXIF orientations that turn the picture by 90 or 270 degrees.
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+_ORIENTATION_TAG = 0x0112
+
+
+def sniff(head: bytes) -> str | None:
+    """The content type the first bytes announce (magic numbers), or None."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ImageHeader:
+    """What an image's header says: its type and its size as displayed."""
+
+    content_type: str
+    width: int
+    height: int
+
+
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """The image, opened lazily (header only): refused past ``max_pixels`` before any decoding.
+
+    Raises UnsupportedMediaType when the bytes are not a PNG, JPEG or WebP image, and
+    PayloadTooLarge when it has more than ``max_pixels`` pixels.
+    """
+    # Pillow's own guard, at our limit: past it Image.open warns, past twice it raises.
+    # The warning is made an error here, so either way nothing that large is ever opened.
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=PILLOW_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise PayloadTooLarge(f"the image has more than {max_pixels} pixels") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError):
+        raise UnsupportedMediaType("the file is not a readable PNG, JPEG or WebP image") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise PayloadTooLarge(f"the image has {width}×{height} pixels, more than {max_pixels}")
+    return image
+
+
+def probe(data: bytes, max_pixels: int) -> ImageHeader:
+    """Type and displayed size of an uploaded image, without decoding its pixels.
+
+    The type is read from the magic numbers and confirmed by Pillow's header parser; both
+    must agree. Raises UnsupportedMediaType or PayloadTooLarge as :func:`open_image` does.
+    """
+    announced = sniff(data[:SNIFF_BYTES])
+    if announced is None:
+        raise UnsupportedMediaType("the file is not a PNG, JPEG or WebP image")
+    image = open_image(data, max_pixels)
+    if PILLOW_TYPES.get(image.format or "") != announced:
+        raise UnsupportedMediaType("the file's header does not match its content")
+    width, height = image.size
+    if orientation(image) in _QUARTER_TURNS:
+        width, height = height, width
+    return ImageHeader(announced, width, height)
+
+
+def orientation(image: Image.Image) -> int:
+    """The EXIF orientation found in the header (1, upright, when there is none).
+
+    Only EXIF data already read with the header counts: nothing is decoded to look for it.
+    """
+    raw = image.info.get("exif")
+    if not isinstance(raw, bytes):
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(raw)
+    except (SyntaxError, ValueError, OSError, struct.error):
+        return 1
+    value = exif.get(_ORIENTATION_TAG, 1)
+    return value if isinstance(value, int) else 1
+
+
+def input_key(sha256: str) -> str:
+    """Where the input with this sha256 is kept."""
+    return f"{INPUTS_PREFIX}{sha256[:2]}/{sha256}"
+
+
+def record(name: str, data: bytes, header: ImageHeader, sha256: str | None = None) -> JSON:
+    """The task's record of one input."""
+    return {
+        "name": name,
+        "content_type": header.content_type,
+        "size": len(data),
+        "sha256": sha256 or sha256_hex(data),
+        "width": header.width,
+        "height": header.height,
+    }
+
+
+async def keep(storage: Storage, data: bytes, sha256: str) -> bool:
+    """Store the input unless it is already there; True when this call wrote it."""
+    key = input_key(sha256)
+    found = await storage.stat(key)
+    if found is not None and found.size == len(data):
+        return False
+    await storage.put(key, data)
+    return True
+
+
+async def store(storage: Storage, name: str, data: bytes, *, max_pixels: int) -> JSON:
+    """Check an image and keep it: the record to pass in ``App.submit(..., inputs=[...])``."""
+    item = record(name, data, probe(data, max_pixels))
+    await keep(storage, data, item["sha256"])
+    return item
+
+
+async def load(storage: Storage, item: JSON) -> bytes:
+    """The bytes of a recorded input, checked against its size and sha256.
+
+    An input that is missing or does not match fails the attempt for good (``input_missing``,
+    ``input_corrupt``): another attempt would read the same object.
+    """
+    sha256 = str(item["sha256"])
+    key = input_key(sha256)
+    missing = Permanent(
+        f"input {item['name']!r} is missing from storage: upload it again", code="input_missing"
+    )
+    if await storage.stat(key) is None:  # every backend answers a missing object here
+        raise missing
+    try:
+        data = await storage.get(key)
+    except FileNotFoundError:
+        raise missing from None
+    if len(data) != item["size"] or sha256_hex(data) != sha256:
+        raise Permanent(f"input {item['name']!r} does not match its sha256", code="input_corrupt")
+    return data
+
+
+def named(inputs: Sequence[JSON], name: str) -> JSON:
+    """The task's input called ``name``."""
+    for item in inputs:
+        if item.get("name") == name:
+            return item
+    raise Permanent(f"the task has no input {name!r}", code="input_missing")

@@ -1,0 +1,159 @@
+"""The built-in `image.transform` kind: resize, thumbnail, crop or convert an uploaded image.
+
+The task is submitted as ``multipart/form-data`` with one file part, ``image`` (API.md,
+"Uploads"). The handler reads that input from storage by its recorded sha256 (and checks
+it), decodes it with Pillow under the pixel limit, applies the operation and encodes the
+result as ``image.png``, ``image.webp`` or ``image.jpg``. EXIF orientation is applied
+first, so sizes and crop boxes are those of the picture as it is displayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Annotated, Literal, Self
+
+from PIL import Image, ImageOps
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kiln import inputs
+from kiln.app import App, Handler
+from kiln.demo import OUTPUT_NAMES
+from kiln.errors import InvalidRequest, KilnError, Permanent
+from kiln.models import JSON, Output
+from kiln.paint import encode
+
+if TYPE_CHECKING:
+    from kiln.worker import Context
+
+__all__ = ["KIND", "TransformParams", "apply", "register"]
+
+KIND = "image.transform"
+INPUT = "image"
+FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/webp": "webp"}
+STAGES = ("load", "transform", "encode")
+
+Side = Annotated[int, Field(ge=1, le=8192)]
+Coordinate = Annotated[int, Field(ge=0)]
+
+
+class TransformParams(BaseModel):
+    """Parameters of an `image.transform` task (API.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["resize", "thumbnail", "crop", "convert"]
+    width: Side | None = None
+    height: Side | None = None
+    box: tuple[Coordinate, Coordinate, Coordinate, Coordinate] | None = Field(
+        default=None, description="[left, top, right, bottom] in pixels, for crop"
+    )
+    format: Literal["png", "webp", "jpeg"] | None = Field(
+        default=None, description="default: the input's format"
+    )
+
+    @model_validator(mode="after")
+    def _fits_the_op(self) -> Self:
+        sized = self.op in ("resize", "thumbnail")
+        if sized and (self.width is None or self.height is None):
+            raise ValueError(f"{self.op} needs width and height")
+        if not sized and (self.width is not None or self.height is not None):
+            raise ValueError(f"width and height apply to resize and thumbnail, not {self.op}")
+        if self.op == "crop":
+            if self.box is None:
+                raise ValueError("crop needs box: [left, top, right, bottom]")
+            left, top, right, bottom = self.box
+            if right <= left or bottom <= top:
+                raise ValueError("box must have right > left and bottom > top")
+        elif self.box is not None:
+            raise ValueError(f"box applies to crop, not {self.op}")
+        return self
+
+
+def box_error(box: tuple[int, int, int, int], width: int, height: int) -> str | None:
+    """Why the crop box does not fit a width×height picture, or None when it does."""
+    if box[2] > width or box[3] > height:
+        return f"box {list(box)} is outside the {width}×{height} image"
+    return None
+
+
+def check_box(params: TransformParams, items: list[JSON]) -> None:
+    """At submission, when the input's size is known: a crop box outside it is refused."""
+    if params.op != "crop" or params.box is None:
+        return
+    for item in items:
+        width, height = item.get("width"), item.get("height")
+        if item["name"] == INPUT and isinstance(width, int) and isinstance(height, int):
+            problem = box_error(params.box, width, height)
+            if problem:
+                detail = {"loc": ["params", "box"], "msg": problem, "type": "box_outside_image"}
+                raise InvalidRequest(problem, details=[detail])
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The decoded picture as displayed (EXIF orientation applied), in a mode the
+    operations and encoders handle (RGB, RGBA, L or LA)."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("RGB", "RGBA", "L", "LA"):
+        return image
+    transparent = "A" in image.getbands() or "transparency" in image.info
+    return image.convert("RGBA" if transparent else "RGB")
+
+
+def apply(image: Image.Image, params: TransformParams) -> Image.Image:
+    """The operation of ``params`` on a decoded, upright picture."""
+    if params.op == "resize":
+        assert params.width is not None and params.height is not None
+        return image.resize((params.width, params.height), Image.Resampling.LANCZOS)
+    if params.op == "thumbnail":
+        assert params.width is not None and params.height is not None
+        fitted = image.copy()
+        fitted.thumbnail((params.width, params.height), Image.Resampling.LANCZOS)
+        return fitted
+    if params.op == "crop":
+        assert params.box is not None
+        problem = box_error(params.box, *image.size)
+        if problem:
+            raise Permanent(problem, code="box_outside_image")
+        return image.crop(params.box)
+    return image
+
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    """The picture as ``fmt`` bytes; transparency is laid on white for JPEG."""
+    if fmt == "jpeg" and image.mode in ("RGBA", "LA"):
+        background = Image.new("RGB", image.size, "white")
+        background.paste(image.convert("RGBA"), mask=image.getchannel("A"))
+        image = background
+    elif fmt == "webp" and image.mode == "LA":
+        image = image.convert("RGBA")
+    return encode(image, fmt)
+
+
+def make_handler(app: App) -> Handler:
+    """The handler, reading inputs from ``app``'s storage under its pixel limit."""
+
+    async def transform(ctx: Context, params: TransformParams) -> Output:
+        item = inputs.named(ctx.task.inputs, INPUT)
+        total = len(STAGES)
+        await ctx.progress(0, total, stage="load")
+        data = await inputs.load(app.storage, item)
+        try:
+            lazy = inputs.open_image(data, app.settings.max_image_pixels)
+        except KilnError as exc:  # over the pixel limit, or not an image: for good
+            raise Permanent(exc.message, code=exc.code) from None
+        picture = await asyncio.to_thread(lambda: upright(lazy))
+        await ctx.progress(1, total, stage="transform")
+        result = await asyncio.to_thread(apply, picture, params)
+        await ctx.progress(2, total, stage="encode")
+        fmt = params.format or FORMATS[str(item["content_type"])]
+        name, content_type = OUTPUT_NAMES[fmt]
+        body = await asyncio.to_thread(encoded, result, fmt)
+        await ctx.progress(total, total, stage="encode")
+        return Output(name, body, content_type)
+
+    return transform
+
+
+def register(app: App) -> None:
+    """Register `image.transform` on ``app``: one input, ``image``; no resource slot."""
+    app.task(KIND, params=TransformParams, inputs=(INPUT,), check=check_box)(make_handler(app))
