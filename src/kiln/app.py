@@ -256,11 +256,13 @@ class App:
         leader: LeaderToken | None = None,
         retry_error: JSON | None = None,
         counters: Sequence[tuple[str, str]] = (),
+        retry_after_s: float | None = None,
     ) -> Task:
         """Apply ``event`` to ``task`` as read: CAS on its status (and epoch when fenced).
 
         With ``retry_error`` the failure may schedule the next attempt in the same
-        transaction (``fail``/``expire`` then ``schedule_retry``).
+        transaction (``fail``/``expire`` then ``schedule_retry``), no sooner than
+        ``retry_after_s`` from now when given.
         """
         try:
             to = check(task.status, event, target)
@@ -280,7 +282,9 @@ class App:
             due = None
             if retry_error.get("retryable") and not task.cancel_requested:
                 policy = self.kinds[task.kind].retry if task.kind in self.kinds else None
-                due = (policy or self.retry_policy).next_retry_at(task, self.now(), self.rng)
+                due = (policy or self.retry_policy).next_retry_at(
+                    task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0
+                )
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)

@@ -112,9 +112,18 @@ class TaskError(Exception):
 
 
 class Retryable(TaskError):
-    """The attempt failed for a reason that may pass: schedule another attempt."""
+    """The attempt failed for a reason that may pass: schedule another attempt.
+
+    ``retry_after_s`` (an upstream's Retry-After, say) is the least time to wait before it.
+    """
 
     retryable = True
+
+    def __init__(
+        self, message: str = "", *, code: str | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class Permanent(TaskError):

@@ -31,11 +31,16 @@ class RetryPolicy:
         ceiling = min(self.max_s, self.base_s * 2 ** max(attempt - 1, 0))
         return rng.uniform(0, ceiling)
 
-    def next_retry_at(self, task: Task, now: float, rng: random.Random) -> float | None:
-        """When the next attempt is due, or None when the task must stay failed."""
+    def next_retry_at(
+        self, task: Task, now: float, rng: random.Random, min_delay_s: float = 0.0
+    ) -> float | None:
+        """When the next attempt is due, or None when the task must stay failed.
+
+        ``min_delay_s`` (an upstream's Retry-After) is the least wait, whatever the backoff.
+        """
         if task.attempt >= task.max_attempts:
             return None
-        due = now + self.delay_s(task.attempt, rng)
+        due = now + max(self.delay_s(task.attempt, rng), min_delay_s)
         if due >= task.deadline_at:
             return None
         return due
