@@ -14,9 +14,9 @@ import functools
 import ipaddress
 import json
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -24,12 +24,15 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 import kiln
-from kiln import demo, logs, transform
+from kiln import backends, logs, transform
 from kiln.client import DEFAULT_SERVER, Client
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError
 from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
 from kiln.reconcile import DEFAULT_GRACE_S, Report, reconcile
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -138,7 +141,7 @@ def _app(settings: Settings) -> kiln.App:
     """An App with the built-in kinds (nothing opened yet), logging as the settings say."""
     logs.setup(fmt=settings.log_format, level=settings.log_level)
     app = kiln.App(settings=settings)
-    demo.register(app)
+    backends.register(app)  # image.generate on KILN_BACKEND (the demo by default)
     transform.register(app)
     return app
 
@@ -274,7 +277,9 @@ async def _run_worker(
 ) -> None:
     async with app:
         process = app.worker(concurrency=concurrency, kinds=kinds, resources={"gpu": gpus})
-        with _metrics(app.settings.metrics_port, metrics_host, worker_readings(process)):
+        readings = worker_readings(process)
+        upstream = backends.collectors(app)  # upstream latency and breakers
+        with _metrics(app.settings.metrics_port, metrics_host, readings, upstream):
             await _until_signalled(process.run())
 
 
@@ -324,7 +329,9 @@ async def _until_signalled(work: Awaitable[None]) -> None:
 
 
 @contextlib.contextmanager
-def _metrics(port: int | None, host: str, readings: Readings) -> Iterator[None]:
+def _metrics(
+    port: int | None, host: str, readings: Readings, collectors: Iterable[Collector] = ()
+) -> Iterator[None]:
     if port is None:
         yield
         return
@@ -332,6 +339,8 @@ def _metrics(port: int | None, host: str, readings: Readings) -> Iterator[None]:
 
     registry = CollectorRegistry()
     registry.register(LiveMetrics(*readings))
+    for collector in collectors:
+        registry.register(collector)
     ProcessCollector(registry=registry)
     server, thread = start_http_server(port, addr=host, registry=registry)
     try:

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
+from kiln import backends
 from kiln.api import errors, events, tasks
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
@@ -103,6 +104,8 @@ def _lifespan(
             if workers > 0:
                 worker = app.worker(concurrency=workers, resources={"gpu": gpus})
                 state.metrics.registry.register(LiveMetrics(*worker_readings(worker)))
+                for collector in backends.collectors(app):  # upstream latency and breakers
+                    state.metrics.registry.register(collector)
                 loops.append(asyncio.create_task(_background("worker", worker.run())))
             if supervisor:
                 sweeper = app.supervisor()

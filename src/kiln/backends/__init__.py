@@ -1,0 +1,186 @@
+"""Generator backends: what turns `image.generate` params into image bytes.
+
+One small protocol, :class:`Backend`, and one backend per process for the kind, chosen by
+configuration (``KILN_BACKEND``):
+
+| name            | what makes the image                                        |
+|-----------------|-------------------------------------------------------------|
+| `demo`          | kiln's procedural painter (:mod:`kiln.demo`); the default   |
+| `openai-images` | an OpenAI-compatible ``/images/generations`` endpoint       |
+| `comfyui`       | a ComfyUI server's prompt queue, running an API-format workflow |
+
+The engine owns everything around the call: claiming, resource slots, retries, timeouts,
+uploading and verifying the output. A backend only makes the image, reports progress on
+``ctx``, and raises :class:`kiln.Retryable` or :class:`kiln.Permanent` when it cannot.
+Backends that call a service go through :class:`~kiln.backends.upstream.Upstream`, which
+adds the circuit breaker, the overall deadline, the latency histogram and the error
+classification.
+
+Adding a backend (a local diffusers pipeline is the next one): a class with the
+:class:`Backend` attributes, a factory ``(settings, metrics) -> Backend`` that imports its
+heavy dependencies lazily, and an entry in :data:`BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from PIL import Image
+
+from kiln import demo
+from kiln.app import App
+from kiln.backends.upstream import BAD_RESPONSE, UpstreamMetrics, sniff
+from kiln.config import Settings
+from kiln.demo import OUTPUT_NAMES, GenerateParams
+from kiln.errors import InvalidRequest, Retryable
+from kiln.models import Output
+from kiln.paint import encode
+
+if TYPE_CHECKING:
+    from kiln.worker import Context
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "DemoBackend",
+    "ImageGenerate",
+    "UpstreamMetrics",
+    "backend_for",
+    "collectors",
+    "register",
+]
+
+
+class Backend(Protocol):
+    """Makes the image of one `image.generate` task.
+
+    ``generate`` gets the worker's ``ctx`` (``ctx.progress(step, total, stage=...)``,
+    ``ctx.attempt``) and the validated params (prompt, negative_prompt, width, height,
+    steps, seed, format), and returns the image's bytes: PNG, JPEG or WEBP. When that is
+    not the task's ``format``, the image is re-encoded. A backend ignores the params its
+    model has no use for (the OpenAI API takes no seed) and documents which.
+    """
+
+    #: The KILN_BACKEND value that selects it; the ``backend`` label of its metrics.
+    name: str
+    #: Worker resource slots one generation holds: ``{"gpu": 1}`` for GPU work on this
+    #: machine or on a single-GPU server; ``{}`` when only worker concurrency bounds it.
+    resources: Mapping[str, int]
+
+    async def generate(self, ctx: Context, params: GenerateParams) -> bytes: ...
+
+
+Factory = Callable[[Settings, UpstreamMetrics], Backend]
+
+
+class DemoBackend:
+    """The procedural painter: deterministic from prompt and seed, no GPU, no network."""
+
+    name = "demo"
+    resources: Mapping[str, int] = {"gpu": 1}
+
+    async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
+        return (await demo.generate(ctx, params)).data
+
+
+def _demo(settings: Settings, metrics: UpstreamMetrics) -> Backend:
+    return DemoBackend()
+
+
+def _openai_images(settings: Settings, metrics: UpstreamMetrics) -> Backend:
+    from kiln.backends.openai_images import OpenAIImagesBackend
+
+    return OpenAIImagesBackend.from_settings(settings, metrics)
+
+
+def _comfyui(settings: Settings, metrics: UpstreamMetrics) -> Backend:
+    from kiln.backends.comfyui import ComfyUIBackend
+
+    return ComfyUIBackend.from_settings(settings, metrics)
+
+
+#: KILN_BACKEND names and their factories. A `diffusers` entry (a local pipeline on this
+#: worker's GPU, behind the `sd` extra, resources {"gpu": 1}) goes here.
+BACKENDS: Mapping[str, Factory] = {
+    "demo": _demo,
+    "openai-images": _openai_images,
+    "comfyui": _comfyui,
+}
+
+
+def backend_for(name: str, settings: Settings, metrics: UpstreamMetrics | None = None) -> Backend:
+    """The backend ``name`` configured from ``settings``; InvalidRequest for an unknown
+    name or a backend that cannot start (a missing workflow file, say)."""
+    factory = BACKENDS.get(name)
+    if factory is None:
+        raise InvalidRequest(f"KILN_BACKEND must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return factory(settings, metrics or UpstreamMetrics())
+
+
+class ImageGenerate:
+    """The `image.generate` handler on one backend: params in, one image output."""
+
+    def __init__(self, backend: Backend, metrics: UpstreamMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+
+    async def __call__(self, ctx: Context, params: GenerateParams) -> Output:
+        data = await self.backend.generate(ctx, params)
+        if sniff(data) == params.format:
+            name, content_type = OUTPUT_NAMES[params.format]
+            return Output(name, data, content_type)
+        return await asyncio.to_thread(as_output, data, params.format)
+
+
+def as_output(data: bytes, fmt: str) -> Output:
+    """The image as the task's output: its bytes as they are when already in ``fmt``,
+    else decoded and encoded again."""
+    name, content_type = OUTPUT_NAMES[fmt]
+    if sniff(data) == fmt:
+        return Output(name, data, content_type)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            encoded = encode(image, fmt)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise Retryable(
+            f"the backend's image could not be decoded: {exc}", code=BAD_RESPONSE
+        ) from exc
+    return Output(name, encoded, content_type)
+
+
+def register(
+    app: App,
+    *,
+    backend: Backend | None = None,
+    metrics: UpstreamMetrics | None = None,
+    resources: dict[str, int] | None = None,
+) -> ImageGenerate:
+    """Register `image.generate` on ``app``, served by ``backend`` or else by the one
+    ``app.settings.backend`` names (KILN_BACKEND; the demo by default).
+
+    Pass the ``metrics`` a given ``backend`` was built with, so they are exposed.
+    """
+    metrics = metrics or UpstreamMetrics()
+    chosen = backend or backend_for(app.settings.backend, app.settings, metrics)
+    handler = ImageGenerate(chosen, metrics)
+    app.task(
+        demo.KIND,
+        params=GenerateParams,
+        resources=dict(chosen.resources) if resources is None else resources,
+        review=demo.flagged_for_review,
+        normalize=demo.normalize,
+    )(handler)
+    return handler
+
+
+def collectors(app: App) -> list[UpstreamMetrics]:
+    """The Prometheus collectors of the backends registered on ``app``."""
+    return [
+        kind.handler.metrics
+        for kind in app.kinds.values()
+        if isinstance(kind.handler, ImageGenerate)
+    ]
