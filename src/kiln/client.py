@@ -374,7 +374,10 @@ class Client(_Base):
         **fields: Any,
     ) -> JSON:
         """Submit a task (``fields``: priority, max_attempts, deadline_s, dedup, timeouts,
-        metadata). The task JSON plus ``created``, ``replayed`` and ``deduplicated``."""
+        metadata). The task JSON plus ``created``, ``replayed`` and ``deduplicated``.
+
+        ``files`` uploads inputs, as ``multipart/form-data``: ``{"image": ("fox.png", data)}``
+        (a name and bytes or an open binary file, as httpx takes them)."""
         result: JSON = self.call(submit_call(kind, params, idempotency_key, fields, files))
         return result
 

@@ -63,6 +63,7 @@ class _Part:
     signed: bool = False  # its signature was checked
     probed: bool = False  # its header was read early
     header: inputs.ImageHeader | None = None
+    content: bytes = b""  # a file's bytes once the part is complete
 
 
 class UploadReader:
@@ -117,7 +118,7 @@ class UploadReader:
     @staticmethod
     def _file(part: _Part) -> UploadedFile:
         assert part.digest is not None and part.header is not None
-        return UploadedFile(part.name, bytes(part.data), part.digest.hexdigest(), part.header)
+        return UploadedFile(part.name, part.content, part.digest.hexdigest(), part.header)
 
     # parser callbacks (they raise to stop the parse)
 
@@ -164,7 +165,8 @@ class UploadReader:
         part = self.parts[-1]
         if part.digest is not None:
             self._check_signature(part)
-            part.header = inputs.probe(bytes(part.data), self.settings.max_image_pixels)
+            part.content, part.data = bytes(part.data), bytearray()
+            part.header = inputs.probe(part.content, self.settings.max_image_pixels)
 
     def _end(self) -> None:
         self.ended = True
