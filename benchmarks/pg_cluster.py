@@ -97,13 +97,15 @@ class Cluster:
 
     def postmaster_pid(self) -> int | None:
         """The server's main process, when it runs on this machine and /proc shows it."""
-        backend = int(self.sql("SELECT pg_backend_pid()")[0][0])  # type: ignore[call-overload]
-        try:
-            if b"postgres" not in Path(f"/proc/{backend}/cmdline").read_bytes():
-                return None  # a server elsewhere: that pid is some local process
-            return int(_proc_stat(backend)[1])
-        except (OSError, ValueError):
-            return None
+        with psycopg.connect(self.url, autocommit=True) as conn:  # its backend lives on
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+            assert row is not None
+            try:
+                if b"postgres" not in Path(f"/proc/{row[0]}/cmdline").read_bytes():
+                    return None  # a server elsewhere: that pid is some local process
+                return int(_proc_stat(row[0])[1])
+            except (OSError, ValueError):
+                return None
 
     def connections(self, database: str) -> int:
         rows = self.sql(f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'")
@@ -153,7 +155,7 @@ def server_cpu_s(postmaster: int) -> float | None:
             continue
         try:
             child = _proc_stat(int(entry.name))
-        except OSError:
+        except (OSError, IndexError):  # it exited meanwhile
             continue
         if child[1] == str(postmaster):
             total += int(child[11]) + int(child[12])
