@@ -62,8 +62,10 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     Raises UnsupportedMediaType when the bytes are not a PNG, JPEG or WebP image, and
     PayloadTooLarge when it has more than ``max_pixels`` pixels.
     """
-    # Pillow's own guard, at our limit: past it Image.open warns, past twice it raises.
-    # The warning is made an error here, so either way nothing that large is ever opened.
+    # Pillow's own guard, set to our limit while it opens the file: past the limit Image.open
+    # warns, past twice it raises; the warning is made an error, so either way nothing that
+    # large is ever opened. (Set and put back with no await in between: this runs whole.)
+    guard = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         with warnings.catch_warnings():
@@ -73,6 +75,8 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
         raise PayloadTooLarge(f"the image has more than {max_pixels} pixels") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError):
         raise UnsupportedMediaType("the file is not a readable PNG, JPEG or WebP image") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = guard
     width, height = image.size
     if width * height > max_pixels:
         raise PayloadTooLarge(f"the image has {width}×{height} pixels, more than {max_pixels}")

@@ -141,7 +141,12 @@ def make_handler(app: App) -> Handler:
             lazy = inputs.open_image(data, app.settings.max_image_pixels)
         except KilnError as exc:  # over the pixel limit, or not an image: for good
             raise Permanent(exc.message, code=exc.code) from None
-        picture = await asyncio.to_thread(lambda: upright(lazy))
+        try:
+            picture = await asyncio.to_thread(upright, lazy)
+        except (OSError, SyntaxError, ValueError) as exc:  # a header fine, the pixels not
+            raise Permanent(
+                f"the input cannot be decoded: {exc}", code="input_unreadable"
+            ) from None
         await ctx.progress(1, total, stage="transform")
         result = await asyncio.to_thread(apply, picture, params)
         await ctx.progress(2, total, stage="encode")

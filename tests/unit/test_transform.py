@@ -9,6 +9,7 @@ from typing import Any
 
 import pydantic
 import pytest
+from PIL import Image
 
 import kiln
 from images import jpeg, opened, picture, png, png_header_claiming, webp
@@ -129,6 +130,16 @@ def test_probe_refuses_a_bomb_header_without_decoding(limit: int) -> None:
     side = int((limit * 1.5) ** 0.5)
     with pytest.raises(PayloadTooLarge):
         inputs.probe(png_header_claiming(side, side), max_pixels=limit)
+
+
+def test_probe_leaves_pillows_own_guard_as_it_found_it() -> None:
+    before = Image.MAX_IMAGE_PIXELS
+
+    inputs.probe(png(), max_pixels=5_000)
+    with pytest.raises(PayloadTooLarge):
+        inputs.probe(png_header_claiming(50_000, 50_000), max_pixels=5_000)
+
+    assert before == Image.MAX_IMAGE_PIXELS
 
 
 @pytest.mark.parametrize(
@@ -274,6 +285,19 @@ async def test_a_crop_box_outside_an_input_of_unknown_size_fails_for_good(
     assert task.status == "FAILED" and task.attempt == 1
     assert task.error is not None and task.error["code"] == "box_outside_image"
     assert task.error["retryable"] is False
+
+
+async def test_an_input_whose_pixels_cannot_be_decoded_fails_for_good(app: kiln.App) -> None:
+    # Given a PNG with a sound 40×30 header but too little pixel data (accepted at upload)
+    data = png_header_claiming(40, 30)
+    assert inputs.probe(data, max_pixels=10_000).width == 40
+
+    # When a worker runs it
+    task = await run_one(app, await submit(app, data, op="convert"))
+
+    # Then the first attempt fails for good, saying why
+    assert task.status == "FAILED" and task.attempt == 1
+    assert task.error is not None and task.error["code"] == "input_unreadable"
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
