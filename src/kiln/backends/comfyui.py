@@ -178,7 +178,12 @@ class ComfyUIBackend:
                 "KILN_BACKEND=comfyui needs KILN_COMFYUI_WORKFLOW: the path of an API-format "
                 "workflow with a {{prompt}} placeholder"
             )
-        from websockets.exceptions import WebSocketException
+        try:
+            from websockets.exceptions import WebSocketException
+        except ImportError:  # an optional dependency of this backend only
+            raise InvalidRequest(
+                "KILN_BACKEND=comfyui needs the websockets package (pip install websockets)"
+            ) from None
 
         upstream = Upstream(NAME, metrics, breaker, transport_errors=(WebSocketException,))
         return cls(
@@ -199,10 +204,7 @@ class ComfyUIBackend:
 
         graph = self.workflow.fill(params)
         run = _Run(client_id=uuid.uuid4().hex)
-        async with (
-            self.upstream.client(self.timeout_s) as http,
-            self.upstream.call(timeout_s=self.timeout_s),
-        ):
+        async with self.upstream.call(timeout_s=self.timeout_s) as http:
             try:
                 url = self.socket_url(run.client_id)
                 async with connect(url, max_size=MAX_MESSAGE_BYTES) as socket:

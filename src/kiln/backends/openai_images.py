@@ -112,10 +112,7 @@ class OpenAIImagesBackend:
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         await ctx.progress(None, None, stage="request")
-        async with (
-            self.upstream.client(self.timeout_s) as http,
-            self.upstream.call(timeout_s=self.timeout_s),
-        ):
+        async with self.upstream.call(timeout_s=self.timeout_s) as http:
             request = http.build_request(
                 "POST", self.url, json=self.request_body(params), headers=headers
             )

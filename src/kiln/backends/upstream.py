@@ -115,7 +115,7 @@ class Upstream:
         self._tls: ssl.SSLContext | None = None
         metrics.breakers[backend] = self.breaker
 
-    def client(self, timeout_s: float) -> httpx.AsyncClient:
+    def _client(self, timeout_s: float) -> httpx.AsyncClient:
         """A new HTTP client; the TLS context is built once (building one takes ~0.1 s)."""
         if self._tls is None:
             self._tls = httpx.create_ssl_context()
@@ -123,8 +123,10 @@ class Upstream:
         return httpx.AsyncClient(timeout=timeout, verify=self._tls)
 
     @contextlib.asynccontextmanager
-    async def call(self, *, timeout_s: float) -> AsyncIterator[None]:
-        """One generation asked of the upstream, within ``timeout_s`` overall."""
+    async def call(self, *, timeout_s: float) -> AsyncIterator[httpx.AsyncClient]:
+        """One generation asked of the upstream, within ``timeout_s`` overall, with an HTTP
+        client of its own; Retryable at once, the upstream untouched, while the breaker is
+        open."""
         permit = self.breaker.admit()
         if permit is None:
             self.metrics.observe(self.backend, "open", 0.0)
@@ -138,8 +140,9 @@ class Upstream:
         started = time.perf_counter()
         outcome: Outcome | None = None  # None: cancelled, no verdict
         try:
-            async with asyncio.timeout(timeout_s):
-                yield
+            # The client is made before the deadline starts: the first one builds TLS.
+            async with self._client(timeout_s) as http, asyncio.timeout(timeout_s):
+                yield http
             outcome = "ok"
         except TaskError as exc:
             outcome = "error" if exc.retryable else "rejected"
