@@ -111,8 +111,8 @@ class OpenAIImagesBackend:
 
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        await ctx.progress(None, None, stage="request")
         async with self.upstream.call(timeout_s=self.timeout_s) as http:
+            await ctx.progress(None, None, stage="request")
             request = http.build_request(
                 "POST", self.url, json=self.request_body(params), headers=headers
             )

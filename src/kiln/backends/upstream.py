@@ -57,8 +57,8 @@ class UpstreamMetrics:
 
     ``kiln_upstream_request_seconds{backend,outcome}``: one sample per generation asked of
     an upstream (outcome ok, error, rejected, or open when the breaker refused it), and
-    ``kiln_upstream_breaker_open{backend}``: 1 while that backend's breaker refuses calls
-    (open or half-open), read when scraped.
+    ``kiln_upstream_breaker_open{backend}``: 1 from when that backend's breaker opens until
+    a probe closes it again (open or half-open), read when scraped.
     """
 
     def __init__(self) -> None:
@@ -85,7 +85,7 @@ class UpstreamMetrics:
         yield from self.seconds.collect()
         gauge = GaugeMetricFamily(
             "kiln_upstream_breaker_open",
-            "1 while the backend's circuit breaker refuses calls (open or half-open)",
+            "1 from when the backend's circuit breaker opens until a probe closes it",
             labels=["backend"],
         )
         for backend, breaker in sorted(self.breakers.items()):
