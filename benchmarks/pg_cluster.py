@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -75,9 +76,9 @@ class Cluster:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def sql(self, statement: str) -> list[tuple[object, ...]]:
+    def sql(self, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.url, autocommit=True) as conn:
-            cur = conn.execute(statement.encode())
+            cur = conn.execute(statement.encode(), args or None)
             return cur.fetchall() if cur.description else []
 
     def create_database(self, name: str) -> str:
@@ -108,8 +109,8 @@ class Cluster:
                 return None
 
     def connections(self, database: str) -> int:
-        rows = self.sql(f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'")
-        return int(rows[0][0])  # type: ignore[call-overload]
+        rows = self.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (database,))
+        return int(rows[0][0])
 
     def snapshot(self, database: str, postmaster: int | None) -> Snapshot:
         """Read from the maintenance database, so the reads add no commits to ``database``.
