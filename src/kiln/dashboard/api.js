@@ -36,13 +36,19 @@ export function setApiKey(key) {
   memoryKey = key || "";
 }
 
-function currentKey() {
+/** The key requests send: the saved one, or the one kept for this page only. */
+export function currentKey() {
   return apiKey() || memoryKey;
 }
 
 /** Called with no arguments whenever the API answers 401. */
 export function onUnauthorized(handler) {
   unauthorizedHandler = handler;
+}
+
+/** For a 401 that a request outside this module received (the upload worker's). */
+export function reportUnauthorized() {
+  unauthorizedHandler();
 }
 
 /** Browser time corrected by the server's clock, in ms since the epoch. */

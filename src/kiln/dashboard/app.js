@@ -1,8 +1,9 @@
 // kiln dashboard: entry point. Hash routes:
-//   #/            overview: counts, queue, task list, charts, submit form
+//   #/            overview: counts, queue, task list, charts, submit and upload forms
 //   #/new         the same, with the submit form focused
 //   #/tasks/<id>  one task, live
-// Plain ES modules, no build step; every request goes through api.js.
+// Plain ES modules, no build step; every request goes through api.js, except uploads, which
+// upload-worker.js sends off the main thread (with the key api.js holds).
 
 import { apiKey, setApiKey, onUnauthorized } from "./api.js";
 import { clearError } from "./ui.js";

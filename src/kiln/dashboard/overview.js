@@ -1,6 +1,6 @@
-// The overview: live counts per status, the queue, the task list, the submit form and the
-// failure / dwell charts. Built once and kept (detached) while a task page is shown, so it
-// stays current and the list keeps its place.
+// The overview: live counts per status, the queue, the task list, the submit and upload
+// forms and the failure / dwell charts. Built once and kept (detached) while a task page is
+// shown, so it stays current and the list keeps its place.
 
 import { api, observeServerTime, serverNow } from "./api.js";
 import {
@@ -31,6 +31,7 @@ import {
   queueText,
 } from "./ui.js";
 import { on, publishTask, performAction, mergeTask, applyProgress, notes } from "./live.js";
+import { createUploadForm } from "./upload.js";
 
 const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
@@ -50,6 +51,7 @@ export function createOverview() {
   const counts = createCounts();
   const list = createTaskList(counts);
   const form = createSubmitForm();
+  const upload = createUploadForm();
   const charts = createCharts();
 
   root.append(
@@ -58,7 +60,7 @@ export function createOverview() {
       "div",
       { class: "overview-grid" },
       h("div", { class: "area-list" }, list.el),
-      h("div", { class: "area-form" }, form.el),
+      h("div", { class: "area-form" }, form.el, upload.el),
       h("div", { class: "area-charts" }, charts.el),
     ),
   );
