@@ -335,10 +335,18 @@ class Worker:
         delay = STORE_RETRY_S[0]
         while True:
             try:
-                attempt.task = await self.app.apply(
+                write = asyncio.ensure_future(self.app.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s,
-                )  # fmt: skip
+                ))  # fmt: skip
+                try:
+                    attempt.task = await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    # Cancelled (a cancel request, a shutdown) while the write was in
+                    # flight: let it land, so the attempt knows the status it left.
+                    with contextlib.suppress(Exception):
+                        attempt.task = await write
+                    raise
                 return
             except StoreUnavailable as exc:
                 # Try again while the lease holds; after that the supervisor owns the task

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -13,8 +14,9 @@ from kiln.app import running
 from kiln.config import Settings
 from kiln.errors import AlreadyFinal, NotInReview
 from kiln.models import StoredOutput, Task
-from kiln.states import Event, Status
+from kiln.states import FINAL, Event, Status
 from kiln.storage import verify
+from kiln.store import Change, Store, open_store
 from kiln.worker import Worker
 
 from .conftest import (
@@ -22,6 +24,7 @@ from .conftest import (
     claim_generating,
     demo_params,
     wait_for_status,
+    wait_for_task,
     wait_until,
 )
 
@@ -255,3 +258,42 @@ async def test_cancel_of_a_task_waiting_for_a_resource_stops_it_unrun(
         Event.STOPPED, Status.WAITING_FOR_RESOURCE)  # fmt: skip
     assert Event.ACQUIRE not in [e.event for e in events]
     assert done.result is None
+
+
+class GatedAcquire:
+    """A store whose ``acquire`` write waits at a gate: a cancel can land mid-write."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self.writing = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def apply(self, change: Change) -> Any:
+        if change.steps[0][0] is Event.ACQUIRE:
+            self.writing.set()
+            await self.gate.wait()
+        return await self.inner.apply(change)
+
+
+async def test_a_cancel_during_a_workers_write_is_honoured(settings: Settings) -> None:
+    # Given a worker whose move to GENERATING is in flight when the cancel arrives
+    store = GatedAcquire(open_store(settings.resolved_database_url))
+    app = kiln.App(settings=settings, store=store)  # type: ignore[arg-type]
+    demo.register(app)
+    async with app, running(run_worker(app)):
+        task = (await app.submit("image.generate", demo_params("a canyon"))).task
+        await store.writing.wait()
+        cancelling = asyncio.ensure_future(app.cancel(task.id))
+        await wait_for_task(app.store, task.id, lambda t: t.cancel_requested)
+        # When the write lands after the worker was told to stop
+        store.gate.set()
+        await cancelling
+        done = await wait_for_status(app.store, task.id, *FINAL)
+        events = await app.store.events(task_id=task.id)
+    # Then the attempt ends CANCELLED from the status it really left, not by lease expiry
+    assert done.status is Status.CANCELLED
+    assert [e.event for e in events][-2:] == [Event.ACQUIRE, Event.STOPPED]
