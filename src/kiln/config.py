@@ -13,6 +13,7 @@ from kiln.errors import InvalidRequest
 RESERVED_TENANTS = frozenset({"admin"})
 OUTPUT_URL_MODES = ("proxy", "presigned")
 MAX_PRESIGN_TTL_S = 7 * 24 * 3600.0  # the longest S3 signature version 4 allows
+DIFFUSERS_DEVICES = ("auto", "cpu", "cuda")
 
 
 def parse_retention(raw: str | None) -> dict[str, float]:
@@ -30,6 +31,27 @@ def parse_retention(raw: str | None) -> dict[str, float]:
             raise InvalidRequest(f"KILN_RETENTION_TENANTS entry {item!r} is not tenant:seconds")
         found[tenant] = value
     return found
+
+
+def parse_diffusers_device(raw: str | None) -> str:
+    """KILN_DIFFUSERS_DEVICE: auto (cuda when torch sees a GPU, else cpu), cpu or cuda."""
+    device = (raw or "auto").strip().lower()
+    if device not in DIFFUSERS_DEVICES:
+        raise InvalidRequest(f"KILN_DIFFUSERS_DEVICE must be auto, cpu or cuda, got {raw!r}")
+    return device
+
+
+def parse_preview_every(raw: str | None) -> int:
+    """KILN_DIFFUSERS_PREVIEW_EVERY: denoising steps between previews, 0 for none."""
+    if raw is None or raw.strip() == "":
+        return 5
+    try:
+        steps = int(raw)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise InvalidRequest(f"KILN_DIFFUSERS_PREVIEW_EVERY must be 0 or more steps, got {raw!r}")
+    return steps
 
 
 def parse_api_keys(raw: str | None) -> dict[str, str]:
@@ -91,6 +113,12 @@ class Settings:
     #: An API-format workflow JSON with {{prompt}}, {{seed}}, ... placeholders.
     comfyui_workflow: Path | None = None
     comfyui_timeout_s: float = 300.0
+    #: A local diffusers pipeline folder (model_index.json beside its parts).
+    diffusers_model_dir: Path | None = None
+    #: auto (cuda when torch sees a GPU, else cpu), cpu or cuda.
+    diffusers_device: str = "auto"
+    #: Denoising steps between previews (0: none).
+    diffusers_preview_every: int = 5
 
     @property
     def resolved_database_url(self) -> str:
@@ -129,6 +157,7 @@ class Settings:
 
         metrics = env.get("KILN_METRICS_PORT")
         workflow = env.get("KILN_COMFYUI_WORKFLOW")
+        model_dir = env.get("KILN_DIFFUSERS_MODEL_DIR")
         output_urls = (env.get("KILN_OUTPUT_URLS") or "proxy").lower()
         if output_urls not in OUTPUT_URL_MODES:
             raise InvalidRequest(
@@ -172,4 +201,7 @@ class Settings:
             comfyui_url=env.get("KILN_COMFYUI_URL") or "http://127.0.0.1:8188",
             comfyui_workflow=Path(workflow) if workflow else None,
             comfyui_timeout_s=num("KILN_COMFYUI_TIMEOUT_S", 300.0),
+            diffusers_model_dir=Path(model_dir) if model_dir else None,
+            diffusers_device=parse_diffusers_device(env.get("KILN_DIFFUSERS_DEVICE")),
+            diffusers_preview_every=parse_preview_every(env.get("KILN_DIFFUSERS_PREVIEW_EVERY")),
         )

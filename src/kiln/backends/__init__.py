@@ -102,12 +102,18 @@ def _comfyui(settings: Settings, metrics: UpstreamMetrics) -> Backend:
     return ComfyUIBackend.from_settings(settings, metrics)
 
 
-#: KILN_BACKEND names and their factories. A `diffusers` entry (a local pipeline on this
-#: worker's GPU, behind the `sd` extra, resources {"gpu": 1}) goes here.
+def _diffusers(settings: Settings, metrics: UpstreamMetrics) -> Backend:
+    from kiln.backends.diffusers import DiffusersBackend
+
+    return DiffusersBackend.from_settings(settings, metrics)
+
+
+#: KILN_BACKEND names and their factories.
 BACKENDS: Mapping[str, Factory] = {
     "demo": _demo,
     "openai-images": _openai_images,
     "comfyui": _comfyui,
+    "diffusers": _diffusers,
 }
 
 
