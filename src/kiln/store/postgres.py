@@ -807,10 +807,57 @@ class PostgresStore:
 
     async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         try:
+            if _is_plain(change):
+                applied = await self._apply_in_one_statement(change)
+                if applied is not None:
+                    return applied
+            # Everything else, and a refusal (worded by the full path), in a transaction.
             return await self._write(lambda tx: self._apply(tx, change))
         except psycopg.errors.IntegrityError as exc:
             # The whole transaction rolled back: never a status without its event (I6).
             raise Conflict(f"task {change.task_id} changed concurrently: {exc}") from None
+
+    async def _apply_in_one_statement(self, change: Change) -> tuple[Task, list[TaskEvent]] | None:
+        """A worker's plain step (acquire, generated, uploaded, fail without retry) as one
+        statement: lock and check the row, update it, insert its event and add the counts.
+        None when the row did not match (the caller then words the refusal)."""
+        now = self.clock()
+        (event, target), source = change.steps[0], change.expect_status
+        sql, set_args = _update_sql(change, target, now)
+        sets = sql.removeprefix("UPDATE tasks SET ").removesuffix(" WHERE id = %s RETURNING *")
+        shard = random.randrange(COUNTER_SHARDS)
+        final = target in FINAL
+        args = [
+            change.task_id, str(source), change.expect_epoch, *set_args[:-1],
+            str(event), str(source), str(target), final, dumps(change.error), now, now,
+            shard, str(source), str(target), f"{source}>{target}", shard,
+        ]  # fmt: skip
+        for attempt in range(4):
+            try:
+                async with self._connection() as conn:
+                    cur = await conn.execute(_ONE_STEP_SQL.format(sets=sets), args)
+                    row = await cur.fetchone()
+                break
+            except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                if attempt == 3:
+                    raise
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                # Autocommit: a broken connection may have committed it; a retry re-reads
+                # the row and either finds the change done (a refusal) or does it.
+                await self._drop_broken()
+                raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        if row is None:
+            return None
+        task = task_from_row(row)
+        events = [
+            TaskEvent(
+                seq=row[-1], id=f"{task.id}:{task.version}", task_id=task.id,
+                tenant=task.tenant, event=event, from_status=source, status=target,
+                attempt=task.attempt, epoch=task.epoch, error=change.error, at=now,
+                dwell_s=now - row[-2], final=final,
+            )
+        ]  # fmt: skip
+        return task, events
 
     async def _apply(self, tx: _Tx, change: Change) -> tuple[Task, list[TaskEvent]] | _Refused:
         now = self.clock()
@@ -1020,6 +1067,42 @@ class PostgresStore:
             )
 
         await self._write(write)
+
+
+def _is_plain(change: Change) -> bool:
+    """A fenced single step of a worker that needs nothing but the row, its event and the
+    counts: no leader, no epoch bump, no extra counters, no wake-up, no dedup re-entry."""
+    target = change.steps[-1][1]
+    return (
+        len(change.steps) == 1
+        and change.fenced
+        and change.expect_epoch is not None
+        and change.leader is None
+        and not change.bump_epoch
+        and not change.counters
+        and target not in CLAIMABLE
+        and change.expect_status not in _NOT_LIVE
+    )
+
+
+#: One fenced step in one statement. The event row reads the updated row, so the update
+#: (and the transaction id) comes before the event's seq, as ``tail`` requires. Counter
+#: rows are added in a fixed order within each table.
+_ONE_STEP_SQL = (
+    "WITH o AS (SELECT id, status_since FROM tasks WHERE id = %s AND status = %s"
+    " AND epoch = %s FOR UPDATE),"
+    " u AS (UPDATE tasks SET {sets} FROM o WHERE tasks.id = o.id"
+    " RETURNING tasks.*, o.status_since AS since),"
+    " e AS (INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+    " attempt, epoch, error, at, dwell_s) SELECT u.id || ':' || u.version, u.id, u.tenant,"
+    " %s, %s, %s, %s, u.attempt, u.epoch, %s, %s, %s - u.since FROM u RETURNING seq),"
+    " tc AS (INSERT INTO task_counts (tenant, status, shard, n) SELECT u.tenant, d.s, %s, d.n"
+    " FROM u, (VALUES (%s::text, -1), (%s::text, 1)) AS d(s, n) ORDER BY d.s"
+    " ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),"
+    " c AS (INSERT INTO counters (name, labels, shard, n) SELECT 'transitions', %s, %s, 1"
+    " FROM u ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)"
+    " SELECT u.*, (SELECT seq FROM e) FROM u"
+)
 
 
 def _update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
