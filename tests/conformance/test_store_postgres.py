@@ -288,3 +288,19 @@ async def test_an_unreachable_database_raises_store_unavailable(
     with pytest.raises(StoreUnavailable):
         await store.get("tsk_x")
     await store.close()
+
+
+async def test_many_first_calls_at_once_migrate_once(postgres_server: PostgresServer) -> None:
+    # Given a store nobody has used yet on an empty database
+    url = postgres_server.new_database(template=None)
+    store = PostgresStore(url, clock=time.time, pool_size=4)
+    try:
+        # When 200 calls arrive at once
+        found = await asyncio.gather(*(store.get(f"tsk_{i}") for i in range(200)))
+        # Then they all answer, and the schema was applied once
+        assert found == [None] * 200
+        with psycopg.connect(url) as conn:
+            versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
+        assert sorted(versions) == [v for v, _, _ in migrations()]
+    finally:
+        await store.close()

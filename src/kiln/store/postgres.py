@@ -321,6 +321,7 @@ class PostgresStore:
         self._pool: Pool | None = None
         self._home: asyncio.AbstractEventLoop | None = None
         self._migrated = False
+        self._open_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._gaps: dict[int, int] = {}
         self._last_notify = 0.0
         self._listener: asyncio.Task[None] | None = None
@@ -338,14 +339,8 @@ class PostgresStore:
         if self._closed:
             raise StoreUnavailable("the store is closed")
         if not self._migrated:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
-            except psycopg.OperationalError as exc:
-                raise StoreUnavailable(f"cannot reach PostgreSQL: {exc}") from exc
-            async with conn:
-                await migrate(conn)
-                await _check_task_columns(conn)
-            self._migrated = True
+            async with self._open_lock():
+                await self._migrate_once()
         if self._home is None:
             self._home = asyncio.get_running_loop()
             self._pool = AsyncConnectionPool(
@@ -358,6 +353,26 @@ class PostgresStore:
                 name="kiln",
             )
             await self._pool.open(wait=False)
+
+    def _open_lock(self) -> asyncio.Lock:
+        """One lock per event loop: the first calls of a busy process migrate once."""
+        loop = asyncio.get_running_loop()
+        lock = self._open_locks.get(loop)
+        if lock is None:
+            lock = self._open_locks[loop] = asyncio.Lock()
+        return lock
+
+    async def _migrate_once(self) -> None:
+        if self._migrated:
+            return
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(f"cannot reach PostgreSQL: {exc}") from exc
+        async with conn:
+            await migrate(conn)
+            await _check_task_columns(conn)
+        self._migrated = True
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Conn]:
