@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 
 from .conftest import Server, unique_prompt
 
@@ -51,6 +51,40 @@ def test_overview_shows_a_task_submitted_elsewhere_without_reloading(
         timeout=10_000,
     )
     assert page.evaluate("window.__sameDocument") is True
+    assert console_errors == []
+
+
+def test_a_task_that_finishes_while_its_row_is_fetched_still_shows_success(
+    page: Page, server: Server, console_errors: list[str]
+) -> None:
+    # Given the overview, whose first read of a new task is answered late: the answer says
+    # GENERATING but arrives only after the task has finished (a slow network)
+    open_overview(page)
+    stale: list[str] = []
+
+    def late_answer(route: Route) -> None:
+        task_id = route.request.url.rsplit("/", 1)[1]
+        if stale:  # the first read only
+            route.continue_()
+            return
+        stale.append(task_id)
+        server.wait_status(task_id, "GENERATING")
+        answer = route.fetch()
+        server.wait_status(task_id, "SUCCESS")
+        route.fulfill(response=answer)
+
+    page.route(re.compile(r".*/v1/tasks/tsk_[a-z0-9]+$"), late_answer)
+
+    # When a task runs to the end meanwhile
+    task = server.submit(unique_prompt("a kite"), steps=6, width=64, height=64,
+                         simulate={"step_ms": 100})  # fmt: skip
+
+    # Then its row ends SUCCESS, not at the status the late answer carried
+    row = page.locator(f'[data-testid="task-row"][data-task-id="{task["id"]}"]')
+    expect(row.get_by_test_id("status-badge")).to_have_attribute(
+        "data-status", "SUCCESS", timeout=20_000
+    )
+    assert stale == [task["id"]]
     assert console_errors == []
 
 

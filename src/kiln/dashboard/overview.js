@@ -733,7 +733,9 @@ function createTaskList(counts) {
       event.from === "PENDING" || event.from === "RETRYING" || event.status === "PENDING" || event.from === null;
     if (event.from === "PENDING" && event.task_id === queue.oldestId) queue.needFull = true;
     if (queueMoved) refreshQueue(false);
-    if (rows.has(event.task_id)) return true;
+    // A row shown, or one being fetched: read the task again (a fetch in flight answers
+    // with the status before this event).
+    if (rows.has(event.task_id) || awaitingInsert.has(event.task_id)) return true;
     if (state.phase !== "ready") return false;
     const isNew = event.event === "submit" || event.from === null || event.from === undefined;
     if ((isNew && !state.filter) || (state.filter && event.status === state.filter)) {
