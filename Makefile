@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test test-diffusers lint fmt types check bench bench-pg docs clean
+.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,7 +38,10 @@ $(VENV)/.installed-diffusers: $(STAMP)
 	@touch $@
 
 test-diffusers: $(VENV)/.installed-diffusers ## the diffusers backend on a tiny random pipeline (CPU torch)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -m diffusers $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -m "diffusers and not gpu" $(PYTEST_ARGS)
+
+test-gpu: $(VENV)/.installed-diffusers ## the diffusers tests that need a CUDA device (on a GPU machine)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -m "diffusers and gpu" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff check and format check
 	$(VENV)/bin/ruff check .

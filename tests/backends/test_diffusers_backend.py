@@ -214,6 +214,7 @@ def test_cuda_asked_on_a_worker_without_a_gpu_is_retryable(model_dir: Path) -> N
 
 
 @diffusers
+@pytest.mark.gpu
 @slow_start
 async def test_on_a_gpu_auto_runs_the_pipeline_in_float16(model_dir: Path) -> None:
     skip_without_cuda()
@@ -237,6 +238,7 @@ async def test_on_a_gpu_auto_runs_the_pipeline_in_float16(model_dir: Path) -> No
 
 
 @diffusers
+@pytest.mark.gpu
 def test_a_real_gpu_allocation_failure_is_retryable() -> None:
     skip_without_cuda()
     import torch
