@@ -494,17 +494,48 @@ class PostgresStore:
         for callback in list(self.ready_listeners):
             callback()
 
-    async def _notify_ready(self, tx: _Tx) -> None:
+    def _notify_due(self, now: float) -> bool:
         """NOTIFY takes a cluster-wide lock at commit: one per process per interval."""
-        now = self.clock()
-        if abs(now - self._last_notify) >= NOTIFY_EVERY_S:
-            self._last_notify = now
+        if abs(now - self._last_notify) < NOTIFY_EVERY_S:
+            return False
+        self._last_notify = now
+        return True
+
+    async def _notify_ready(self, tx: _Tx) -> None:
+        if self._notify_due(self.clock()):
             await tx.conn.execute(f"NOTIFY {READY_CHANNEL}")
 
     # submission
 
     async def submit(self, new: NewTask) -> SubmitResult:
+        if new.idempotency_key is None:
+            task = await self._insert_in_one_statement(new)
+            if task is not None:
+                return SubmitResult(task, created=True)
+        # A key to claim, or the same content already live or done: in a transaction.
         return await self._write(lambda tx: self._submit(tx, new))
+
+    async def _insert_in_one_statement(self, new: NewTask) -> Task | None:
+        """A submission without an idempotency key as one statement: the task (unless a
+        live or successful task holds its content), its event and its count. None when
+        the content is taken (the transactional path then answers with that task)."""
+        now = self.clock()
+        args = [*_insert_args(new, now), str(Event.SUBMIT), now,
+                random.randrange(COUNTER_SHARDS)]  # fmt: skip
+        for attempt in range(4):
+            try:
+                async with self._connection() as conn:
+                    row = await (await conn.execute(_SUBMIT_SQL, args)).fetchone()
+                    if row is not None and self._notify_due(now):
+                        await conn.execute(f"NOTIFY {READY_CHANNEL}")
+                break
+            except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                if attempt == 3:
+                    raise
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                await self._drop_broken()
+                raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        return None if row is None else task_from_row(row)
 
     async def _submit(self, tx: _Tx, new: NewTask) -> SubmitResult | _Refused:
         now = self.clock()
@@ -561,25 +592,7 @@ class PostgresStore:
         )
 
     async def _insert(self, tx: _Tx, new: NewTask, now: float) -> Task | None:
-        timeouts = {
-            "waiting_s": new.timeouts.waiting_s,
-            "generating_s": new.timeouts.generating_s,
-            "uploading_s": new.timeouts.uploading_s,
-        }
-        row = await tx.one(
-            "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
-            " inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,"
-            " deadline_at, timeouts, created_at, updated_at, status_since)"
-            " VALUES (%s, %s, %s, 'PENDING', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-            " %s, %s, %s) ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL"
-            f" AND status NOT IN {_NOT_LIVE_SQL} DO NOTHING RETURNING *",
-            (
-                new.id, new.tenant, new.kind, new.priority, now, dumps(new.params),
-                dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
-                new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
-                dumps(timeouts), now, now, now,
-            ),
-        )  # fmt: skip
+        row = await tx.one(f"{_INSERT_TASK_SQL} RETURNING *", _insert_args(new, now))
         if row is None:
             return None
         task = task_from_row(row)
@@ -1082,6 +1095,41 @@ class PostgresStore:
             )
 
         await self._write(write)
+
+
+_INSERT_TASK_SQL = (
+    "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
+    " inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,"
+    " deadline_at, timeouts, created_at, updated_at, status_since)"
+    " VALUES (%s, %s, %s, 'PENDING', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+    " %s, %s, %s) ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL"
+    f" AND status NOT IN {_NOT_LIVE_SQL} DO NOTHING"
+)
+#: A submission in one statement; the event row reads the inserted row (so the insert,
+#: and the transaction id, come before the event's seq, as ``tail`` requires).
+_SUBMIT_SQL = (
+    f"WITH t AS ({_INSERT_TASK_SQL} RETURNING *),"
+    " e AS (INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+    " attempt, epoch, error, at, dwell_s) SELECT t.id || ':1', t.id, t.tenant, %s, NULL,"
+    " 'PENDING', false, t.attempt, t.epoch, NULL, %s, NULL FROM t RETURNING seq),"
+    " c AS (INSERT INTO task_counts (tenant, status, shard, n) SELECT t.tenant, 'PENDING', %s, 1"
+    " FROM t ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n)"
+    " SELECT t.*, (SELECT seq FROM e) FROM t"
+)
+
+
+def _insert_args(new: NewTask, now: float) -> list[Any]:
+    timeouts = {
+        "waiting_s": new.timeouts.waiting_s,
+        "generating_s": new.timeouts.generating_s,
+        "uploading_s": new.timeouts.uploading_s,
+    }
+    return [
+        new.id, new.tenant, new.kind, new.priority, now, dumps(new.params),
+        dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
+        new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
+        dumps(timeouts), now, now, now,
+    ]  # fmt: skip
 
 
 def _is_plain(change: Change) -> bool:
