@@ -162,3 +162,42 @@ def purge_candidates(
     sql += f" ORDER BY finished_at LIMIT {mark}"
     args.append(limit)
     return sql, args
+
+
+def list_sql(
+    mark: str,
+    tenant: str | None,
+    status: Status | None,
+    kind: str | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[str, list[Any]]:
+    """A page of tasks, newest first, one more than ``limit`` (so the caller knows if
+    there is a next page), in either dialect (``mark`` is its placeholder)."""
+    where: list[str] = []
+    args: list[Any] = []
+    for column, value in (("tenant", tenant), ("status", status), ("kind", kind)):
+        if value is not None:
+            where.append(f"{column} = {mark}")
+            args.append(str(value))
+    if cursor is not None:
+        where.append(f"id < {mark}")
+        args.append(cursor)
+    sql = "SELECT * FROM tasks"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    return f"{sql} ORDER BY id DESC LIMIT {mark}", [*args, limit + 1]
+
+
+def failures_by_code(
+    rows: Iterable[Sequence[Any]], tenant: str | None, *, by_minute: bool = False
+) -> dict[str, int]:
+    """Failure counts by code from ``(labels, n)`` counter rows labelled
+    ``[minute:]tenant:code``, for one tenant or all."""
+    found: dict[str, int] = {}
+    for labels, n in rows:
+        text = str(labels).split(":", 1)[1] if by_minute else str(labels)
+        row_tenant, _, code = text.partition(":")
+        if tenant is None or row_tenant == tenant:
+            found[code] = found.get(code, 0) + int(n)
+    return found
