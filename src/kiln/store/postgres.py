@@ -61,8 +61,6 @@ from kiln.store.rows import (
     classify_due,
     dumps,
     dwell_percentiles,
-    failures_by_code,
-    list_sql,
     loads,
     purge_candidates,
     task_from_row,
@@ -623,7 +621,20 @@ class PostgresStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> tuple[list[Task], str | None]:
-        sql, args = list_sql("%s", tenant, status, kind, limit, cursor)
+        where: list[str] = []
+        args: list[Any] = []
+        for column, value in (("tenant", tenant), ("status", status), ("kind", kind)):
+            if value is not None:
+                where.append(f"{column} = %s")
+                args.append(str(value))
+        if cursor is not None:
+            where.append("id < %s")
+            args.append(cursor)
+        sql = "SELECT * FROM tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT %s"
+        args.append(limit + 1)
 
         async def read(tx: _Tx) -> list[Task]:
             return [task_from_row(row) for row in await tx.all(sql, args)]
@@ -991,12 +1002,13 @@ class PostgresStore:
             f"SELECT status, SUM(n) FROM task_counts {tenant_where} GROUP BY status", args
         ):
             counts[status] = int(n)
-        failures = failures_by_code(
-            await tx.all(
-                "SELECT labels, SUM(n) FROM counters WHERE name = 'failures' GROUP BY labels"
-            ),
-            tenant,
-        )
+        failures: dict[str, int] = {}
+        for labels, n in await tx.all(
+            "SELECT labels, SUM(n) FROM counters WHERE name = 'failures' GROUP BY labels"
+        ):
+            row_tenant, _, code = str(labels).partition(":")
+            if tenant is None or row_tenant == tenant:
+                failures[code] = failures.get(code, 0) + int(n)
         dwell = dwell_percentiles(
             await tx.all(DWELL_TENANT_SQL, (tenant, DWELL_WINDOW))
             if tenant is not None
@@ -1023,11 +1035,15 @@ class PostgresStore:
     @staticmethod
     async def _failures_last_hour(tx: _Tx, tenant: str | None, now: float) -> dict[str, int]:
         since = int(now // 60) - 59
-        rows = await tx.all(
+        found: dict[str, int] = {}
+        for labels, n in await tx.all(
             "SELECT labels, SUM(n) FROM counters WHERE name = %s AND labels >= %s GROUP BY labels",
             (FAILURES_BY_MINUTE, f"{since:010d}:"),
-        )
-        return failures_by_code(rows, tenant, by_minute=True)
+        ):
+            _minute, row_tenant, code = str(labels).split(":", 2)
+            if tenant is None or row_tenant == tenant:
+                found[code] = found.get(code, 0) + int(n)
+        return found
 
     async def counters(self) -> dict[tuple[str, str], int]:
         async def read(tx: _Tx) -> dict[tuple[str, str], int]:

@@ -50,8 +50,6 @@ from kiln.store.rows import (
     classify_due,
     dumps,
     dwell_percentiles,
-    failures_by_code,
-    list_sql,
     loads,
     purge_candidates,
     task_from_row,
@@ -634,7 +632,20 @@ class SqliteStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> tuple[list[Task], str | None]:
-        sql, args = list_sql("?", tenant, status, kind, limit, cursor)
+        where: list[str] = []
+        args: list[Any] = []
+        for column, value in (("tenant", tenant), ("status", status), ("kind", kind)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(str(value))
+        if cursor is not None:
+            where.append("id < ?")
+            args.append(cursor)
+        sql = "SELECT * FROM tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit + 1)
 
         def read(conn: sqlite3.Connection) -> list[Task]:
             return [task_from_row(row) for row in conn.execute(sql, args).fetchall()]
@@ -1026,9 +1037,11 @@ class SqliteStore:
             f"SELECT status, SUM(n) AS n FROM task_counts {tenant_where} GROUP BY status", args
         ):
             counts[row["status"]] = int(row["n"])
-        failures = failures_by_code(
-            conn.execute("SELECT labels, n FROM counters WHERE name = 'failures'"), tenant
-        )
+        failures: dict[str, int] = {}
+        for row in conn.execute("SELECT labels, n FROM counters WHERE name = 'failures'"):
+            row_tenant, _, code = str(row["labels"]).partition(":")
+            if tenant is None or row_tenant == tenant:
+                failures[code] = failures.get(code, 0) + int(row["n"])
         dwell = dwell_percentiles(
             conn.execute(DWELL_TENANT_SQL, (tenant, DWELL_WINDOW))
             if tenant is not None
@@ -1054,11 +1067,15 @@ class SqliteStore:
 
     def _failures_last_hour(self, conn: sqlite3.Connection, tenant: str | None) -> dict[str, int]:
         since = int(self.clock() // 60) - 59
-        rows = conn.execute(
+        found: dict[str, int] = {}
+        for row in conn.execute(
             "SELECT labels, n FROM counters WHERE name = ? AND labels >= ?",
             (FAILURES_BY_MINUTE, f"{since:010d}:"),
-        )
-        return failures_by_code(rows, tenant, by_minute=True)
+        ):
+            _minute, row_tenant, code = str(row["labels"]).split(":", 2)
+            if tenant is None or row_tenant == tenant:
+                found[code] = found.get(code, 0) + int(row["n"])
+        return found
 
     async def counters(self) -> dict[tuple[str, str], int]:
         def read(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
