@@ -25,6 +25,9 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 async def store(backend: Backend, tmp_path: Path, clock: Clock) -> AsyncIterator[Store]:
     """A fresh store on the fake clock (``clock.advance(s)`` moves its time)."""
     opened = backend.open(tmp_path / "store", clock)
+    # First use on the test's own loop: a PostgreSQL pool belongs to the loop that opened
+    # it, and must not be opened by a thread's short-lived loop in a race test.
+    await opened.last_seq()
     try:
         yield opened
     finally:
