@@ -2,28 +2,58 @@
 
 Two kinds of problem: a SUCCESS task whose output is missing or no longer matches its
 recorded size and sha256 (``missing``, ``corrupt``), and an object under ``tasks/`` that
-no SUCCESS task refers to (``orphan``: a stale attempt's upload, or a task that is gone).
-Objects of tasks still in flight or in review are in use, never orphans. Repair deletes
-orphans older than a grace period and touches nothing else.
+no SUCCESS task refers to (``orphan``: a stale attempt's upload, a crashed upload, or a
+task that is gone). Objects of tasks still in flight or in review are in use, never
+orphans.
+
+A pass streams: it pages through SUCCESS tasks to verify their outputs, then through
+the storage listing, looking up the tasks of each page of objects in one query. Memory
+follows the page size, not the number of tasks or objects. The report keeps exact
+counts and at most ``examples`` items of each list.
+
+Repair deletes orphans older than a grace period and applies the result-lost policy to
+each task with a missing or corrupt output: ``fail`` moves it to FAILED ``result_lost``;
+``rerun`` does that and schedules a new attempt, due now, in the same transaction
+(``max_attempts`` grows by one). Both are fenced: they apply only while the task is still
+SUCCESS at the epoch the pass read, and bump the epoch. What is left of the lost result
+(its other outputs, its manifest) is then deleted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
-from kiln.models import StoredOutput, Task
-from kiln.states import FINAL, Status
-from kiln.storage import MANIFEST, ObjectInfo, Storage, verify
-from kiln.store import Store
+from kiln.errors import Conflict, LeaseLost, NotFound
+from kiln.models import JSON, StoredOutput, Task
+from kiln.states import FINAL, Event, Status
+from kiln.storage import MANIFEST, ObjectInfo, Storage, sha256_hex
+from kiln.store import LeaderToken
+
+if TYPE_CHECKING:
+    from kiln.app import App
 
 log = logging.getLogger("kiln.reconcile")
 
 TASKS_PREFIX = "tasks/"
 DEFAULT_GRACE_S = 3600.0
+#: Items of each list a report keeps; its counts stay exact.
+DEFAULT_EXAMPLES = 1000
+#: Tasks per store page, and objects whose tasks are looked up in one query.
+PAGE = 500
+#: Outputs verified at once (each read whole to hash it).
+VERIFY_CONCURRENCY = 8
+RESULT_LOST = "result_lost"
+
+
+class ResultLostPolicy(StrEnum):
+    RERUN = "rerun"
+    FAIL = "fail"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,92 +76,302 @@ class Orphan:
     age_s: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Repaired:
+    """What a repair did to a task whose result was lost."""
+
+    task_id: str
+    action: str  # "rerun" or "failed"
+
+
 @dataclass(slots=True)
 class Report:
+    """One pass: exact counts, and at most ``examples`` items of each list."""
+
+    repair: bool = False
+    grace_s: float = DEFAULT_GRACE_S
+    result_lost_policy: str = ResultLostPolicy.FAIL.value
+    examples: int = DEFAULT_EXAMPLES
     tasks_checked: int = 0
     outputs_checked: int = 0
     objects_checked: int = 0
+    missing_count: int = 0
+    corrupt_count: int = 0
+    #: SUCCESS tasks with at least one missing or corrupt output.
+    lost_tasks: int = 0
+    orphan_count: int = 0
+    orphan_bytes: int = 0
+    deleted_count: int = 0
+    kept_count: int = 0
+    rerun_count: int = 0
+    failed_count: int = 0
+    #: Lost tasks that moved on (or were purged) before their repair: left as they are.
+    conflicts: int = 0
     missing: list[Missing] = field(default_factory=list)
     orphans: list[Orphan] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
-    repair: bool = False
-    grace_s: float = DEFAULT_GRACE_S
+    repaired: list[Repaired] = field(default_factory=list)
+    started_at: float = 0.0
+    duration_s: float = 0.0
 
     @property
     def clean(self) -> bool:
         """Nothing wrong was found."""
-        return not self.missing and not self.orphans
+        return self.lost_tasks == 0 and self.orphan_count == 0
 
     @property
     def resolved(self) -> bool:
         """Nothing wrong is left: clean, or every problem found was repaired."""
-        return not self.missing and len(self.deleted) == len(self.orphans)
+        repaired = self.rerun_count + self.failed_count
+        return repaired == self.lost_tasks and self.deleted_count == self.orphan_count
+
+    @property
+    def truncated(self) -> bool:
+        """Some list holds fewer items than its count."""
+        return (
+            len(self.missing) < self.missing_count + self.corrupt_count
+            or len(self.orphans) < self.orphan_count
+            or len(self.deleted) < self.deleted_count
+            or len(self.kept) < self.kept_count
+            or len(self.repaired) < self.rerun_count + self.failed_count
+        )
+
+    def note(self, items: list[Any], item: Any) -> None:
+        if len(items) < self.examples:
+            items.append(item)
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
-        body.update(clean=self.clean, resolved=self.resolved)
+        body.update(clean=self.clean, resolved=self.resolved, truncated=self.truncated)
         return body
 
 
+@dataclass(frozen=True, slots=True)
+class Options:
+    repair: bool = False
+    grace_s: float = DEFAULT_GRACE_S
+    result_lost: ResultLostPolicy = ResultLostPolicy.FAIL
+    examples: int = DEFAULT_EXAMPLES
+    page_size: int = PAGE
+
+
 async def reconcile(
-    store: Store,
-    storage: Storage,
+    app: App,
+    options: Options | None = None,
     *,
-    repair: bool = False,
-    grace_s: float = DEFAULT_GRACE_S,
-    page_size: int = 500,
+    leader: LeaderToken | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Report:
-    """Check every SUCCESS task's outputs and every object under ``tasks/``."""
-    report = Report(repair=repair, grace_s=grace_s)
-    referenced = await _check_successes(store, storage, report, page_size)
-    tasks: dict[str, Task | None] = {}
-    async for info in storage.list(TASKS_PREFIX):
+    """One pass over every SUCCESS task's outputs and every object under ``tasks/``.
+
+    ``leader``: the supervisor's token, so a repair of a lost result is refused once
+    another supervisor leads (NotLeader ends the pass).
+    """
+    options = options or Options()
+    report = Report(
+        repair=options.repair,
+        grace_s=options.grace_s,
+        result_lost_policy=options.result_lost.value,
+        examples=options.examples,
+        started_at=clock(),
+    )
+    started = time.perf_counter()
+    await _check_successes(app, report, options, leader)
+    await _check_objects(app, report, options, clock)
+    report.duration_s = time.perf_counter() - started
+    log.info(
+        "reconciled",
+        extra={"objects": report.objects_checked, "tasks": report.tasks_checked,
+               "lost_tasks": report.lost_tasks, "orphans": report.orphan_count,
+               "deleted": report.deleted_count, "rerun": report.rerun_count,
+               "failed": report.failed_count, "duration_s": report.duration_s},
+    )  # fmt: skip
+    return report
+
+
+# SUCCESS tasks: is every output there as recorded?
+
+
+async def _check_successes(
+    app: App, report: Report, options: Options, leader: LeaderToken | None
+) -> None:
+    slots = asyncio.Semaphore(VERIFY_CONCURRENCY)
+    cursor: str | None = None
+    while True:
+        page, cursor = await app.store.list_tasks(
+            tenant=None, status=Status.SUCCESS, limit=options.page_size, cursor=cursor
+        )
+        found = await asyncio.gather(*(_check_task(app.storage, task, slots) for task in page))
+        for task, problems in zip(page, found, strict=True):
+            report.tasks_checked += 1
+            report.outputs_checked += len(_outputs(task))
+            if problems:
+                await _result_lost(app, task, problems, report, options, leader)
+        if cursor is None:
+            return
+
+
+async def _check_task(storage: Storage, task: Task, slots: asyncio.Semaphore) -> list[Missing]:
+    problems = []
+    for output in _outputs(task):
+        async with slots:
+            problem = await _check_output(storage, output)
+        if problem is not None:
+            problems.append(Missing(task.id, output.key, problem))
+    return problems
+
+
+async def _check_output(storage: Storage, output: StoredOutput) -> str | None:
+    """None when the object is there with its recorded size and sha256."""
+    info = await storage.stat(output.key)
+    if info is None:
+        return "missing"
+    if info.size != output.size:
+        return "corrupt"
+    try:
+        data = await storage.get(output.key)
+    except FileNotFoundError:
+        return "missing"
+    return None if sha256_hex(data) == output.sha256 else "corrupt"
+
+
+async def _result_lost(
+    app: App,
+    task: Task,
+    problems: list[Missing],
+    report: Report,
+    options: Options,
+    leader: LeaderToken | None,
+) -> None:
+    report.lost_tasks += 1
+    for problem in problems:
+        if problem.problem == "missing":
+            report.missing_count += 1
+        else:
+            report.corrupt_count += 1
+        report.note(report.missing, problem)
+    log.warning(
+        "result_lost",
+        extra={"task_id": task.id, "keys": [p.key for p in problems], "repair": options.repair},
+    )
+    if not options.repair:
+        return
+    try:
+        await lose_result(app, task, problems, options.result_lost, leader=leader)
+    except (Conflict, LeaseLost, NotFound):
+        report.conflicts += 1  # it moved on (or was purged) since it was read
+        return
+    rerun = options.result_lost is ResultLostPolicy.RERUN
+    if rerun:
+        report.rerun_count += 1
+    else:
+        report.failed_count += 1
+    report.note(report.repaired, Repaired(task.id, "rerun" if rerun else "failed"))
+    # What is left of the lost result is no one's any more (a rerun writes a new attempt's
+    # location): delete it now, as a rejected review does, rather than leave orphans.
+    for key in sorted(_referenced([task])):
+        await app.storage.delete(key)
+
+
+async def lose_result(
+    app: App,
+    task: Task,
+    problems: list[Missing],
+    policy: ResultLostPolicy,
+    *,
+    leader: LeaderToken | None = None,
+) -> Task:
+    """``lose`` a SUCCESS task's result at the epoch read: FAILED ``result_lost``, and
+    under ``rerun`` straight on to RETRYING, due now, with one more attempt allowed."""
+    rerun = policy is ResultLostPolicy.RERUN
+    what = ", ".join(f"{p.key} is {p.problem}" for p in problems[:3])
+    error: JSON = {"code": RESULT_LOST, "message": f"the result was lost: {what}",
+                   "retryable": rerun}  # fmt: skip
+    fields: dict[str, Any] = {"result": None, "error": error}
+    if rerun:
+        now = app.now()
+        fields.update(
+            max_attempts=max(task.max_attempts, task.attempt) + 1,
+            finished_at=None,
+            next_retry_at=now,
+            ready_at=now,
+            cancel_requested=False,
+            cancel_requested_at=None,
+            deadline_at=max(task.deadline_at, now + task.deadline_s),
+        )
+    return await app.apply(
+        task,
+        Event.LOSE,
+        then=Event.SCHEDULE_RETRY if rerun else None,
+        fields=fields,
+        error=error,
+        bump_epoch=True,
+        leader=leader,
+        counters=[("failures", f"{task.tenant}:{RESULT_LOST}")],
+    )
+
+
+def _outputs(task: Task) -> list[StoredOutput]:
+    return [StoredOutput.from_json(raw) for raw in (task.result or {}).get("outputs", [])]
+
+
+# Objects: does a SUCCESS task (or a task in flight) account for each one?
+
+
+async def _check_objects(
+    app: App, report: Report, options: Options, clock: Callable[[], float]
+) -> None:
+    batch: list[ObjectInfo] = []
+    async for info in app.storage.list(TASKS_PREFIX):
         report.objects_checked += 1
-        if info.key in referenced:
-            continue
+        batch.append(info)
+        if len(batch) >= options.page_size:
+            await _check_batch(app, batch, report, options, clock)
+            batch.clear()
+    if batch:
+        await _check_batch(app, batch, report, options, clock)
+
+
+async def _check_batch(
+    app: App,
+    batch: list[ObjectInfo],
+    report: Report,
+    options: Options,
+    clock: Callable[[], float],
+) -> None:
+    ids = {task_id for info in batch if (task_id := _task_id(info.key)) is not None}
+    tasks = await app.store.get_many(sorted(ids))
+    referenced = _referenced(tasks.values())
+    for info in batch:
         task_id = _task_id(info.key)
-        if task_id is not None and task_id not in tasks:
-            tasks[task_id] = await store.get(task_id)
         task = tasks.get(task_id) if task_id is not None else None
-        if task is not None and task.status not in FINAL:
-            continue  # in flight or in review: the object is in use
+        if info.key in referenced or (task is not None and task.status not in FINAL):
+            continue  # a SUCCESS task's output, or in use by a task in flight or in review
         orphan = Orphan(
             key=info.key,
             size=info.size,
             task_id=task_id,
             task_status=None if task is None else str(task.status),
-            age_s=_age_s(storage, info, task, clock),
+            age_s=_age_s(info, task, clock),
         )
-        report.orphans.append(orphan)
-        if repair:
-            await _repair(storage, orphan, report)
-    return report
+        report.orphan_count += 1
+        report.orphan_bytes += info.size
+        report.note(report.orphans, orphan)
+        if options.repair:
+            await _repair(app.storage, orphan, report)
 
 
-async def _check_successes(
-    store: Store, storage: Storage, report: Report, page_size: int
-) -> set[str]:
-    """Verify the outputs of every SUCCESS task; the keys they refer to (manifests too)."""
-    referenced: set[str] = set()
-    cursor: str | None = None
-    while True:
-        page, cursor = await store.list_tasks(
-            tenant=None, status=Status.SUCCESS, limit=page_size, cursor=cursor
-        )
-        for task in page:
-            report.tasks_checked += 1
-            for raw in (task.result or {}).get("outputs", []):
-                output = StoredOutput.from_json(raw)
-                referenced.add(output.key)
-                referenced.add(f"{output.key.rsplit('/', 1)[0]}/{MANIFEST}")
-                report.outputs_checked += 1
-                if not await verify(storage, output):
-                    problem = "missing" if await storage.stat(output.key) is None else "corrupt"
-                    report.missing.append(Missing(task.id, output.key, problem))
-        if cursor is None:
-            return referenced
+def _referenced(tasks: Iterable[Task]) -> set[str]:
+    """The keys SUCCESS tasks refer to: their outputs and their attempt's manifest."""
+    keys: set[str] = set()
+    for task in tasks:
+        if task.status is not Status.SUCCESS:
+            continue
+        for output in _outputs(task):
+            keys.add(output.key)
+            keys.add(f"{output.key.rsplit('/', 1)[0]}/{MANIFEST}")
+    return keys
 
 
 def _task_id(key: str) -> str | None:
@@ -139,9 +379,7 @@ def _task_id(key: str) -> str | None:
     return parts[1] if len(parts) >= 3 and parts[0] == TASKS_PREFIX.rstrip("/") else None
 
 
-def _age_s(
-    storage: Storage, info: ObjectInfo, task: Task | None, clock: Callable[[], float]
-) -> float | None:
+def _age_s(info: ObjectInfo, task: Task | None, clock: Callable[[], float]) -> float | None:
     if info.modified_at is not None:
         return max(clock() - info.modified_at, 0.0)
     if task is not None:
@@ -150,9 +388,11 @@ def _age_s(
 
 
 async def _repair(storage: Storage, orphan: Orphan, report: Report) -> None:
-    if (orphan.age_s or 0.0) < report.grace_s:  # an unknown age counts as brand new
-        report.kept.append(orphan.key)
+    if orphan.age_s is None or orphan.age_s < report.grace_s:  # unknown age: brand new
+        report.kept_count += 1
+        report.note(report.kept, orphan.key)
         return
     await storage.delete(orphan.key)
-    report.deleted.append(orphan.key)
+    report.deleted_count += 1
+    report.note(report.deleted, orphan.key)
     log.info("orphan_deleted", extra={"key": orphan.key, "task_id": orphan.task_id})

@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import kiln
@@ -121,7 +122,7 @@ def test_reconcile_finds_orphans_and_repairs_only_old_ones(tmp_path: Path) -> No
     assert "orphan: tasks/tsk_gone/2-2/image.png" in found
     assert repair_code == 1
     assert "deleted 1 orphan objects older than 3600 s, kept 1 younger ones" in repaired
-    assert "no task was changed" in repaired
+    assert "0 tasks rerun, 0 marked FAILED" in repaired
     assert not old.exists()
     assert young.exists()
     assert output_path(tmp_path, task).exists()
@@ -152,3 +153,93 @@ def test_reconcile_repairs_a_failed_tasks_leftover_but_not_a_live_tasks_upload(
     assert not stale.exists()
     assert in_use.exists()
     assert then_code == 0
+
+
+def test_repair_marks_a_task_whose_output_is_gone_failed_result_lost(tmp_path: Path) -> None:
+    # Given a SUCCESS task whose output was deleted behind the store's back
+    [lost] = run_tasks(tmp_path, fox("a red fox"))
+    output_path(tmp_path, lost).unlink()
+
+    # When reconcile repairs with the fail policy
+    code, raw = reconcile(tmp_path, "--repair", "--result-lost", "fail", "--json")
+    after = asyncio.run(_get(tmp_path, lost.id))
+
+    # Then the task is FAILED result_lost with no result, and the pass counts it repaired
+    report = json.loads(raw)
+    assert code == 0, raw
+    assert (report["lost_tasks"], report["failed_count"], report["rerun_count"]) == (1, 1, 0)
+    assert report["repaired"] == [{"task_id": lost.id, "action": "failed"}]
+    assert after.status is kiln.Status.FAILED
+    assert after.result is None
+    assert after.error is not None and after.error["code"] == "result_lost"
+    assert after.epoch == lost.epoch + 1
+    # And the same request now makes a new task: a FAILED task is no dedup answer
+    again = asyncio.run(_submit(tmp_path, fox("a red fox")))
+    assert again.id != lost.id
+
+
+def test_repair_reruns_a_corrupt_output_by_the_policy_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a SUCCESS task whose output was overwritten, and the rerun policy in the env
+    [task] = run_tasks(tmp_path, fox("a red fox"))
+    path = output_path(tmp_path, task)
+    path.write_bytes(b"x" * path.stat().st_size)
+    monkeypatch.setenv("KILN_RESULT_LOST_POLICY", "rerun")
+
+    # When reconcile repairs, then a worker runs what is due
+    code, out = reconcile(tmp_path, "--repair")
+    retried = asyncio.run(_get(tmp_path, task.id))
+    lost_attempt = [f.name for f in path.parent.iterdir()]  # the lost attempt's files
+    [done] = asyncio.run(_run_existing(tmp_path, [task.id]))
+    last_code, last = reconcile(tmp_path)
+
+    # Then the task went back to RETRYING with one more attempt, and ran to a new output
+    assert code == 0, out
+    assert f"repaired: task {task.id} rerun (result_lost)" in out
+    assert "1 tasks rerun, 0 marked FAILED" in out
+    assert retried.status is kiln.Status.RETRYING
+    assert retried.result is None and retried.finished_at is None
+    assert retried.max_attempts == task.max_attempts + 1
+    assert done.status is kiln.Status.SUCCESS
+    assert done.attempt == task.attempt + 1
+    new_output = output_path(tmp_path, done)
+    assert new_output != path and new_output.exists()
+    # And the lost attempt's objects went with the repair, so storage and store agree
+    assert lost_attempt == []
+    assert last_code == 0 and "clean" in last, last
+
+
+def test_the_report_keeps_exact_counts_and_at_most_the_asked_examples(tmp_path: Path) -> None:
+    # Given five orphan objects
+    for n in range(5):
+        leftover = tmp_path / "results" / "tasks" / f"tsk_gone{n}" / "1-1" / "image.png"
+        leftover.parent.mkdir(parents=True)
+        leftover.write_bytes(b"leftover")
+
+    # When the report may show two examples
+    code, raw = reconcile(tmp_path, "--json", "--examples", "2")
+    text_code, text = reconcile(tmp_path, "--examples", "2")
+
+    # Then the counts are exact, the lists short, and the report says so
+    report = json.loads(raw)
+    assert code == text_code == 1
+    assert (report["orphan_count"], report["orphan_bytes"]) == (5, 40)
+    assert len(report["orphans"]) == 2
+    assert report["truncated"] is True
+    assert text.count("orphan: ") == 2
+    assert "lists show at most 2 items each; the counts are exact" in text
+    assert "5 orphans (40 bytes)" in text
+
+
+async def _get(data_dir: Path, task_id: str) -> Task:
+    app = kiln.App(settings=settings_for(data_dir))
+    async with app:
+        return await app.get(task_id)
+
+
+async def _run_existing(data_dir: Path, ids: list[str]) -> list[Task]:
+    app = kiln.App(settings=settings_for(data_dir))
+    demo.register(app)
+    async with app, running(app.worker(concurrency=2, resources={"gpu": 2}).run()):
+        return [await app.wait(task_id, timeout_s=30) for task_id in ids]

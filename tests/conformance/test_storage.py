@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.errors import StorageError
 from kiln.models import StoredOutput
 from kiln.storage import (
     MANIFEST,
@@ -20,6 +21,7 @@ from kiln.storage import (
     verify,
     write_manifest,
 )
+from kiln.storage.local import LocalStorage
 
 BACKENDS = ["local", "s3"]
 
@@ -112,13 +114,33 @@ async def test_a_key_never_written_is_missing_everywhere(storage: Storage) -> No
     assert [info async for info in storage.list("tasks/none/")] == []
 
 
+def _key_or_path_order(keys: list[str]) -> tuple[list[str], list[str]]:
+    """Key order, and path order (folder by folder: how SeaweedFS lists)."""
+    return sorted(keys), sorted(keys, key=lambda key: key.split("/"))
+
+
 async def test_list_prefix_is_a_plain_string_prefix_and_keys_come_sorted(storage: Storage) -> None:
     keys = ["tasks/t1/a", "tasks/t10/b", "tasks/t2/c", "tasks/t1-x/d", "tasks/t1.y/e", "top"]
     for key in reversed(keys):
         await storage.put(key, key.encode())
-    assert [i.key async for i in storage.list("tasks/t1")] == sorted(keys[:2] + keys[3:5])
-    assert [i.key async for i in storage.list("")] == sorted(keys)
+    under_t1 = [i.key async for i in storage.list("tasks/t1")]
+    assert under_t1 in _key_or_path_order(keys[:2] + keys[3:5])
+    assert [i.key async for i in storage.list("")] in _key_or_path_order(keys)
     assert [i.size async for i in storage.list("top")] == [3]
+
+
+async def test_local_storage_lists_in_key_order_folder_by_folder(tmp_path: Path) -> None:
+    # Given names that sort below "/" beside a folder of the same stem, at three depths
+    storage = LocalStorage(tmp_path)
+    keys = ["a/b/c", "a/b-/c", "a/b.d", "a/b/c-", "a/b/e/d", "a-/x", "a.b", "a/bb/z", "b"]
+    for key in keys:
+        await storage.put(key, b"x")
+    # When everything, and then one folder's stem, is listed
+    everything = [info.key async for info in storage.list("")]
+    under_a_b = [info.key async for info in storage.list("a/b")]
+    # Then the walk yields exactly the order of the sorted keys
+    assert everything == sorted(keys)
+    assert under_a_b == sorted(k for k in keys if k.startswith("a/b"))
 
 
 async def test_list_pages_through_more_objects_than_one_listing_page(storage: Storage) -> None:
@@ -149,3 +171,19 @@ async def test_stat_and_list_tell_when_an_object_was_written(storage: Storage) -
     for found in (info, *listed):
         assert found is not None and found.modified_at is not None
         assert before - 2 <= found.modified_at <= after + 2
+
+
+async def test_local_storage_reports_a_failing_disk_as_a_storage_error(tmp_path: Path) -> None:
+    # Given a storage whose folder for a new object cannot be made (a file is in the way,
+    # as a broken disk or mount would refuse it)
+    root = tmp_path / "results"
+    storage = LocalStorage(root)
+    await storage.put("tasks/a/1-1/image.png", b"png")
+    (root / "tasks" / "b").write_bytes(b"not a folder")
+    # Then the write fails as the storage's own error (retryable, counted by the breaker),
+    # a missing object stays FileNotFoundError, and nothing half-written is left
+    with pytest.raises(StorageError, match=r"writing 'tasks/b/1-1/image\.png'"):
+        await storage.put("tasks/b/1-1/image.png", b"png")
+    with pytest.raises(FileNotFoundError):
+        await storage.get("tasks/c/1-1/image.png")
+    assert [i.key async for i in storage.list("tasks/")] == ["tasks/a/1-1/image.png", "tasks/b"]

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import itertools
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from kiln.errors import StorageError
 from kiln.storage import ObjectInfo
+
+#: Objects a listing reads per step in its worker thread.
+LIST_PAGE = 1000
 
 
 class LocalStorage:
@@ -32,7 +37,11 @@ class LocalStorage:
         return None  # a folder has no URL of its own: the API serves the bytes
 
     async def put(self, key: str, data: bytes) -> None:
-        await asyncio.to_thread(self._put, self._path(key), data)
+        path = self._path(key)
+        try:
+            await asyncio.to_thread(self._put, path, data)
+        except OSError as exc:  # a full disk, a lost mount: an outage, not the task's fault
+            raise StorageError(f"writing {key!r} to {self.root} failed: {exc}") from exc
 
     def _put(self, path: Path, data: bytes) -> None:
         created = self._make_dirs(path.parent)
@@ -63,7 +72,13 @@ class LocalStorage:
         return missing
 
     async def get(self, key: str) -> bytes:
-        return await asyncio.to_thread(self._path(key).read_bytes)
+        path = self._path(key)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            raise  # the protocol's "no such object"
+        except OSError as exc:
+            raise StorageError(f"reading {key!r} from {self.root} failed: {exc}") from exc
 
     async def stat(self, key: str) -> ObjectInfo | None:
         path = self._path(key)
@@ -74,27 +89,57 @@ class LocalStorage:
         return ObjectInfo(key, found.st_size, found.st_mtime)
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self._path(key).unlink, missing_ok=True)
+        path = self._path(key)
+        try:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"deleting {key!r} from {self.root} failed: {exc}") from exc
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
-        base = self.root
-        found = await asyncio.to_thread(self._walk, base, prefix)
-        for info in found:
-            yield info
+        """Objects whose key starts with ``prefix``, in key order, read a page at a time.
 
-    def _walk(self, base: Path, prefix: str) -> builtins.list[ObjectInfo]:
-        start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
-        found = []
-        for dirpath, _dirs, files in os.walk(start):
-            for name in files:
-                if name.startswith(".tmp-"):
-                    continue
-                path = Path(dirpath) / name
-                key = path.relative_to(base).as_posix()
-                if key.startswith(prefix):
-                    stat = path.stat()
-                    found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
-        return sorted(found, key=lambda info: info.key)
+        The walk goes folder by folder and sorts one folder's names at a time (a folder
+        sorts as its name plus ``/``, which is where its keys fall), so it holds the names
+        of the folders on its current path, never the whole tree.
+        """
+        walk = self._walk(prefix)
+        while True:
+            page = await asyncio.to_thread(_take, walk, LIST_PAGE)
+            for info in page:
+                yield info
+            if len(page) < LIST_PAGE:
+                return
+
+    def _walk(self, prefix: str) -> Iterator[ObjectInfo]:
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if not folder:
+            return self._walk_folder(self.root, "", prefix)
+        return self._walk_folder(self._path(folder), folder + "/", prefix)
+
+    def _walk_folder(self, path: Path, key_prefix: str, prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            with os.scandir(path) as found:
+                names = sorted(
+                    entry.name + "/" if entry.is_dir(follow_symlinks=False) else entry.name
+                    for entry in found
+                )
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            key = key_prefix + name
+            if name.endswith("/"):
+                if key.startswith(prefix) or prefix.startswith(key):
+                    yield from self._walk_folder(path / name[:-1], key, prefix)
+            elif key.startswith(prefix) and not name.startswith(".tmp-"):
+                try:
+                    stat = (path / name).stat()
+                except FileNotFoundError:
+                    continue  # deleted since the folder was read
+                yield ObjectInfo(key, stat.st_size, stat.st_mtime)
+
+
+def _take(items: Iterator[ObjectInfo], count: int) -> builtins.list[ObjectInfo]:
+    return builtins.list(itertools.islice(items, count))
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -15,7 +15,6 @@ hanging the worker's upload.
 
 from __future__ import annotations
 
-import builtins
 import mimetypes
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
 MIB = 1024 * 1024
 MIN_PART_SIZE_BYTES = 5 * MIB  # S3's smallest part (all but the last); SeaweedFS enforces it
 QUERY_OPTIONS = frozenset({"endpoint_url"})
+LIST_PAGE = 1000  # keys per listing request, the most S3 answers with
 
 
 def check_key(key: str) -> str:
@@ -188,23 +188,20 @@ class S3Storage:
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         """Objects whose key starts with ``prefix`` (a plain string prefix, as with
-        LocalStorage), sorted by key: S3-compatible servers differ in listing order
-        (SeaweedFS walks folders), so the listing is gathered and sorted here."""
-        for info in sorted(await self._list(prefix), key=lambda info: info.key):
-            yield info
-
-    async def _list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        LocalStorage), streamed one listing page (1,000 keys) at a time in the server's
+        order, so memory stays at one page whatever the bucket holds. AWS S3 lists in key
+        order. SeaweedFS lists folder by folder, a folder at its name's place (``a/x``
+        before ``a-b``), which differs from key order only where a name has a character
+        below ``/``. Either way one folder's objects come together."""
         # obstore matches whole path segments: list the folder part, then filter.
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        found = []
         try:
-            async for chunk in obstore.list(self.store, folder or None, chunk_size=1000):
+            async for chunk in obstore.list(self.store, folder or None, chunk_size=LIST_PAGE):
                 for meta in chunk:
                     if meta["path"].startswith(prefix):
-                        found.append(ObjectInfo(meta["path"], meta["size"], _timestamp(meta)))
+                        yield ObjectInfo(meta["path"], meta["size"], _timestamp(meta))
         except BaseError as exc:
             raise _storage_error("list", prefix, exc) from exc
-        return found
 
     async def presign(self, key: str, ttl_s: float) -> str | None:
         """A URL that GETs ``key`` without credentials for ``ttl_s`` seconds."""
