@@ -14,11 +14,11 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from kiln import canonical
+from kiln import canonical, webhooks
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
 from kiln.errors import (
@@ -31,10 +31,15 @@ from kiln.errors import (
     UnknownKind,
 )
 from kiln.models import JSON, NewTask, Output, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
-from kiln.retry import RetryPolicy
+from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage, verify
 from kiln.store import FAILURES_BY_MINUTE, Change, LeaderToken, Store, open_store
+from kiln.store.claims import claim_policy
+from kiln.store.pools import PoolWait
+
+if TYPE_CHECKING:
+    from kiln.breakers import Breakers
 
 log = logging.getLogger("kiln")
 
@@ -143,6 +148,7 @@ class App:
         #: Called with a task id when this process asks a running task to stop, so a
         #: worker in the same process stops at once instead of at its next heartbeat.
         self.cancel_listeners: list[Callable[[str], None]] = []
+        self._breakers: Breakers | None = None
 
     # registry
 
@@ -208,6 +214,16 @@ class App:
         return self._hub
 
     @property
+    def breakers(self) -> Breakers:
+        """This process's circuit breakers, shared with every process through the store
+        (one set per process, whatever the number of workers in it)."""
+        if self._breakers is None:
+            from kiln.breakers import Breakers
+
+            self._breakers = Breakers(self)
+        return self._breakers
+
+    @property
     def wake(self) -> asyncio.Event:
         """Set when work became claimable (here, or in another process where the store
         can tell); workers in this process wait on it."""
@@ -257,12 +273,15 @@ class App:
         retry_error: JSON | None = None,
         counters: Sequence[tuple[str, str]] = (),
         retry_after_s: float | None = None,
+        then: Event | None = None,
     ) -> Task:
-        """Apply ``event`` to ``task`` as read: CAS on its status (and epoch when fenced).
+        """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
+        fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
 
         With ``retry_error`` the failure may schedule the next attempt in the same
         transaction (``fail``/``expire`` then ``schedule_retry``), no sooner than
-        ``retry_after_s`` from now when given.
+        ``retry_after_s`` from now when given. ``then`` chains one more event in the same
+        transaction unconditionally (``lose`` then ``schedule_retry``).
         """
         try:
             to = check(task.status, event, target)
@@ -273,6 +292,8 @@ class App:
             log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
             raise
         steps = [(event, to)]
+        if then is not None:
+            steps.append((then, check(to, then)))
         changes = dict(fields or {})
         if to not in RUNNING:  # no worker holds the task any more
             changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
@@ -285,6 +306,8 @@ class App:
                 due = (policy or self.retry_policy).next_retry_at(
                     task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0
                 )
+            if due is not None and self.settings.retry_rate is not None:
+                due = await retry_slot(self.store, task, due, self.settings.retry_rate)
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)
@@ -297,7 +320,7 @@ class App:
         change = Change(
             task_id=task.id,
             expect_status=task.status,
-            expect_epoch=task.epoch if (fenced or leader is not None) else None,
+            expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
             steps=tuple(steps),
             fields=changes,
             error=error if error is not None else retry_error,
@@ -333,10 +356,18 @@ class App:
         timeouts: Timeouts | None = None,
         metadata: JSON | None = None,
         inputs: list[JSON] | None = None,
+        webhook_url: str | None = None,
+        webhook_events: Sequence[str] | None = None,
     ) -> SubmitResult:
-        """Create a task, or return the one this request already made (see API.md)."""
+        """Create a task, or return the one this request already made (see API.md).
+
+        ``webhook_url`` and ``webhook_events`` ask for its status changes to be POSTed
+        (see :mod:`kiln.webhooks`)."""
         task_kind = self.kind(kind)
         clean = task_kind.validate(params)
+        webhook = webhooks.webhook_spec(
+            webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
+        )
         timeouts = timeouts or task_kind.timeouts or Timeouts()
         inputs = inputs or []
         task_kind.check_inputs(clean, inputs)
@@ -352,6 +383,8 @@ class App:
             "metadata": metadata or {},
             "inputs": contents,
         }
+        if webhook is not None:  # only then: a body without one keeps its old fingerprint
+            body["webhook"] = webhook
         new = NewTask(
             id=canonical.new_task_id(),
             tenant=tenant,
@@ -366,6 +399,7 @@ class App:
             timeouts=timeouts,
             metadata=metadata or {},
             inputs=inputs,
+            webhook=webhook,
         )
         result = await self.store.submit(new)
         if result.created:
@@ -386,7 +420,13 @@ class App:
         return task
 
     async def queue_position(self, task: Task) -> int | None:
-        return await self.store.queue_position(task)
+        return await self.store.queue_position(task, claim_policy(self.settings))
+
+    async def pool_wait(self, task: Task) -> PoolWait | None:
+        """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
+        if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:
+            return None
+        return await self.store.pool_wait(task.id)
 
     # user actions
 

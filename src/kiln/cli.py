@@ -29,7 +29,8 @@ from kiln.client import DEFAULT_SERVER, Client
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError
 from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
-from kiln.reconcile import DEFAULT_GRACE_S, Report, reconcile
+from kiln.reconcile import DEFAULT_EXAMPLES, Report, ResultLostPolicy, reconcile
+from kiln.reconcile import Options as ReconcileOptions
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -278,7 +279,7 @@ async def _run_worker(
     async with app:
         process = app.worker(concurrency=concurrency, kinds=kinds, resources={"gpu": gpus})
         readings = worker_readings(process)
-        upstream = backends.collectors(app)  # upstream latency and breakers
+        upstream: list[Collector] = [*backends.collectors(app), app.breakers]
         with _metrics(app.settings.metrics_port, metrics_host, readings, upstream):
             await _until_signalled(process.run())
 
@@ -624,19 +625,48 @@ def _task_table(tasks: list[JSON]) -> Table:
 @_handled
 def reconcile_command(
     repair: Annotated[
-        bool, typer.Option("--repair", help="delete orphan objects older than --grace-s")
+        bool,
+        typer.Option(
+            "--repair",
+            help="delete orphan objects older than --grace-s, and apply --result-lost to "
+            "SUCCESS tasks whose output is missing or corrupt",
+        ),
     ] = False,
     grace_s: Annotated[
-        float, typer.Option(envvar="KILN_RECONCILE_GRACE_S", min=0, help="orphan age to repair")
-    ] = DEFAULT_GRACE_S,
+        float | None,
+        typer.Option(min=0, help="orphan age to repair [env KILN_RECONCILE_GRACE_S; 3600]"),
+    ] = None,
+    result_lost: Annotated[
+        ResultLostPolicy | None,
+        typer.Option(
+            "--result-lost",
+            help="with --repair, a lost result's task is re-run or marked FAILED result_lost "
+            "[env KILN_RESULT_LOST_POLICY; fail]",
+        ),
+    ] = None,
+    examples: Annotated[
+        int, typer.Option(min=0, help="items of each list the report shows; counts stay exact")
+    ] = DEFAULT_EXAMPLES,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
     """Compare storage with the store. Exit 0 when nothing is wrong (or all was repaired)."""
-    settings = _settings(data_dir=data_dir, database_url=database_url, storage_url=storage_url)
-    report = asyncio.run(_reconcile(_opened(_app(settings)), repair=repair, grace_s=grace_s))
+    settings = _settings(
+        data_dir=data_dir,
+        database_url=database_url,
+        storage_url=storage_url,
+        reconcile_grace_s=grace_s,
+        result_lost_policy=result_lost,
+    )
+    options = ReconcileOptions(
+        repair=repair,
+        grace_s=settings.reconcile_grace_s,
+        result_lost=ResultLostPolicy(settings.result_lost_policy),
+        examples=examples,
+    )
+    report = asyncio.run(_reconcile(_opened(_app(settings)), options))
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -645,15 +675,15 @@ def reconcile_command(
     raise typer.Exit(0 if report.resolved else 1)
 
 
-async def _reconcile(app: kiln.App, *, repair: bool, grace_s: float) -> Report:
+async def _reconcile(app: kiln.App, options: ReconcileOptions) -> Report:
     async with app:
-        return await reconcile(app.store, app.storage, repair=repair, grace_s=grace_s)
+        return await reconcile(app, options)
 
 
 def _report_lines(report: Report) -> Iterator[str]:
     yield (
         f"checked {report.tasks_checked} SUCCESS tasks ({report.outputs_checked} outputs) "
-        f"and {report.objects_checked} objects under tasks/"
+        f"and {report.objects_checked} objects under tasks/ in {report.duration_s:.1f} s"
     )
     for item in report.missing:
         yield f"{item.problem}: task {item.task_id} output {item.key}"
@@ -661,16 +691,29 @@ def _report_lines(report: Report) -> Iterator[str]:
         owner = f"task {orphan.task_id} {orphan.task_status or '(not in the store)'}"
         age = "age unknown" if orphan.age_s is None else f"{orphan.age_s:.0f} s old"
         yield f"orphan: {orphan.key} ({owner}, {orphan.size} bytes, {age})"
+    if report.truncated:
+        yield f"(lists show at most {report.examples} items each; the counts are exact)"
     if report.repair:
-        yield (
-            f"repair: deleted {len(report.deleted)} orphan objects older than "
-            f"{report.grace_s:g} s, kept {len(report.kept)} younger ones; "
-            "missing or corrupt outputs are reported only, no task was changed"
-        )
+        yield from _repair_lines(report)
     if report.clean:
         yield "clean: storage and store agree"
     else:
-        yield f"problems: {len(report.missing)} missing or corrupt, {len(report.orphans)} orphans"
+        yield (
+            f"problems: {report.missing_count} missing and {report.corrupt_count} corrupt "
+            f"outputs of {report.lost_tasks} SUCCESS tasks, {report.orphan_count} orphans "
+            f"({report.orphan_bytes} bytes)"
+        )
+
+
+def _repair_lines(report: Report) -> Iterator[str]:
+    for repaired in report.repaired:
+        yield f"repaired: task {repaired.task_id} {repaired.action} (result_lost)"
+    yield (
+        f"repair: deleted {report.deleted_count} orphan objects older than "
+        f"{report.grace_s:g} s, kept {report.kept_count} younger ones; "
+        f"result lost ({report.result_lost_policy}): {report.rerun_count} tasks rerun, "
+        f"{report.failed_count} marked FAILED, {report.conflicts} moved on first"
+    )
 
 
 @cli.command()

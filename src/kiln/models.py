@@ -53,6 +53,8 @@ class NewTask:
     timeouts: Timeouts
     metadata: JSON = field(default_factory=dict)
     inputs: list[JSON] = field(default_factory=list)
+    #: ``{"url", "events"}`` when the task's changes are posted to a webhook (kiln.webhooks).
+    webhook: JSON | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class Task:
     status_since: float
     started_at: float | None
     finished_at: float | None
+    webhook: JSON | None = None
 
     @property
     def final(self) -> bool:

@@ -9,6 +9,7 @@ import pydantic
 
 from kiln.errors import StorageError, StoreUnavailable, TaskError
 from kiln.models import JSON, Task
+from kiln.store import Store
 
 #: Exceptions that mean the handler itself is wrong: another attempt would fail the same way.
 PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (
@@ -44,6 +45,19 @@ class RetryPolicy:
         if due >= task.deadline_at:
             return None
         return due
+
+
+async def retry_slot(store: Store, task: Task, due: float, rate_per_s: float) -> float | None:
+    """KILN_RETRY_RATE: when the retry due at ``due`` may go, at most ``rate_per_s`` retries
+    a second across every process on ``store``, or None when that is past the task's
+    deadline (the task stays failed).
+
+    The store's retry clock hands out slots ``1 / rate_per_s`` apart, so the retries of an
+    outage that ends are spread out instead of arriving at once. Only scheduling a retry
+    takes a slot (one small write); nothing else touches the clock.
+    """
+    slot = await store.reserve_retry(due, 1.0 / rate_per_s)
+    return slot if slot < task.deadline_at else None
 
 
 def classify(exc: BaseException) -> JSON:

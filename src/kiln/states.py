@@ -42,6 +42,7 @@ class Event(StrEnum):
     FORCE_CANCEL = "force_cancel"
     RETRY = "retry"
     DEADLINE = "deadline"
+    LOSE = "lose"
 
 
 class Actor(StrEnum):
@@ -50,6 +51,7 @@ class Actor(StrEnum):
     SUPERVISOR = "supervisor"
     ENGINE = "engine"
     ADMIN = "admin"
+    RECONCILER = "reconciler"
 
 
 S = Status
@@ -120,6 +122,10 @@ TRANSITIONS: tuple[Rule, ...] = (
           "manual retry; max_attempts+1, due now"),
     _rule(Event.DEADLINE, CLAIMABLE, (S.TIMEOUT,), Actor.SUPERVISOR,
           "the task's overall deadline passed"),
+    _rule(Event.LOSE, (S.SUCCESS,), (S.FAILED,), Actor.RECONCILER,
+          "result_lost: an output is gone or no longer matches; only at the epoch seen, "
+          "epoch+1, result cleared; then schedule_retry (due now, max_attempts+1) under "
+          "the rerun policy"),
 )  # fmt: skip
 
 RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kiln import canonical, retention
+from kiln import canonical, reconcile, retention, webhooks
 from kiln.app import App
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
@@ -70,6 +70,10 @@ class Supervisor:
             app.settings.retention_s, dict(app.settings.retention_tenants)
         )
         self._retention_due = 0.0
+        self.reconciling: asyncio.Task[None] | None = None
+        self.reconciles = ReconcileTotals()
+        self._reconcile_due: float | None = None
+        self.webhooks = webhooks.Dispatcher(app, owner=self.owner, interval_s=self.interval_s)
 
     @property
     def ghost_after_s(self) -> float:
@@ -77,14 +81,22 @@ class Supervisor:
         return self.app.settings.lease_ttl_s + 2 * self.interval_s
 
     async def run(self) -> None:
-        while True:
-            try:
-                self.last = await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("sweep_failed")
-            await asyncio.sleep(self.interval_s)
+        # The webhook outbox, beside the sweep: delivering never waits for a sweep.
+        dispatching = asyncio.create_task(self.webhooks.run(), name="kiln-webhooks")
+        try:
+            while True:
+                try:
+                    self.last = await self.sweep()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("sweep_failed")
+                await asyncio.sleep(self.interval_s)
+        finally:
+            await self.stop_reconciling()
+            dispatching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dispatching
 
     async def sweep(self) -> SweepReport:
         started = time.perf_counter()
@@ -108,6 +120,7 @@ class Supervisor:
                 await self._act(task, seen, report, self._state_expired)
         report.ghosts = await store.count_ghosts(older_than_s=self.ghost_after_s)
         await self._retention_pass(report)
+        self._start_reconcile_pass()
         report.duration_s = time.perf_counter() - started
         return report
 
@@ -122,6 +135,44 @@ class Supervisor:
             ).tasks
         except Exception:
             log.exception("retention_failed")
+
+    def _start_reconcile_pass(self) -> None:
+        """Start a reconciliation pass when one is due, as its own task: it reads the whole
+        bucket, so the sweep never waits for it, and one runs at a time."""
+        every_s = self.app.settings.reconcile_interval_s
+        now = self.app.now()
+        if every_s <= 0 or (self.reconciling is not None and not self.reconciling.done()):
+            return
+        if self._reconcile_due is None:  # the first pass comes one interval after start
+            self._reconcile_due = now + every_s
+        if now < self._reconcile_due or self.token is None:
+            return
+        self._reconcile_due = now + every_s
+        self.reconciling = asyncio.create_task(self._reconcile_pass(self.token))
+
+    async def _reconcile_pass(self, token: LeaderToken) -> None:
+        settings = self.app.settings
+        options = reconcile.Options(
+            repair=settings.reconcile_repair,
+            grace_s=settings.reconcile_grace_s,
+            result_lost=reconcile.ResultLostPolicy(settings.result_lost_policy),
+        )
+        try:
+            found = await reconcile.reconcile(self.app, options, leader=token)
+        except NotLeader:
+            log.info("reconcile_stopped", extra={"reason": "no longer leading"})
+            return
+        except Exception:
+            log.exception("reconcile_failed")
+            return
+        self.reconciles.add(found)
+
+    async def stop_reconciling(self) -> None:
+        """Cancel a pass in flight and wait for it to end."""
+        if self.reconciling is not None and not self.reconciling.done():
+            self.reconciling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.reconciling
 
     async def _act(self, task: Task, seen: set[str], report: SweepReport, action: Action) -> None:
         if task.id in seen:
@@ -181,6 +232,26 @@ class Supervisor:
         )
         report.expired += 1
         log.info("expired", extra={"task_id": task.id, "code": error["code"]})
+
+
+@dataclass(slots=True)
+class ReconcileTotals:
+    """What this process's reconciliation passes did, for its metrics."""
+
+    runs: int = 0
+    objects_checked: int = 0
+    deleted: int = 0
+    rerun: int = 0
+    failed: int = 0
+    last: reconcile.Report | None = None
+
+    def add(self, report: reconcile.Report) -> None:
+        self.runs += 1
+        self.objects_checked += report.objects_checked
+        self.deleted += report.deleted_count
+        self.rerun += report.rerun_count
+        self.failed += report.failed_count
+        self.last = report
 
 
 def _error(code: str, message: str, *, retryable: bool = True) -> JSON:

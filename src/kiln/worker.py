@@ -19,13 +19,16 @@ from typing import Any
 
 from kiln import canonical
 from kiln.app import App, HandlerResult, TaskKind, call_review
+from kiln.breakers import UNAVAILABLE
 from kiln.bus import ProgressEvent
-from kiln.errors import LeaseLost, Retryable, StoreUnavailable
+from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
 from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.retry import classify
 from kiln.states import Event, Status
 from kiln.storage import sha256_hex, verify, write_manifest
 from kiln.store import Progress
+from kiln.store.claims import claim_policy
+from kiln.store.pools import PoolWait, units_needed
 
 log = logging.getLogger("kiln.worker")
 
@@ -36,6 +39,9 @@ PROGRESS_PERSIST_S = 1.0
 HEARTBEAT_MAX_S = 2.0
 #: Backoff between tries of a write while the store does not answer (seconds).
 STORE_RETRY_S = (0.1, 2.0)
+#: How often a task waiting in a shared pool's line asks again (seconds, doubling); a
+#: slot freed in this process wakes its waiters at once.
+POOL_POLL_S = (0.05, 1.0)
 
 
 class ResourcePool:
@@ -89,6 +95,8 @@ class Attempt:
     progress_saved_at: float = 0.0
     progress_dirty: bool = False
     outputs: list[StoredOutput] = field(default_factory=list)
+    #: Where the task waits in a shared pool's line (None: not waiting for one).
+    pool_wait: PoolWait | None = None
 
 
 class Context:
@@ -153,8 +161,13 @@ class Worker:
         self.attempts: dict[str, Attempt] = {}
         self.completed = 0
         self._slot_free = asyncio.Event()
+        #: Set (and replaced) whenever an attempt of this process gives its pool slots back.
+        self._pools_freed = asyncio.Event()
+        self.claim_policy = claim_policy(app.settings)
         self._stopping = False
         self._rng = random.Random()
+        #: The circuit breakers of this worker's kinds, shared through the store.
+        self.breakers = app.breakers
 
     # the claim loop
 
@@ -173,10 +186,12 @@ class Worker:
                 if free > 0:
                     self.app.wake.clear()
                     try:
+                        kinds, probes = await self.breakers.claimable(self.kinds)
                         claimed = await self.app.store.claim(
-                            worker_id=self.worker_id, kinds=self.kinds, limit=free,
-                            lease_ttl_s=self.lease_ttl_s,
-                        )  # fmt: skip
+                            worker_id=self.worker_id, kinds=kinds, limit=free,
+                            lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
+                        ) if kinds else []  # fmt: skip
+                        claimed += await self._claim_probes(probes, free - len(claimed))
                     except StoreUnavailable as exc:  # wait for the store, claim nothing
                         log.warning("claim_failed", extra={"error": exc.message})
                         await self._idle(idle_s, False)
@@ -222,8 +237,45 @@ class Worker:
 
     # one attempt
 
+    async def _claim_probes(self, kinds: list[str], free: int) -> list[Task]:
+        """One task of each ``pause`` kind whose open breakers' half-open probe this
+        process holds: it goes through as their probe."""
+        claimed: list[Task] = []
+        left = list(kinds)
+        try:
+            while left:
+                found = await self.app.store.claim(
+                    worker_id=self.worker_id, kinds=[left[0]], limit=1,
+                    lease_ttl_s=self.lease_ttl_s,
+                ) if len(claimed) < free else []  # fmt: skip
+                self.breakers.probing(left.pop(0), found[0].id if found else None)
+                for task in found:
+                    log.info("breaker_probe_claimed", extra={"task_id": task.id})
+                claimed += found
+        finally:
+            for kind in left:  # the claim failed: the probes go back
+                self.breakers.probing(kind, None)
+        return claimed
+
+    async def _guarded(self, attempt: Attempt) -> None:
+        """The pipeline behind the kind's circuit breakers: a ``fail_fast`` kind whose
+        breaker is open fails at once (permanently, ``upstream_unavailable``); the
+        attempt's outcome is recorded on the breakers the worker feeds."""
+        breakers, task = self.breakers, attempt.task
+        refusal = await breakers.refusal(task.kind, task.id)
+        if refusal is not None:
+            breakers.settle(task, {}, None)  # gives back a probe it was handed
+            raise Permanent(refusal, code=UNAVAILABLE)
+        permits = breakers.admit(task.kind)
+        try:
+            await self._pipeline(attempt)
+        except BaseException as exc:
+            breakers.settle(attempt.task, permits, exc)
+            raise
+        breakers.settle(attempt.task, permits, None)
+
     async def _execute(self, attempt: Attempt) -> None:
-        attempt.pipeline = asyncio.create_task(self._pipeline(attempt))
+        attempt.pipeline = asyncio.create_task(self._guarded(attempt))
         heartbeat = asyncio.create_task(self._heartbeat(attempt))
         try:
             await self._settle(attempt, attempt.pipeline)
@@ -239,6 +291,7 @@ class Worker:
             self.attempts.pop(attempt.task.id, None)
             self.completed += 1
             self._slot_free.set()
+            self._wake_pool_waiters()
 
     async def _settle(self, attempt: Attempt, work: asyncio.Task[None]) -> None:
         try:
@@ -270,7 +323,9 @@ class Worker:
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
-        async with self.pool.hold(kind.resources):
+        needs = self.app.settings.kind_needs(kind.name, kind.resources)
+        async with self.pool.hold(needs):
+            await self._acquire_shared(attempt, needs)
             await self._transition(
                 attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
             )
@@ -281,6 +336,7 @@ class Worker:
         await self._transition(
             attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
         )
+        self._wake_pool_waiters()  # leaving GENERATING gave the shared slots back
         stored = await self._upload(attempt, produced)
         flagged = bool(kind.review) and await call_review(kind.review, params, produced)  # type: ignore[arg-type]
         assert attempt.task.result_prefix is not None
@@ -295,6 +351,38 @@ class Worker:
             Status.NEEDS_REVIEW if flagged else Status.SUCCESS,
             fields={"result": result, "error": None, "stage": None},
         )
+
+    async def _acquire_shared(self, attempt: Attempt, needs: dict[str, int]) -> None:
+        """Wait in line for the task's slots of the shared pools (KILN_POOLS); the store
+        keeps the line, so every worker on every machine shares it."""
+        capacities = self.app.settings.pools
+        if not units_needed(needs, capacities):
+            return
+        delay = POOL_POLL_S[0]
+        while True:
+            freed = self._pools_freed  # a slot freed from now on wakes this waiter
+            task = attempt.task
+            try:
+                wait = await self.app.store.acquire_slots(task.id, task.epoch, needs, capacities)
+            except StoreUnavailable as exc:  # keep the place; the lease decides how long
+                log.warning("pool_acquire_failed", extra={**self._ids(attempt),
+                            "error": exc.message})  # fmt: skip
+            else:
+                if wait is None:
+                    attempt.pool_wait = None
+                    return
+                if wait != attempt.pool_wait:
+                    log.info("pool_wait", extra={**self._ids(attempt), "pool": wait.pool,
+                             "position": wait.position, "held": wait.held,
+                             "capacity": wait.capacity})  # fmt: skip
+                attempt.pool_wait = wait
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed.wait(), delay * self._rng.uniform(0.5, 1.0))
+            delay = min(delay * 2, POOL_POLL_S[1])
+
+    def _wake_pool_waiters(self) -> None:
+        self._pools_freed.set()
+        self._pools_freed = asyncio.Event()
 
     async def _upload(self, attempt: Attempt, produced: list[Output]) -> list[StoredOutput]:
         prefix = attempt.task.result_prefix

@@ -8,6 +8,8 @@ from typing import Any
 
 from api_support import ApiUnderTest, assert_error, bearer, image_body, raw_request
 
+from kiln.reconcile import Options, ResultLostPolicy, reconcile
+
 
 async def _finished(api: ApiUnderTest, **params: Any) -> dict[str, Any]:
     body = image_body("an output")
@@ -89,3 +91,28 @@ async def test_outputs_are_404_until_success(keyed_api: ApiUnderTest) -> None:
     response = await keyed_api.client.get(f"/v1/tasks/{task['id']}/outputs/image.png")
 
     assert_error(response, 404, "not_found")
+
+
+async def test_a_lost_result_shows_as_failed_result_lost_with_no_outputs(
+    working_api: ApiUnderTest,
+) -> None:
+    # Given a SUCCESS task whose output is deleted behind the store's back
+    task = await _finished(working_api)
+    output = task["result"]["outputs"][0]
+    stored = (await working_api.kiln.get(task["id"])).result
+    assert stored is not None
+    await working_api.kiln.storage.delete(stored["outputs"][0]["key"])
+
+    # When a reconciliation repairs it under the fail policy
+    report = await reconcile(
+        working_api.kiln, Options(repair=True, result_lost=ResultLostPolicy.FAIL)
+    )
+    shown = (await working_api.client.get(f"/v1/tasks/{task['id']}")).json()
+    fetched = await working_api.client.get(output["url"])
+
+    # Then the API shows it FAILED result_lost with no result, and serves no output
+    assert report.failed_count == 1
+    assert (shown["status"], shown["final"], shown["result"]) == ("FAILED", True, None)
+    assert shown["error"]["code"] == "result_lost"
+    assert shown["finished_at"] is not None
+    assert_error(fetched, 404, "not_found")

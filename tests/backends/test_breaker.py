@@ -130,3 +130,53 @@ def test_calls_admitted_before_it_opened_do_not_decide_afterwards(clock: Clock) 
 
     # Then only the probe counted
     assert breaker.state == "open"
+
+
+def test_a_time_window_forgets_old_failures(clock: Clock) -> None:
+    # Given a breaker over the calls of the last 60 s, opening at half of at least 4
+    breaker = CircuitBreaker(failure_threshold=None, window=None, min_calls=4,
+                             window_s=60.0, clock=clock)  # fmt: skip
+    call(breaker, False)
+    call(breaker, False)
+    # When those failures age out of the window, then two more calls fail, one succeeds
+    clock.now += 61
+    call(breaker, False)
+    call(breaker, True)
+    call(breaker, False)
+    # Then only the three recent calls count: not enough to judge
+    assert breaker.state == "closed"
+    # And with a fourth recent failure, 3 of 4 failed: open
+    call(breaker, False)
+    assert breaker.state == "open"
+
+
+def test_it_tells_its_listeners_what_it_decided_but_not_what_it_adopted(clock: Clock) -> None:
+    breaker = make_breaker(clock)
+    heard: list[str] = []
+    breaker.listeners.append(heard.append)
+    for _ in range(3):
+        call(breaker, False)
+    clock.now += 30
+    call(breaker, True)  # the probe
+    assert heard == ["open", "closed"]
+    # When another process's state is adopted, nobody is told
+    breaker.adopt("open", 12.0)
+    assert (breaker.state, breaker.retry_after_s(), heard) == ("open", 12.0, ["open", "closed"])
+
+
+def test_an_adopted_half_open_breaker_refuses_calls_until_the_probe_elsewhere_expires(
+    clock: Clock,
+) -> None:
+    # Given a breaker another process is probing for 20 more seconds
+    breaker = make_breaker(clock)
+    breaker.adopt("half_open", 20.0)
+    # Then this process sends nothing meanwhile
+    assert (breaker.state, breaker.admit()) == ("half_open", None)
+    # And once that probe's time is over, it may send the next probe
+    clock.now += 20
+    probe = breaker.admit()
+    assert probe is not None and probe.probe
+    # And adopting closed closes it, and ignores the outcome of the older permit
+    breaker.adopt("closed")
+    breaker.record(probe, False)
+    assert breaker.state == "closed"

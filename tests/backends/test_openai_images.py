@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from backend_support import TASK_TIMEOUT_S, kiln_on, kiln_settings, run_task
 from PIL import Image
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,7 @@ from kiln.backends import UpstreamMetrics
 from kiln.backends.breaker import CircuitBreaker
 from kiln.backends.openai_images import OpenAIImagesBackend
 from kiln.bus import ProgressEvent
+from kiln.errors import Retryable
 from kiln.models import StoredOutput
 from kiln.states import Event, Status
 
@@ -209,27 +211,39 @@ async def test_an_answer_without_an_image_is_a_retryable_bad_response(
 async def test_the_breaker_opens_fails_fast_probes_and_closes(
     openai_fake: FakeOpenAI, tmp_path: Path
 ) -> None:
-    # Given a backend whose breaker opens after 2 failures in a row, for 30 s of its clock
+    # Given a backend whose breaker opens after 2 failures in a row, for 30 s of the clock
+    # kiln runs on, and a kind that fails fast while it is open
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=2, cooldown_s=30.0, clock=clock)
     metrics = UpstreamMetrics()
-    settings = kiln_settings(tmp_path, openai_env(openai_fake))
+    env = openai_env(openai_fake, KILN_BREAKER_POLICY="image.generate=fail_fast",
+                     KILN_BREAKER_OPEN_S="30")  # fmt: skip
+    settings = kiln_settings(tmp_path, env)
     backend = OpenAIImagesBackend.from_settings(settings, metrics, breaker=breaker)
     openai_fake.script = ["500", "500", "500"]
-    async with kiln_on(settings, backend=backend, metrics=metrics) as (app, _):
+    app = kiln.App(settings=settings, clock=clock)
+    backends.register(app, backend=backend, metrics=metrics)
+    async with app:
         # When two tasks fail on a failing upstream
         for n in range(2):
             task, _ = await run_task(app, {**PARAMS, "seed": n}, max_attempts=1)
             assert task.error is not None and task.error["code"] == "upstream_unavailable"
-        # Then the breaker is open, and the next task fails fast without reaching it
+        # Then the breaker is open: a call is refused without reaching the upstream
         assert breaker.state == "open"
         assert sample(metrics, "kiln_upstream_breaker_open", backend="openai-images") == 1.0
-        task, _ = await run_task(app, {**PARAMS, "seed": 2}, max_attempts=1)
-        assert task.error is not None and task.error["code"] == "upstream_unavailable"
-        assert "circuit breaker is open" in task.error["message"]
-        assert openai_fake.calls == 2
+        with pytest.raises(Retryable, match="circuit breaker is open") as refused:
+            async with backend.upstream.call(timeout_s=5.0):
+                pass
+        assert refused.value.retry_after_s == 30.0
         assert sample(metrics, "kiln_upstream_request_seconds_count",
                       backend="openai-images", outcome="open") == 1.0  # fmt: skip
+        # And the next task fails fast, for good, without reaching it
+        task, _ = await run_task(app, {**PARAMS, "seed": 2}, max_attempts=3)
+        assert task.status is Status.FAILED and task.attempt == 1
+        assert task.error is not None and task.error["code"] == "upstream_unavailable"
+        assert task.error["retryable"] is False
+        assert "circuit breaker 'openai-images' is open" in task.error["message"]
+        assert openai_fake.calls == 2
 
         # When the cool-down has passed, one probe goes out; it fails: open again
         clock.now += 30
@@ -243,6 +257,9 @@ async def test_the_breaker_opens_fails_fast_probes_and_closes(
             assert task.status is Status.SUCCESS, task.error
         assert (openai_fake.calls, breaker.state) == (5, "closed")
         assert sample(metrics, "kiln_upstream_breaker_open", backend="openai-images") == 0.0
+        # And every process sees it closed through the store
+        stored = {record.name: record.state for record in await app.store.breakers()}
+        assert stored["openai-images"] == "closed"
 
 
 async def test_the_histogram_is_on_the_api_metrics_of_kiln_serve(

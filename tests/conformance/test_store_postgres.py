@@ -14,6 +14,7 @@ import pytest
 
 from kiln.errors import StoreUnavailable
 from kiln.states import Status
+from kiln.store.claims import heads_sql, levels_sql
 from kiln.store.postgres import (
     CLAIM_CANDIDATES_SQL,
     DEDUP_LOOKUP_SQL,
@@ -196,6 +197,9 @@ def filled(postgres_server: PostgresServer) -> Iterator[psycopg.Connection[Any]]
 HOT = {
     "claim candidates": (CLAIM_CANDIDATES_SQL, ("k1", 1e9, 1e9, 8)),
     "dedup lookup": (DEDUP_LOOKUP_SQL, ("t1", "d8")),
+    "claim a tenant's line": (heads_sql("%s", tenant=True, level=False), ("k1", "t1", 1e9, 1e9, 8)),
+    "claim a priority level": (heads_sql("%s", tenant=False, level=True), ("k1", 2, 1e9, 1e9, 8)),
+    "priority levels": (levels_sql("%s", tenant=True), ("k1", "t1", "k1", "t1")),
     "queue position": (QUEUE_AHEAD_SQL, ("k1", 1e9, 1e9, 2, 2, 500.0, 500.0, "tsk_x")),
     "due": (DUE_SQL, (100.0, 100)),
     "due cancels": (DUE_CANCEL_SQL, (100.0, 100)),

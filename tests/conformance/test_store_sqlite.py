@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kiln.store.claims import ahead_sql, heads_sql, levels_sql
 from kiln.store.rows import purge_candidates
 from kiln.store.sqlite import (
     CLAIM_CANDIDATES_SQL,
@@ -80,6 +81,27 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("tasks_finished",),
     ),
     "dwell_of_tenant": (DWELL_TENANT_SQL, ("t1", 10_000), ("events_tenant",)),
+    "claim_tenant_line": (
+        heads_sql("?", tenant=True, level=False),
+        ("kind.1", "t1", NOW, NOW, 16),
+        ("tasks_claim_tenant",),
+    ),
+    "claim_priority_level": (
+        heads_sql("?", tenant=False, level=True),
+        ("kind.1", 2, NOW, NOW, 16),
+        ("tasks_claim",),
+    ),
+    "claim_tenant_priority_level": (
+        heads_sql("?", tenant=True, level=True),
+        ("kind.1", "t1", 2, NOW, NOW, 16),
+        ("tasks_claim_tenant",),
+    ),
+    "priority_levels": (levels_sql("?", tenant=False), ("kind.1", "kind.1"), ("tasks_claim",)),
+    "queue_position_aging_level": (
+        ahead_sql("?", tenant=False, level=True),
+        ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
+        ("tasks_claim",),
+    ),
     "queue_position": (
         QUEUE_AHEAD_SQL,
         ("kind.1", NOW, NOW, 1, 1, NOW - 500, NOW - 500, "tsk_00000500"),

@@ -106,6 +106,16 @@ async def assert_one_final_state(store: Store, task_id: str) -> list[TaskEvent]:
     return events
 
 
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most (start, end) spans open at one moment (an end before a start that ties)."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    level = peak = 0
+    for _, step in edges:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
 def successes(events: list[TaskEvent]) -> list[TaskEvent]:
     return [e for e in events if e.status == Status.SUCCESS]
 

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import kiln
 from kiln import demo
+from kiln.limits import parse_pools
 from kiln.storage import StorageWrapper
 from kiln.storage.local import LocalStorage
 
@@ -45,14 +46,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lease-ttl", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--gpu", type=int, default=1, help="gpu pool capacity")
+    parser.add_argument(
+        "--pools", default=None, metavar="NAME:N,...",
+        help="shared pools (KILN_POOLS); image.generate takes one slot of each",
+    )  # fmt: skip
     parser.add_argument("--kill-before-put", default=None, metavar="SUFFIX")
     parser.add_argument("--kill-after-put", default=None, metavar="SUFFIX")
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
+    pools = parse_pools(args.pools)
     settings = kiln.Settings(
-        database_url=args.database, storage_url=args.storage, lease_ttl_s=args.lease_ttl
+        database_url=args.database,
+        storage_url=args.storage,
+        lease_ttl_s=args.lease_ttl,
+        pools=pools,
+        kind_resources={"image.generate": dict.fromkeys(pools, 1)},
     )
     storage = None
     if args.kill_before_put or args.kill_after_put:

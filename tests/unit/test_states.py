@@ -43,6 +43,7 @@ DESIGN_TABLE: dict[Event, tuple[set[Status | None], set[Status]]] = {
     E.FORCE_CANCEL: (set(RUNNING), {S.CANCELLED}),
     E.RETRY: ({S.FAILED, S.TIMEOUT, S.CANCELLED}, {S.RETRYING}),
     E.DEADLINE: ({S.PENDING, S.RETRYING}, {S.TIMEOUT}),
+    E.LOSE: ({S.SUCCESS}, {S.FAILED}),
 }
 
 SOURCES: list[Status | None] = [None, *Status]
@@ -108,8 +109,23 @@ def test_uploaded_targets_success_or_review_only() -> None:
         check(S.UPLOADING, E.UPLOADED)  # two targets: the caller must choose
 
 
-def test_final_success_has_no_way_out() -> None:
-    assert [e for e in Event if is_allowed(S.SUCCESS, e)] == []
+def test_final_success_leaves_only_when_its_result_is_lost() -> None:
+    assert [e for e in Event if is_allowed(S.SUCCESS, e)] == [E.LOSE]
+    assert check(S.SUCCESS, E.LOSE) is S.FAILED
+
+
+def test_a_lost_result_can_be_rerun_in_the_same_transaction() -> None:
+    log = [
+        (E.SUBMIT, None, S.PENDING),
+        (E.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE),
+        (E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+        (E.GENERATED, S.GENERATING, S.UPLOADING),
+        (E.UPLOADED, S.UPLOADING, S.SUCCESS),
+        (E.LOSE, S.SUCCESS, S.FAILED),
+        (E.SCHEDULE_RETRY, S.FAILED, S.RETRYING),
+        (E.CLAIM, S.RETRYING, S.WAITING_FOR_RESOURCE),
+    ]
+    assert replay(log) is S.WAITING_FOR_RESOURCE
 
 
 def test_only_submit_creates_a_task() -> None:

@@ -23,9 +23,11 @@ from prometheus_client.core import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.breakers import STATE_VALUES, shared_state
 from kiln.config import Settings
 from kiln.states import Status
 from kiln.store import Store
+from kiln.store.pools import PoolUsage
 
 #: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
 STATE_BUCKETS_S: tuple[float, ...] = (
@@ -82,6 +84,14 @@ class StoreSnapshot:
     ghosts: int = 0
     counters: dict[tuple[str, str], int] = field(default_factory=dict)
     oldest_ready_age_s: float = 0.0
+    pools: list[PoolUsage] = field(default_factory=list)
+    webhook_pending: int = 0
+    #: Circuit breakers' shared states (closed, open, half_open), by name.
+    breakers: dict[str, str] = field(default_factory=dict)
+
+
+#: Outcomes of webhook delivery attempts (kiln.webhooks), each shown even at zero.
+WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
 
 
 def _split_pair(labels: str) -> tuple[str, str]:
@@ -146,7 +156,60 @@ class StoreCollector:
             "Outputs recovered after a lost lease",
             value=snap.counters.get(("recovered", ""), 0),
         )
+        yield CounterMetricFamily(
+            "kiln_rate_limited",
+            "Submissions refused by a tenant's rate limit (429)",
+            value=snap.counters.get(("rate_limited", ""), 0),
+        )
+        for field_name, doc in (
+            ("capacity", "Slots of each shared resource pool"),
+            ("held", "Slots of each shared pool held now"),
+            ("waiting", "Tasks waiting in each shared pool's line"),
+        ):
+            family = GaugeMetricFamily(f"kiln_pool_{field_name}", doc, labels=["pool"])
+            for pool in snap.pools:
+                family.add_metric([pool.name], getattr(pool, field_name))
+            yield family
+        yield from self._webhooks()
+        yield from self._breakers()
         yield self.histogram.family()
+
+    def _breakers(self) -> Iterable[Metric]:
+        state = GaugeMetricFamily(
+            "kiln_breaker_state",
+            "Circuit breaker state shared in the store: 0 closed, 1 half-open, 2 open",
+            labels=["breaker"],
+        )
+        for name, value in sorted(self.snapshot.breakers.items()):
+            state.add_metric([name], STATE_VALUES[value])
+        yield state
+        transitions = CounterMetricFamily(
+            "kiln_breaker_transitions",
+            "Circuit breaker transitions of every process, by the state entered",
+            labels=["breaker", "to"],
+        )
+        for (counter, labels), n in sorted(self.snapshot.counters.items()):
+            if counter == "breaker_transitions":
+                name, _, to = labels.rpartition(">")
+                transitions.add_metric([name, to], n)
+        yield transitions
+
+    def _webhooks(self) -> Iterable[Metric]:
+        attempts = CounterMetricFamily(
+            "kiln_webhook_deliveries",
+            "Webhook delivery attempts by outcome (delivered, retrying, failed: gave up, "
+            "refused: the address guard said no)",
+            labels=["outcome"],
+        )
+        counters = self.snapshot.counters
+        for outcome in WEBHOOK_OUTCOMES:
+            attempts.add_metric([outcome], counters.get(("webhook_deliveries", outcome), 0))
+        yield attempts
+        yield GaugeMetricFamily(
+            "kiln_webhook_pending",
+            "Webhook deliveries not yet delivered or given up",
+            value=self.snapshot.webhook_pending,
+        )
 
     def _pairs(self, name: str, metric: str, doc: str) -> CounterMetricFamily:
         family = CounterMetricFamily(metric, doc, labels=["from", "to"])
@@ -200,8 +263,13 @@ class ApiMetrics:
         oldest = stats.oldest_ready_at
         age_s = max(0.0, store.clock() - oldest) if oldest is not None else 0.0
         self.store_collector.snapshot = StoreSnapshot(
-            dict(stats.counts), stats.ghosts, counters, age_s
-        )
+            dict(stats.counts), stats.ghosts, counters, age_s, await store.pools(),
+            await store.webhook_pending(),
+        )  # fmt: skip
+        now = store.clock()
+        self.store_collector.snapshot.breakers = {
+            record.name: shared_state(record, now) for record in await store.breakers()
+        }
         return generate_latest(self.registry)
 
 

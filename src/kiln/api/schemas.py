@@ -10,11 +10,20 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.config import JsonDict
 
+from kiln import webhooks
 from kiln.models import JSON, Task, iso
 from kiln.states import Status
+from kiln.store.pools import PoolWait
 
 JSONObject = dict[str, Any]
+#: The shape of a webhook URL the OpenAPI document promises is taken: http(s) and a host
+#: name (the server checks more: see kiln.webhooks.check_url).
+WEBHOOK_URL_PATTERN = (
+    r"^https?://[a-z][a-z0-9-]{0,30}(\.[a-z][a-z0-9-]{0,30}){1,3}(:[1-9][0-9]{0,3})?"
+    r"(/[A-Za-z0-9._~/-]{0,200})?$"
+)
 
 
 def _integral(value: Any) -> Any:
@@ -37,10 +46,22 @@ class TimeoutsIn(BaseModel):
     uploading_s: Annotated[float | None, Field(ge=1, le=86_400, description="default 120")] = None
 
 
+#: webhook_events only comes with a webhook_url.
+_WITH_WEBHOOK_URL: JsonDict = {
+    "required": ["webhook_url"],
+    "properties": {"webhook_url": {"type": "string"}},
+}
+
+
 class SubmitRequest(BaseModel):
     """``POST /v1/tasks``: only ``kind`` and ``params`` are required."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        json_schema_extra={"dependentSchemas": {"webhook_events": _WITH_WEBHOOK_URL}},
+    )
 
     kind: Annotated[str, Field(examples=["image.generate"])]
     params: Annotated[
@@ -54,6 +75,26 @@ class SubmitRequest(BaseModel):
     dedup: bool = True
     timeouts: TimeoutsIn | None = None
     metadata: JSONObject = Field(default_factory=dict)
+    webhook_url: Annotated[
+        str | None,
+        Field(
+            max_length=2048,
+            description="http(s) URL the task's status changes are POSTed to (docs/webhooks.md); "
+            "a loopback, private or link-local address is refused unless the server allows it",
+            examples=["https://example.com/hooks/kiln"],
+            json_schema_extra={"pattern": WEBHOOK_URL_PATTERN},
+        ),
+    ] = None
+    webhook_events: Annotated[
+        list[str] | None,
+        Field(
+            min_length=1,
+            max_length=32,
+            description="event names, 'final' (the event that ends the task) or '*'; "
+            "default ['final']",
+            json_schema_extra={"items": {"type": "string", "enum": sorted(webhooks.SELECTORS)}},
+        ),
+    ] = None
 
 
 class ReviewRequest(BaseModel):
@@ -76,6 +117,16 @@ class ProgressOut(_Out):
     step: int
     total: int
     fraction: float
+
+
+class ResourceWaitOut(_Out):
+    """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line."""
+
+    pool: str
+    position: Annotated[int, Field(ge=1, description="1 for the next waiter to get a slot")]
+    capacity: int
+    held: int
+    waiting: int
 
 
 class ErrorInfo(_Out):
@@ -105,6 +156,11 @@ class ResultOut(_Out):
     outputs: list[OutputOut]
 
 
+class WebhookOut(_Out):
+    url: str
+    events: list[str]
+
+
 class TaskOut(_Out):
     """A task as the API shows it (API.md, "The task")."""
 
@@ -118,6 +174,7 @@ class TaskOut(_Out):
         int | None,
         Field(ge=1, description="1 for the next task a worker of its kind would claim"),
     ]
+    resource_wait: ResourceWaitOut | None = None
     attempt: int
     max_attempts: int
     priority: int
@@ -136,6 +193,7 @@ class TaskOut(_Out):
     updated_at: AwareDatetime
     started_at: AwareDatetime | None
     finished_at: AwareDatetime | None
+    webhook: WebhookOut | None
 
 
 class TaskList(_Out):
@@ -148,12 +206,28 @@ class Percentiles(_Out):
     p95: float
 
 
+class PoolOut(_Out):
+    capacity: int
+    held: int
+    waiting: int
+
+
+class BreakerOut(_Out):
+    state: Literal["closed", "open", "half_open"]
+    #: Open: when the next probe may go; half-open: when the probe out expires.
+    until: AwareDatetime | None
+
+
 class StatsOut(_Out):
     counts: dict[str, int]
     dwell_seconds: dict[str, Percentiles]
     failures: dict[str, int]
     failures_last_hour: dict[str, int]
     ghosts: int
+    #: Shared resource pools (KILN_POOLS): capacity, units held, tasks waiting.
+    pools: dict[str, PoolOut] = Field(default_factory=dict)
+    #: Circuit breakers by name (a generator backend, ``storage``), as shared in the store.
+    breakers: dict[str, BreakerOut] = Field(default_factory=dict)
 
 
 class HealthOut(_Out):
@@ -209,8 +283,15 @@ def _input_json(raw: JSON) -> JSON:
     return {key: raw.get(key) for key in ("name", "content_type", "size", "sha256")}
 
 
-def task_json(task: Task, *, queue_position: int | None, deduplicated: bool = False) -> JSON:
-    """The task exactly as API.md shows it."""
+def task_json(
+    task: Task,
+    *,
+    queue_position: int | None,
+    deduplicated: bool = False,
+    resource_wait: PoolWait | None = None,
+) -> JSON:
+    """The task exactly as API.md shows it, plus ``resource_wait`` (its place in a shared
+    pool's line while WAITING_FOR_RESOURCE, else null)."""
     return {
         "id": task.id,
         "kind": task.kind,
@@ -219,6 +300,7 @@ def task_json(task: Task, *, queue_position: int | None, deduplicated: bool = Fa
         "stage": task.stage,
         "progress": task.progress(),
         "queue_position": queue_position,
+        "resource_wait": None if resource_wait is None else resource_wait.to_json(),
         "attempt": task.attempt,
         "max_attempts": task.max_attempts,
         "priority": task.priority,
@@ -235,4 +317,5 @@ def task_json(task: Task, *, queue_position: int | None, deduplicated: bool = Fa
         "updated_at": iso(task.updated_at),
         "started_at": iso(task.started_at),
         "finished_at": iso(task.finished_at),
+        "webhook": task.webhook,
     }

@@ -18,7 +18,7 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, inputs
+from kiln import canonical, inputs, webhooks
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import (
@@ -31,7 +31,14 @@ from kiln.api.schemas import (
 )
 from kiln.api.state import ApiState, api_state
 from kiln.api.uploads import read_upload
-from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
+from kiln.breakers import breakers_json
+from kiln.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    UnsupportedMediaType,
+)
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
 from kiln.states import Status
 
@@ -145,7 +152,10 @@ async def task_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     position = await state.app.queue_position(task)
-    body = task_json(task, queue_position=position, deduplicated=deduplicated)
+    waiting = await state.app.pool_wait(task)
+    body = task_json(
+        task, queue_position=position, deduplicated=deduplicated, resource_wait=waiting
+    )
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
@@ -196,6 +206,8 @@ async def submit(
             timeouts=timeouts,
             metadata=request.metadata,
             inputs=uploaded,
+            webhook_url=request.webhook_url,
+            webhook_events=request.webhook_events,
         )
 
     if key is None and not request.dedup:
@@ -214,6 +226,22 @@ async def submit(
     )
 
 
+async def check_rate(state: ApiState, principal: Principal) -> None:
+    """Take a token from the tenant's submission bucket (in the store, so the limit holds
+    across API nodes), or refuse with 429 ``rate_limited`` and Retry-After."""
+    rate = state.settings.tenant_limit(principal.tenant).rate
+    if rate is None:
+        return
+    wait_s = await state.app.store.take_token(f"submit:{principal.tenant}", rate)
+    if wait_s > 0:
+        await state.app.store.bump("rate_limited")
+        raise RateLimited(
+            f"tenant {principal.tenant!r} may submit {rate.per_s:g} tasks a second"
+            f" (bursts of {rate.burst:g}); try again in {wait_s:.1f} s",
+            retry_after_s=wait_s,
+        )
+
+
 async def submit_upload(
     request: Request, state: ApiState, principal: Principal, key: str | None
 ) -> SubmitResult:
@@ -230,6 +258,11 @@ async def submit_upload(
     uploaded = [f.record() for f in upload.files]
     kind = state.app.kind(body.kind)
     kind.check_inputs(kind.validate(body.params), uploaded)
+    webhooks.webhook_spec(  # refused before any input is stored
+        body.webhook_url, body.webhook_events,
+        allow_private=state.app.settings.webhook_allow_private,
+    )  # fmt: skip
+    await check_rate(state, principal)
     storage = state.app.storage
     written: list[str] = []
     try:
@@ -270,7 +303,7 @@ _REPLAY_HEADERS = {
             "Idempotency-Key, or a content-dedup hit with `deduplicated: true`)",
             "headers": _REPLAY_HEADERS,
         },
-        **error_responses(401, 413, 415, 422),
+        **error_responses(401, 413, 415, 422, 429),
     },
     openapi_extra=_body_doc(SubmitRequest),
 )
@@ -282,6 +315,8 @@ async def submit_task(
         result = await submit_upload(request, state, principal, idempotency_key)
     else:
         body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
+        state.app.kind(body.kind).validate(body.params)  # a bad request is 422, not 429
+        await check_rate(state, principal)
         result = await submit(state, principal, body, idempotency_key)
     status_code, headers = _submit_answer(result)
     return await task_response(
@@ -330,7 +365,11 @@ async def list_tasks(
         tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
     )
     positions = await asyncio.gather(*(state.app.queue_position(t) for t in tasks))
-    items = [task_json(t, queue_position=p) for t, p in zip(tasks, positions, strict=True)]
+    waits = await asyncio.gather(*(state.app.pool_wait(t) for t in tasks))
+    items = [
+        task_json(t, queue_position=p, resource_wait=w)
+        for t, p, w in zip(tasks, positions, waits, strict=True)
+    ]
     return JSONResponse({"items": items, "next_cursor": next_cursor})
 
 
@@ -354,6 +393,8 @@ async def stats(request: Request, principal: Caller) -> Response:
             "failures": found.failures,
             "failures_last_hour": found.failures_last_hour,
             "ghosts": found.ghosts,
+            "pools": {p.name: p.to_json() for p in await state.app.store.pools()},
+            "breakers": breakers_json(await state.app.store.breakers(), state.app.now()),
         }
     )
 

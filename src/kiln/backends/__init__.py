@@ -123,7 +123,7 @@ def backend_for(name: str, settings: Settings, metrics: UpstreamMetrics | None =
     factory = BACKENDS.get(name)
     if factory is None:
         raise InvalidRequest(f"KILN_BACKEND must be one of {', '.join(BACKENDS)}; got {name!r}")
-    return factory(settings, metrics or UpstreamMetrics())
+    return factory(settings, metrics or UpstreamMetrics(settings))
 
 
 class ImageGenerate:
@@ -170,7 +170,7 @@ def register(
 
     Pass the ``metrics`` a given ``backend`` was built with, so they are exposed.
     """
-    metrics = metrics or UpstreamMetrics()
+    metrics = metrics or UpstreamMetrics(app.settings)
     chosen = backend or backend_for(app.settings.backend, app.settings, metrics)
     handler = ImageGenerate(chosen, metrics)
     app.task(

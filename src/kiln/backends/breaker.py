@@ -1,11 +1,17 @@
-"""A circuit breaker for one upstream, in one process: closed → open → half-open → closed.
+"""A circuit breaker for one upstream dependency: closed → open → half-open → closed.
 
 Closed: every call goes through; the breaker opens after ``failure_threshold`` failures in
-a row, or when at least ``failure_rate`` of the last ``window`` calls failed. Open: calls
-are refused without touching the upstream until ``cooldown_s`` has passed. Half-open: one
-probe goes through; its success closes the breaker, its failure opens it for another
-cool-down. A call admitted before the breaker opened reports into an old generation and
-is ignored, so only the probe decides in half-open.
+a row (when set), or when at least ``min_calls`` calls are on record and ``failure_rate``
+of them failed. The record holds the last ``window`` calls (when set), and only those of
+the last ``window_s`` seconds (when set). Open: calls are refused without touching the
+upstream until ``cooldown_s`` has passed. Half-open: one probe goes through; its success
+closes the breaker, its failure opens it for another cool-down. A call admitted before the
+breaker opened reports into an old generation and is ignored, so only the probe decides in
+half-open.
+
+The breaker itself lives in one process. :mod:`kiln.breakers` shares its state through the
+store: ``listeners`` hear each transition this process decides, and :meth:`adopt` takes a
+state another process decided.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kiln.config import Settings
 
 State = Literal["closed", "open", "half_open"]
 
@@ -31,37 +40,65 @@ class CircuitBreaker:
     def __init__(
         self,
         *,
-        failure_threshold: int = 5,
-        window: int = 20,
+        failure_threshold: int | None = 5,
+        window: int | None = 20,
         failure_rate: float = 0.5,
         cooldown_s: float = 30.0,
+        min_calls: int | None = None,
+        window_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.failure_threshold = failure_threshold
         self.failure_rate = failure_rate
+        self.min_calls = min_calls if min_calls is not None else max(window or 1, 1)
+        self.window = window
+        self.window_s = window_s
         self.cooldown_s = cooldown_s
         self.clock = clock
-        self._failures: deque[bool] = deque(maxlen=window)  # True for a failed call
+        #: Called with the new state on each transition this process decides (not adopted).
+        self.listeners: list[Callable[[State], None]] = []
+        self._calls: deque[tuple[float, bool]] = deque()  # (when, failed)
+        self._failed = 0
         self._in_a_row = 0
         self._opened_at: float | None = None
         self._probing = False
+        self._elsewhere = False  # another process holds the half-open probe
         self._generation = 0
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, clock: Callable[[], float] = time.time
+    ) -> CircuitBreaker:
+        """The breaker the KILN_BREAKER_* settings describe: a failure rate over a time
+        window, no count of failures in a row."""
+        return cls(
+            failure_threshold=None,
+            window=None,
+            failure_rate=settings.breaker_failure_rate,
+            min_calls=settings.breaker_min_calls,
+            window_s=settings.breaker_window_s,
+            cooldown_s=settings.breaker_open_s,
+            clock=clock,
+        )
 
     @property
     def state(self) -> State:
         if self._opened_at is None:
             return "closed"
-        if self._probing or self.clock() - self._opened_at >= self.cooldown_s:
+        if self._probing or self._elsewhere or self._due():
             return "half_open"
         return "open"
 
+    def _due(self) -> bool:
+        return self._opened_at is not None and self.clock() - self._opened_at >= self.cooldown_s
+
     def admit(self) -> Permit | None:
         """A permit for one call, or None: the breaker is open (or its probe is out)."""
-        state = self.state
-        if state == "closed":
+        if self._opened_at is None:
             return Permit(self._generation, probe=False)
-        if state == "half_open" and not self._probing:
+        if not self._probing and self._due():
             self._probing = True
+            self._elsewhere = False
             return Permit(self._generation, probe=True)
         return None
 
@@ -82,24 +119,56 @@ class CircuitBreaker:
             else:
                 self._open()
             return
-        self._failures.append(not ok)
+        self._remember(not ok)
         self._in_a_row = 0 if ok else self._in_a_row + 1
-        full = len(self._failures) == self._failures.maxlen
-        rate = sum(self._failures) / len(self._failures)
-        if self._in_a_row >= self.failure_threshold or (full and rate >= self.failure_rate):
+        in_a_row = self.failure_threshold is not None and self._in_a_row >= self.failure_threshold
+        enough = len(self._calls) >= self.min_calls
+        if in_a_row or (enough and self._failed / len(self._calls) >= self.failure_rate):
             self._open()
+
+    def _remember(self, failed: bool) -> None:
+        now = self.clock()
+        self._calls.append((now, failed))
+        self._failed += failed
+        while self._calls and (
+            (self.window is not None and len(self._calls) > self.window)
+            or (self.window_s is not None and self._calls[0][0] <= now - self.window_s)
+        ):
+            self._failed -= self._calls.popleft()[1]
 
     def release(self, permit: Permit) -> None:
         """An admitted call ended with no verdict (cancelled): a probe may go out again."""
         if permit.probe and permit.generation == self._generation:
             self._probing = False
 
+    def adopt(self, state: State, remaining_s: float = 0.0) -> None:
+        """Take the state another process decided: open (or half-open, its probe out) for
+        ``remaining_s`` more seconds, or closed. Listeners are not told."""
+        if state == "closed":
+            self._reset()
+            return
+        self._reset()
+        self._opened_at = self.clock() + remaining_s - self.cooldown_s
+        self._elsewhere = state == "half_open" and remaining_s > 0
+
     def _open(self) -> None:
+        self._reset()
         self._opened_at = self.clock()
-        self._generation += 1
+        self._tell("open")
 
     def _close(self) -> None:
+        self._reset()
+        self._tell("closed")
+
+    def _reset(self) -> None:
         self._opened_at = None
-        self._failures.clear()
+        self._calls.clear()
+        self._failed = 0
         self._in_a_row = 0
+        self._probing = False
+        self._elsewhere = False
         self._generation += 1
+
+    def _tell(self, state: State) -> None:
+        for listener in self.listeners:
+            listener(state)

@@ -37,6 +37,8 @@ from kiln.errors import Permanent, Retryable, TaskError
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
+    from kiln.config import Settings
+
 RATE_LIMITED = "upstream_rate_limited"
 UNAVAILABLE = "upstream_unavailable"
 REJECTED = "upstream_rejected"
@@ -59,10 +61,15 @@ class UpstreamMetrics:
     an upstream (outcome ok, error, rejected, or open when the breaker refused it), and
     ``kiln_upstream_breaker_open{backend}``: 1 from when that backend's breaker opens until
     a probe closes it again (open or half-open), read when scraped.
+
+    With ``settings``, the breakers it makes follow the KILN_BREAKER_* settings (and a
+    worker shares their state through the store, see :mod:`kiln.breakers`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings | None = None) -> None:
         from prometheus_client import Histogram  # only processes that run backends need it
+
+        self.settings = settings
 
         self.seconds = Histogram(
             "kiln_upstream_request_seconds",
@@ -72,6 +79,12 @@ class UpstreamMetrics:
             registry=None,
         )
         self.breakers: dict[str, CircuitBreaker] = {}
+
+    def new_breaker(self) -> CircuitBreaker:
+        """A breaker for one more upstream: per the settings when given."""
+        if self.settings is None:
+            return CircuitBreaker()
+        return CircuitBreaker.from_settings(self.settings)
 
     def observe(self, backend: str, outcome: Outcome, seconds: float) -> None:
         self.seconds.labels(backend, outcome).observe(seconds)
@@ -106,7 +119,7 @@ class Upstream:
     ) -> None:
         self.backend = backend
         self.metrics = metrics
-        self.breaker = breaker or CircuitBreaker()
+        self.breaker = breaker or metrics.new_breaker()
         self.transport_errors: tuple[type[BaseException], ...] = (
             httpx.TransportError,
             OSError,

@@ -32,6 +32,7 @@ import {
 } from "./ui.js";
 import { on, publishTask, performAction, mergeTask, applyProgress, notes } from "./live.js";
 import { createUploadForm } from "./upload.js";
+import { createBreakerPanel } from "./breakers.js";
 
 const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
@@ -43,6 +44,7 @@ function statusLine(task) {
   if (task.final) return ""; // the stage of a finished task is history
   if (task.cancel_requested) return "cancelling…";
   if (task.status === "PENDING" || task.status === "RETRYING") return queueText(task);
+  if (task.status === "WAITING_FOR_RESOURCE" && task.resource_wait) return queueText(task);
   return task.stage || "";
 }
 
@@ -53,6 +55,7 @@ export function createOverview() {
   const form = createSubmitForm();
   const upload = createUploadForm();
   const charts = createCharts();
+  const breakers = createBreakerPanel();
 
   root.append(
     counts.el,
@@ -61,7 +64,7 @@ export function createOverview() {
       { class: "overview-grid" },
       h("div", { class: "area-list" }, list.el),
       h("div", { class: "area-form" }, form.el, upload.el),
-      h("div", { class: "area-charts" }, charts.el),
+      h("div", { class: "area-charts" }, breakers.el, charts.el),
     ),
   );
 
@@ -76,6 +79,7 @@ export function createOverview() {
       statsFailed = false;
       counts.setStats(stats);
       charts.render(stats, null);
+      breakers.render(stats);
     } catch (err) {
       charts.render(null, err);
       counts.setError(err);
@@ -707,6 +711,12 @@ function createTaskList(counts) {
         cursor = page.next_cursor || null;
         pages += 1;
       } while (cursor && walk && pages < QUEUE_MAX_PAGES);
+      // Places in the lines of shared resource pools move as slots free up, with no event.
+      const holding = await api("/v1/tasks?status=WAITING_FOR_RESOURCE&limit=200");
+      for (const task of holding.items || []) {
+        const row = rows.get(task.id);
+        if (row) updateRow(row, mergeTask(row.task, task));
+      }
       if (!cursor) {
         counts.oldest = oldest ? { at: oldest.at, capped: false } : null;
         queue.oldestId = oldest ? oldest.id : null;

@@ -428,8 +428,11 @@ class TaskPage {
     switch (task.status) {
       case "PENDING":
         return Number.isFinite(task.queue_position) ? `Queued — #${task.queue_position} in line` : "Queued";
-      case "WAITING_FOR_RESOURCE":
-        return "Waiting for a resource slot…";
+      case "WAITING_FOR_RESOURCE": {
+        const slot = task.resource_wait;
+        if (!slot) return "Waiting for a resource slot…";
+        return `Waiting for ${slot.pool} — #${slot.position} in line (${slot.held} of ${slot.capacity} slots busy)`;
+      }
       case "GENERATING": {
         const { step, total } = progressOf(task);
         return total ? `Generating — step ${step} of ${total}` : "Generating…";

@@ -278,10 +278,12 @@ export function durationText(task) {
   return formatDuration(serverNow() - created);
 }
 
-/** Where a waiting task stands: "#3 in queue", "retry in 4.2 s". */
+/** Where a waiting task stands: "#3 in queue", "#2 for gpu-a100", "retry in 4.2 s". */
 export function queueText(task) {
   const waiting = task.status === "PENDING" || task.status === "RETRYING";
   if (waiting && Number.isFinite(task.queue_position)) return `#${task.queue_position} in queue`;
+  const slot = task.resource_wait;
+  if (task.status === "WAITING_FOR_RESOURCE" && slot) return `#${slot.position} for ${slot.pool}`;
   if (task.status === "RETRYING") {
     const due = parseTime(task.next_retry_at);
     if (due !== null && due > serverNow()) return `retry in ${formatDuration(due - serverNow())}`;

@@ -7,12 +7,16 @@ how to insert-or-get a submission, and how to find what is due.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiln.limits import Rate
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import Event, Status
+from kiln.store.claims import ClaimPolicy
+from kiln.store.outbox import WebhookAttempt, WebhookDelivery, WebhookScan
+from kiln.store.pools import PoolUsage, PoolWait
 
 Clock = Callable[[], float]
 
@@ -30,6 +34,21 @@ class LeaderToken:
     owner: str
     epoch: int
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerRecord:
+    """A circuit breaker's state as every process shares it (kiln.breakers).
+
+    ``state`` is closed, open or half_open. Open: calls are refused until
+    ``opened_until``; half_open: the process ``by`` holds the one probe until then.
+    """
+
+    name: str
+    state: str
+    opened_until: float | None
+    updated_at: float
+    by: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +113,11 @@ class Store(Protocol):
 
     async def get(self, task_id: str) -> Task | None: ...
 
+    async def get_many(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        """The tasks of ``task_ids`` that exist, by id, read in one query (the reconciler
+        looks up the tasks of a page of objects at once)."""
+        ...
+
     async def list_tasks(
         self,
         *,
@@ -105,8 +129,17 @@ class Store(Protocol):
     ) -> tuple[list[Task], str | None]: ...
 
     async def claim(
-        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
-    ) -> list[Task]: ...
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
+    ) -> list[Task]:
+        """Claim up to ``limit`` ready tasks of ``kinds``: in priority, then ready-time
+        order, or as ``policy`` says (aging, fair turns, running caps: store/claims.py)."""
+        ...
 
     async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]: ...
 
@@ -143,7 +176,10 @@ class Store(Protocol):
 
     async def progressed(self, *, since: float, limit: int = 500) -> list[Task]: ...
 
-    async def queue_position(self, task: Task) -> int | None: ...
+    async def queue_position(self, task: Task, policy: ClaimPolicy | None = None) -> int | None:
+        """1 for the next task a claim of its kind takes (under ``policy``: with fair
+        turns, an estimate from the task's place in its tenant's line), while it is ready."""
+        ...
 
     async def stats(self, *, tenant: str | None, ghost_after_s: float) -> Stats: ...
 
@@ -164,9 +200,86 @@ class Store(Protocol):
         idempotency keys, in one transaction; return them (their objects are the caller's)."""
         ...
 
+    async def acquire_slots(
+        self,
+        task_id: str,
+        epoch: int,
+        needs: Mapping[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | None:
+        """Take ``needs`` units of each pool named in ``capacities`` for the attempt at
+        ``epoch`` (WAITING_FOR_RESOURCE), all or none. None: granted (or nothing to take);
+        else the task's place in the line, kept for the next call. The slots come back by
+        themselves when the task leaves GENERATING or its lease lapses (kiln/store/pools.py).
+        Raises LeaseLost when the task is not held at ``epoch``."""
+        ...
+
+    async def pool_wait(self, task_id: str) -> PoolWait | None:
+        """Where a waiting task stands in the line of a pool, or None."""
+        ...
+
+    async def pools(self) -> list[PoolUsage]:
+        """Every pool ever acquired, with its capacity, units held and tasks waiting."""
+        ...
+
+    async def take_token(self, name: str, rate: Rate) -> float:
+        """Take one token from the bucket ``name``: 0.0 when taken, else the seconds until
+        one is there (nothing taken). Shared by every process on the store."""
+        ...
+
     async def counters(self) -> dict[tuple[str, str], int]: ...
 
     async def bump(self, name: str, labels: str = "") -> None: ...
+
+    # webhooks: the outbox that the dispatcher (kiln.webhooks) fills from the event log
+
+    async def webhook_scan(self, *, limit: int) -> WebhookScan:
+        """Up to ``limit`` events after the outbox cursor, read like ``tail`` (no event
+        with a smaller seq can still appear), with the tasks among them that have a webhook."""
+        ...
+
+    async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+        """Add the deliveries of tasks that still exist (an event id already there is
+        skipped) and move the cursor up to ``cursor``, in one transaction; how many were added."""
+        ...
+
+    async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+        """Pending deliveries due now, soonest first; only the first pending delivery of
+        each task (in seq order), so a task's deliveries go out one after the other."""
+        ...
+
+    async def webhook_record(self, attempt: WebhookAttempt) -> None:
+        """Write what a delivery attempt came to (a row no longer pending is left as it
+        is) and count it in ``counters`` as ``("webhook_deliveries", outcome)``."""
+        ...
+
+    async def webhook_deliveries(
+        self, *, task_id: str | None = None, limit: int = 100
+    ) -> list[WebhookDelivery]:
+        """Deliveries in seq order, of one task or of all, whatever their status."""
+        ...
+
+    async def webhook_pending(self) -> int: ...
+
+    # breakers: circuit breaker states and the retry clock, shared by every process
+
+    async def breakers(self) -> list[BreakerRecord]:
+        """Every breaker's shared state, by name (one small read)."""
+        ...
+
+    async def save_breaker(self, record: BreakerRecord, *, only_if_due: bool = False) -> bool:
+        """Write ``record`` (insert or replace) and count the transition in ``counters`` as
+        ``("breaker_transitions", "<name>><state>")``. With ``only_if_due`` it is written
+        only when no row exists or the stored one is open or half-open with
+        ``opened_until`` at or before ``record.updated_at``: the compare-and-set that lets
+        one process take the half-open probe. Whether it was written."""
+        ...
+
+    async def reserve_retry(self, earliest: float, interval_s: float) -> float:
+        """The retry slot for a retry due at ``earliest``: max(earliest, the clock's next
+        free slot); the clock moves to that slot + ``interval_s``, atomically, so retries
+        from every process are spread ``interval_s`` apart."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -26,7 +26,7 @@ import collections
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -43,17 +43,60 @@ from kiln.errors import (
     NotLeader,
     StoreUnavailable,
 )
+from kiln.limits import Rate, bucket_take
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import CLAIMABLE, FINAL, Event, Status
 from kiln.store import (
     FAILURE_BUCKETS_KEPT_MIN,
     FAILURES_BY_MINUTE,
+    BreakerRecord,
     Change,
     Clock,
     Due,
     LeaderToken,
     Progress,
     Stats,
+)
+from kiln.store.breaker_sql import (
+    BREAKERS_SQL,
+    RESERVE_RETRY_SQL,
+    SAVE_BREAKER_IF_DUE,
+    SAVE_BREAKER_SQL,
+)
+from kiln.store.claims import (
+    READY_TENANTS_SQL,
+    Candidate,
+    ClaimPolicy,
+    ahead_args,
+    ahead_sql,
+    candidates,
+    choose,
+    fair_position,
+    heads_sql,
+    levels_sql,
+    room,
+    running_sql,
+    tenant_depth_sql,
+    turn,
+)
+from kiln.store.outbox import (
+    CURSOR,
+    DELIVERY_COLUMNS,
+    PENDING,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookScan,
+    delivery_from_row,
+)
+from kiln.store.pools import (
+    POOL_USAGE_SQL,
+    PoolUsage,
+    PoolWait,
+    decide,
+    live_sql,
+    slot_rows,
+    standing,
+    units_needed,
 )
 from kiln.store.rows import (
     JSON_COLUMNS,
@@ -80,6 +123,7 @@ COUNTER_SHARDS = 16
 READY_CHANNEL = "kiln_ready"
 NOTIFY_EVERY_S = 0.05
 ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
+ADVISORY_CAPS = 0x6B636170  # "kcap": one claim at a time per capped tenant
 
 # The queries whose cost must follow what they find, not the table size; the PostgreSQL
 # suite checks each one's plan against these very strings.
@@ -120,6 +164,25 @@ GHOSTS_SQL = (
 _EVENT_COLUMNS = (
     "seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,"
     " dwell_s, final"
+)
+#: Webhook deliveries due, each the first pending one of its task: (pending, now,
+#: pending, limit).
+WEBHOOK_DUE_SQL = (
+    f"SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries d WHERE status = %s"
+    " AND next_attempt_at <= %s AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p"
+    " WHERE p.task_id = d.task_id AND p.status = %s AND p.seq < d.seq)"
+    " ORDER BY next_attempt_at, seq LIMIT %s"
+)
+#: New deliveries, column arrays in DELIVERY_COLUMNS order; only for tasks that still
+#: exist (a purge may have taken one since its event was read).
+_ENQUEUE_SQL = (
+    f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS}) SELECT d.* FROM unnest("
+    "%s::text[], %s::bigint[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+    " %s::text[], %s::int[], %s::float8[], %s::text[], %s::int[], %s::float8[], %s::float8[])"
+    " AS d(event_id, seq, task_id, tenant, event, url, payload, status, attempts,"
+    " next_attempt_at, last_error, response_status, created_at, updated_at)"
+    " WHERE EXISTS (SELECT 1 FROM tasks t WHERE t.id = d.task_id)"
+    " ON CONFLICT (event_id) DO NOTHING"
 )
 #: The event tail: rows after a seq, with the snapshot they were read in.
 TAIL_SQL = (
@@ -276,6 +339,25 @@ async def _append_events(tx: _Tx, rows: list[_EventRow]) -> list[TaskEvent]:
     ]
 
 
+def _past_gaps(rows: list[tuple[Any, ...]], after: int, gaps: dict[int, int]) -> list[TaskEvent]:
+    """The ``TAIL_SQL`` rows a tail may pass (see ``PostgresStore.tail``); ``gaps`` holds,
+    per follower of the log, the xmax each gap was first seen under."""
+    found: list[TaskEvent] = []
+    expect = after + 1
+    for row in rows:
+        seq, xmin, xmax = row[0], row[-2], row[-1]
+        if seq > expect:
+            first_seen = gaps.setdefault(expect, xmax)
+            if first_seen > xmin:
+                break  # a writer of the gap may still commit: wait for it
+            del gaps[expect]
+        found.append(event_from_row(row))
+        expect = seq + 1
+    for gap in [g for g in gaps if g < expect]:
+        del gaps[gap]
+    return found
+
+
 def event_from_row(row: Sequence[Any]) -> TaskEvent:
     return TaskEvent(
         seq=row[0],
@@ -323,10 +405,12 @@ class PostgresStore:
         self._migrated = False
         self._open_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._gaps: dict[int, int] = {}
+        self._webhook_gaps: dict[int, int] = {}  # the outbox follows the log on its own
         self._last_notify = 0.0
         self._listener: asyncio.Task[None] | None = None
         self.ready_listeners: list[Callable[[], None]] = []
         self._closed = False
+        self._claim_turn = 0
 
     @classmethod
     async def open(cls, url: str, *, clock: Clock, pool_size: int = 10) -> PostgresStore:
@@ -612,6 +696,15 @@ class PostgresStore:
 
         return await self._read(read)
 
+    async def get_many(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        ids = sorted(set(task_ids))
+
+        async def read(tx: _Tx) -> dict[str, Task]:
+            rows = await tx.all("SELECT * FROM tasks WHERE id = ANY(%s)", (ids,))
+            return {task.id: task for task in map(task_from_row, rows)}
+
+        return await self._read(read) if ids else {}
+
     async def list_tasks(
         self,
         *,
@@ -680,21 +773,7 @@ class PostgresStore:
         async def read(tx: _Tx) -> list[tuple[Any, ...]]:
             return await tx.all(TAIL_SQL, (after, limit))
 
-        rows = await self._read(read)
-        found: list[TaskEvent] = []
-        expect = after + 1
-        for row in rows:
-            seq, xmin, xmax = row[0], row[-2], row[-1]
-            if seq > expect:
-                first_seen = self._gaps.setdefault(expect, xmax)
-                if first_seen > xmin:
-                    break  # a writer of the gap may still commit: wait for it
-                del self._gaps[expect]
-            found.append(event_from_row(row))
-            expect = seq + 1
-        for gap in [g for g in self._gaps if g < expect]:
-            del self._gaps[gap]
-        return found
+        return _past_gaps(await self._read(read), after, self._gaps)
 
     async def last_seq(self) -> int:
         """Where a tail may start: the newest seq below which no gap is pending."""
@@ -723,42 +802,84 @@ class PostgresStore:
 
         return await self._read(read)
 
-    async def queue_position(self, task: Task) -> int | None:
+    async def queue_position(self, task: Task, policy: ClaimPolicy | None = None) -> int | None:
         now = self.clock()
         if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
             return None
+        aging_s = None if policy is None else policy.aging_s
 
         async def read(tx: _Tx) -> int:
-            row = await tx.one(
-                QUEUE_AHEAD_SQL,
-                (task.kind, now, now, task.priority, task.priority, task.ready_at,
-                 task.ready_at, task.id),
-            )  # fmt: skip
-            assert row is not None
-            return int(row[0]) + 1
+            async def count(sql: str, args: Sequence[Any]) -> int:
+                row = await tx.one(sql, args)
+                assert row is not None
+                return int(row[0])
+
+            async def ahead(tenant: str | None) -> int:
+                if aging_s is None:
+                    sql = QUEUE_AHEAD_SQL if tenant is None else ahead_sql("%s", tenant=True,
+                                                                          level=False)  # fmt: skip
+                    return await count(sql, ahead_args(task.kind, tenant, None, task, now, None))
+                key = (task.kind,) if tenant is None else (task.kind, tenant)
+                levels = await tx.all(levels_sql("%s", tenant=tenant is not None), (*key, *key))
+                sql = ahead_sql("%s", tenant=tenant is not None, level=True)
+                found = 0
+                for (level,) in levels:
+                    found += await count(sql, ahead_args(task.kind, tenant, level, task, now,
+                                                         aging_s))  # fmt: skip
+                return found
+
+            if policy is None or not policy.fair:
+                return await ahead(None) + 1
+            own = await ahead(task.tenant) + 1
+            others = [r[0] for r in await tx.all(READY_TENANTS_SQL) if r[0] != task.tenant]
+            depth = tenant_depth_sql("%s")
+            return fair_position(
+                own, [await count(depth, (task.kind, t, now, now, own - 1)) for t in others]
+            )
 
         return await self._read(read)
 
     # worker writes
 
     async def claim(
-        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
     ) -> list[Task]:
         if not kinds or limit <= 0:
             return []
-        return await self._write(lambda tx: self._claim(tx, worker_id, kinds, limit, lease_ttl_s))
+        self._claim_turn += 1
+        turn_no = self._claim_turn
+        return await self._write(
+            lambda tx: self._claim(tx, worker_id, kinds, limit, lease_ttl_s, policy, turn_no)
+        )
 
     async def _claim(
-        self, tx: _Tx, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+        self,
+        tx: _Tx,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
+        turn_no: int = 0,
     ) -> list[Task]:
         now = self.clock()
-        candidates: list[tuple[Any, ...]] = []
-        for kind in kinds:
-            candidates += await tx.all(CLAIM_CANDIDATES_SQL, (kind, now, now, limit))
-        if not candidates:
+        chosen: list[tuple[Any, ...]]  # (id, priority, ready_at, status, status_since)
+        if policy is None or policy.plain:
+            chosen = []
+            for kind in kinds:
+                chosen += await tx.all(CLAIM_CANDIDATES_SQL, (kind, now, now, limit))
+            chosen.sort(key=lambda r: (-r[1], r[2], r[0]))
+            chosen = chosen[:limit]
+        else:
+            chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no)
+        if not chosen:
             return []
-        candidates.sort(key=lambda r: (-r[1], r[2], r[0]))
-        chosen = candidates[:limit]
         rows = await tx.all(
             "UPDATE tasks t SET status = 'WAITING_FOR_RESOURCE', attempt = t.attempt + 1,"
             " epoch = t.epoch + 1, version = t.version + 1, lease_owner = %s,"
@@ -788,6 +909,64 @@ class PostgresStore:
             claimed.append(task)
         await _append_events(tx, events)
         return claimed
+
+    async def _policy_candidates(
+        self,
+        tx: _Tx,
+        kinds: list[str],
+        limit: int,
+        policy: ClaimPolicy,
+        now: float,
+        turn_no: int,
+    ) -> list[tuple[Any, ...]]:
+        """What a claim under ``policy`` takes (kiln/store/claims.py), in claim order,
+        locked: rows are read unlocked, chosen, then locked (SKIP LOCKED: another claim's
+        pick is left to it). A capped tenant is claimed for by one claim at a time (an
+        advisory lock), so its cap holds across workers."""
+        lines: list[str | None] = [None]
+        rooms: dict[str, int | None] = {}
+        tenants: list[str] = []
+        if policy.by_tenant:
+            tenants = turn([r[0] for r in await tx.all(READY_TENANTS_SQL)], turn_no)
+            capped = [t for t in tenants if policy.cap(t) is not None]
+            rooms = room(policy, tenants, await _running(tx, capped))
+            lines = [t for t in tenants if rooms[t] != 0]
+        found: list[Candidate] = []
+        for kind in kinds:
+            for tenant in lines:
+                key: tuple[str, ...] = (kind,) if tenant is None else (kind, tenant)
+                spare = rooms.get(tenant) if tenant is not None else None
+                take = limit if spare is None else min(limit, spare)
+                by_tenant = tenant is not None
+                if policy.aging_s is None:
+                    sql = heads_sql("%s", tenant=by_tenant, level=False)
+                    found += candidates(await tx.all(sql, (*key, now, now, take)))
+                    continue
+                levels = await tx.all(levels_sql("%s", tenant=by_tenant), (*key, *key))
+                sql = heads_sql("%s", tenant=by_tenant, level=True)
+                for (level,) in levels:
+                    found += candidates(await tx.all(sql, (*key, level, now, now, take)))
+        picked = choose(found, limit, policy, rooms, tenants)
+        locking = sorted({c.tenant for c in picked if policy.cap(c.tenant) is not None})
+        if locking:
+            for tenant in locking:  # in name order: two claims never wait on each other
+                await tx.conn.execute(
+                    "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (ADVISORY_CAPS, tenant)
+                )
+            rooms.update(room(policy, locking, await _running(tx, locking)))
+            picked = choose(picked, limit, policy, rooms, tenants)
+        if not picked:
+            return []
+        locked = {
+            row[0]: row
+            for row in await tx.all(
+                "SELECT id, priority, ready_at, status, status_since FROM tasks"
+                f" WHERE id = ANY(%s) AND status IN {_CLAIMABLE_SQL} AND ready_at <= %s"
+                " AND deadline_at > %s FOR UPDATE SKIP LOCKED",
+                ([c.id for c in picked], now, now),
+            )
+        }
+        return [locked[c.id] for c in picked if c.id in locked]
 
     async def heartbeat(
         self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
@@ -1058,6 +1237,205 @@ class PostgresStore:
 
         await self._write(write)
 
+    # webhooks (the outbox; see kiln/store/outbox.py and kiln/webhooks.py)
+
+    async def webhook_scan(self, *, limit: int) -> WebhookScan:
+        """The events after the cursor as ``tail`` reads them: a seq that may still commit
+        stops the scan, so the cursor never moves past an event that is not visible yet."""
+
+        async def read(tx: _Tx) -> tuple[int, list[tuple[Any, ...]]]:
+            row = await tx.one("SELECT seq FROM webhook_cursor WHERE name = %s", (CURSOR,))
+            cursor = 0 if row is None else int(row[0])
+            return cursor, await tx.all(TAIL_SQL, (cursor, limit))
+
+        cursor, rows = await self._read(read)
+        events = _past_gaps(rows, cursor, self._webhook_gaps)
+        ids = sorted({e.task_id for e in events})
+
+        async def tasks(tx: _Tx) -> dict[str, Task]:
+            found = await tx.all(
+                "SELECT * FROM tasks WHERE id = ANY(%s) AND webhook IS NOT NULL", (ids,)
+            )
+            return {r[0]: task_from_row(r) for r in found}
+
+        hooked = await self._read(tasks) if ids else {}
+        last = events[-1].seq if events else cursor
+        found = [(e, hooked[e.task_id]) for e in events if e.task_id in hooked]
+        return WebhookScan(cursor, last, len(events), found)
+
+    async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+        columns = [list(c) for c in zip(*(d.insert_args() for d in deliveries), strict=True)]
+
+        async def write(tx: _Tx) -> int:
+            added = 0
+            if deliveries:
+                cur = await tx.conn.execute(_ENQUEUE_SQL, columns)
+                added = cur.rowcount
+            await tx.conn.execute(
+                "INSERT INTO webhook_cursor (name, seq) VALUES (%s, %s) ON CONFLICT (name)"
+                " DO UPDATE SET seq = greatest(webhook_cursor.seq, excluded.seq)",
+                (CURSOR, cursor),
+            )
+            return added
+
+        return await self._write(write)
+
+    async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+        now = self.clock()
+
+        async def read(tx: _Tx) -> list[WebhookDelivery]:
+            rows = await tx.all(WEBHOOK_DUE_SQL, (PENDING, now, PENDING, limit))
+            return [delivery_from_row(r) for r in rows]
+
+        return await self._read(read)
+
+    async def webhook_record(self, attempt: WebhookAttempt) -> None:
+        async def write(tx: _Tx) -> None:
+            await tx.conn.execute(
+                "UPDATE webhook_deliveries SET status = %s, attempts = attempts + 1,"
+                " next_attempt_at = coalesce(%s, next_attempt_at), last_error = %s,"
+                " response_status = %s, updated_at = %s WHERE event_id = %s AND status = %s",
+                (attempt.status, attempt.next_attempt_at, attempt.error,
+                 attempt.response_status, self.clock(), attempt.event_id, PENDING),
+            )  # fmt: skip
+            tx.bump("webhook_deliveries", attempt.outcome)
+
+        await self._write(write)
+
+    async def webhook_deliveries(
+        self, *, task_id: str | None = None, limit: int = 100
+    ) -> list[WebhookDelivery]:
+        sql = f"SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries"
+        args: list[Any] = []
+        if task_id is not None:
+            sql += " WHERE task_id = %s"
+            args.append(task_id)
+        sql += " ORDER BY seq LIMIT %s"
+        args.append(limit)
+
+        async def read(tx: _Tx) -> list[WebhookDelivery]:
+            return [delivery_from_row(r) for r in await tx.all(sql, args)]
+
+        return await self._read(read)
+
+    async def webhook_pending(self) -> int:
+        async def read(tx: _Tx) -> int:
+            row = await tx.one(
+                "SELECT COUNT(*) FROM webhook_deliveries WHERE status = %s", (PENDING,)
+            )
+            return 0 if row is None else int(row[0])
+
+        return await self._read(read)
+
+    # resource pools and rate limits (see kiln/store/pools.py, kiln/limits.py)
+
+    async def acquire_slots(
+        self,
+        task_id: str,
+        epoch: int,
+        needs: Mapping[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | None:
+        units = units_needed(needs, capacities)
+        if not units:
+            return None
+        names = sorted(units)
+
+        async def write(tx: _Tx) -> PoolWait | _Refused | None:
+            now = self.clock()
+            for pool in names:  # in name order: two acquirers never wait on each other
+                await tx.conn.execute(
+                    "INSERT INTO pools (name, capacity) VALUES (%s, %s) ON CONFLICT (name)"
+                    " DO UPDATE SET capacity = EXCLUDED.capacity"
+                    " WHERE pools.capacity <> EXCLUDED.capacity",
+                    (pool, capacities[pool]),
+                )
+            # One acquirer per pool at a time: the counts below must not change under it.
+            await tx.all(
+                "SELECT name FROM pools WHERE name = ANY(%s) ORDER BY name FOR UPDATE", (names,)
+            )
+            row = await tx.one(
+                "SELECT status, epoch, lease_expires_at FROM tasks WHERE id = %s", (task_id,)
+            )
+            if (
+                row is None
+                or row[0] != Status.WAITING_FOR_RESOURCE
+                or row[1] != epoch
+                or (row[2] or 0.0) <= now
+            ):
+                return _Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
+            lines = {}
+            for pool in names:
+                await tx.conn.execute(
+                    f"DELETE FROM pool_slots WHERE pool = %s AND NOT {live_sql('%s')}", (pool, now)
+                )
+                await tx.conn.execute(
+                    "INSERT INTO pool_slots (pool, task_id, epoch, units, held, since)"
+                    " VALUES (%s, %s, %s, %s, false, %s) ON CONFLICT (pool, task_id) DO NOTHING",
+                    (pool, task_id, epoch, units[pool], now),
+                )
+                lines[pool] = slot_rows(await tx.all(
+                    "SELECT task_id, units, held, since FROM pool_slots WHERE pool = %s", (pool,)
+                ))  # fmt: skip
+            wait = decide(lines, task_id, capacities)
+            if wait is None:
+                await tx.conn.execute(
+                    "UPDATE pool_slots SET held = true WHERE task_id = %s AND NOT held", (task_id,)
+                )
+            return wait
+
+        return await self._write(write)
+
+    async def pool_wait(self, task_id: str) -> PoolWait | None:
+        async def read(tx: _Tx) -> PoolWait | None:
+            now = self.clock()
+            waits = await tx.all(
+                "SELECT pool_slots.pool, pools.capacity FROM pool_slots JOIN pools"
+                " ON pools.name = pool_slots.pool WHERE task_id = %s AND NOT held"
+                f" AND {live_sql('%s')} ORDER BY pool_slots.pool",
+                (task_id, now),
+            )
+            for pool, capacity in waits:
+                rows = slot_rows(await tx.all(
+                    "SELECT task_id, units, held, since FROM pool_slots"
+                    f" WHERE pool = %s AND {live_sql('%s')}", (pool, now),
+                ))  # fmt: skip
+                wait = standing(pool, rows, task_id, capacity)
+                if wait is not None:
+                    return wait
+            return None
+
+        return await self._read(read)
+
+    async def pools(self) -> list[PoolUsage]:
+        async def read(tx: _Tx) -> list[PoolUsage]:
+            rows = await tx.all(POOL_USAGE_SQL.format(live=live_sql("%s")), (self.clock(),))
+            return [PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+        return await self._read(read)
+
+    async def take_token(self, name: str, rate: Rate) -> float:
+        async def write(tx: _Tx) -> float:
+            now = self.clock()
+            await tx.conn.execute(
+                "INSERT INTO rate_buckets (name, tokens, updated_at) VALUES (%s, %s, %s)"
+                " ON CONFLICT (name) DO NOTHING",
+                (name, rate.burst, now),
+            )
+            row = await tx.one(
+                "SELECT tokens, updated_at FROM rate_buckets WHERE name = %s FOR UPDATE", (name,)
+            )
+            assert row is not None
+            left, wait_s = bucket_take(row[0], row[1], now, rate)
+            if wait_s == 0.0:
+                await tx.conn.execute(
+                    "UPDATE rate_buckets SET tokens = %s, updated_at = %s WHERE name = %s",
+                    (left, now, name),
+                )
+            return wait_s
+
+        return await self._write(write)
+
     async def purge(
         self,
         *,
@@ -1076,6 +1454,7 @@ class PostgresStore:
             ids = [task.id for task in tasks]
             await tx.conn.execute("DELETE FROM events WHERE task_id = ANY(%s)", (ids,))
             await tx.conn.execute("DELETE FROM idempotency_keys WHERE task_id = ANY(%s)", (ids,))
+            await tx.conn.execute("DELETE FROM webhook_deliveries WHERE task_id = ANY(%s)", (ids,))
             await tx.conn.execute("DELETE FROM tasks WHERE id = ANY(%s)", (ids,))
             for task in tasks:
                 tx.count_status(task.tenant, task.status, -1)
@@ -1096,13 +1475,46 @@ class PostgresStore:
 
         await self._write(write)
 
+    # breakers: circuit breaker states and the retry clock (kiln/breakers.py)
+
+    async def breakers(self) -> list[BreakerRecord]:
+        async def read(tx: _Tx) -> list[BreakerRecord]:
+            return [BreakerRecord(*row) for row in await tx.all(BREAKERS_SQL)]
+
+        return await self._read(read)
+
+    async def save_breaker(self, record: BreakerRecord, *, only_if_due: bool = False) -> bool:
+        sql = SAVE_BREAKER_SQL.format(p="%s", guard=SAVE_BREAKER_IF_DUE if only_if_due else "")
+
+        async def write(tx: _Tx) -> bool:
+            row = await tx.one(
+                sql,
+                (record.name, record.state, record.opened_until, record.updated_at, record.by),
+            )
+            if row is not None:
+                tx.bump("breaker_transitions", f"{record.name}>{record.state}")
+            return row is not None
+
+        return await self._write(write)
+
+    async def reserve_retry(self, earliest: float, interval_s: float) -> float:
+        async def write(tx: _Tx) -> float:
+            row = await tx.one(
+                RESERVE_RETRY_SQL.format(p="%s", greatest="GREATEST"),
+                (earliest, interval_s, interval_s, interval_s, interval_s),
+            )
+            assert row is not None
+            return float(row[0])
+
+        return await self._write(write)
+
 
 _INSERT_TASK_SQL = (
     "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
     " inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,"
-    " deadline_at, timeouts, created_at, updated_at, status_since)"
+    " deadline_at, timeouts, created_at, updated_at, status_since, webhook)"
     " VALUES (%s, %s, %s, 'PENDING', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-    " %s, %s, %s) ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL"
+    " %s, %s, %s, %s) ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL"
     f" AND status NOT IN {_NOT_LIVE_SQL} DO NOTHING"
 )
 #: A submission in one statement; the event row reads the inserted row (so the insert,
@@ -1128,7 +1540,7 @@ def _insert_args(new: NewTask, now: float) -> list[Any]:
         new.id, new.tenant, new.kind, new.priority, now, dumps(new.params),
         dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
         new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
-        dumps(timeouts), now, now, now,
+        dumps(timeouts), now, now, now, dumps(new.webhook),
     ]  # fmt: skip
 
 
@@ -1184,6 +1596,12 @@ def _update_sql(change: Change, target: Status, now: float) -> tuple[str, list[A
         args.append(dumps(value) if column in JSON_COLUMNS else value)
     args.append(change.task_id)
     return f"UPDATE tasks SET {', '.join(sets)} WHERE id = %s RETURNING *", args
+
+
+async def _running(tx: _Tx, tenants: Sequence[str]) -> dict[str, int]:
+    if not tenants:
+        return {}
+    return {r[0]: int(r[1]) for r in await tx.all(running_sql("%s", len(tenants)), tenants)}
 
 
 def _refusal(tx: _Tx, change: Change, current: tuple[Any, ...] | None) -> _Refused | None:

@@ -11,7 +11,7 @@ from kiln.models import Task, Timeouts
 from kiln.states import FINAL, Status
 from kiln.store import Due
 
-JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result"})
+JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result", "webhook"})
 
 
 def loads(raw: str | None) -> Any:
@@ -65,7 +65,9 @@ TASK_COLUMNS: tuple[str, ...] = (
     "started_at",
     "finished_at",
     "due_at",
+    "webhook",
 )
+_WEBHOOK = TASK_COLUMNS.index("webhook")
 STATUSES = {str(status): status for status in Status}
 
 
@@ -110,6 +112,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         status_since=row[34],
         started_at=row[35],
         finished_at=row[36],
+        webhook=loads(row[_WEBHOOK]),
     )
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -32,17 +33,60 @@ from kiln.errors import (
     NotLeader,
     StoreUnavailable,
 )
+from kiln.limits import Rate, bucket_take
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import ACTIVE, CLAIMABLE, FINAL, Event, Status
 from kiln.store import (
     FAILURE_BUCKETS_KEPT_MIN,
     FAILURES_BY_MINUTE,
+    BreakerRecord,
     Change,
     Clock,
     Due,
     LeaderToken,
     Progress,
     Stats,
+)
+from kiln.store.breaker_sql import (
+    BREAKERS_SQL,
+    RESERVE_RETRY_SQL,
+    SAVE_BREAKER_IF_DUE,
+    SAVE_BREAKER_SQL,
+)
+from kiln.store.claims import (
+    READY_TENANTS_SQL,
+    Candidate,
+    ClaimPolicy,
+    ahead_args,
+    ahead_sql,
+    candidates,
+    choose,
+    fair_position,
+    heads_sql,
+    levels_sql,
+    room,
+    running_sql,
+    tenant_depth_sql,
+    turn,
+)
+from kiln.store.outbox import (
+    CURSOR,
+    DELIVERY_COLUMNS,
+    PENDING,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookScan,
+    delivery_from_row,
+)
+from kiln.store.pools import (
+    POOL_USAGE_SQL,
+    PoolUsage,
+    PoolWait,
+    decide,
+    live_sql,
+    slot_rows,
+    standing,
+    units_needed,
 )
 from kiln.store.rows import (
     JSON_COLUMNS,
@@ -62,6 +106,8 @@ _CLAIMABLE_SQL = "('PENDING', 'RETRYING')"
 _NOT_LIVE_SQL = "('FAILED', 'TIMEOUT', 'CANCELLED')"
 _DEADLINE_SQL = "('PENDING', 'RETRYING', 'WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+#: Ids per ``get_many`` statement, below SQLite's smallest bound-parameter limit (999).
+GET_MANY_CHUNK = 500
 
 # The queries whose cost must follow what they find, not the table size; the conformance
 # suite checks each one's query plan against these very strings.
@@ -101,6 +147,14 @@ DWELL_TENANT_SQL = (
 GHOSTS_SQL = (
     f"SELECT COUNT(*) FROM tasks WHERE due_at < ? AND status IN {_RUNNING_SQL}"
     " AND lease_expires_at < ?"
+)
+#: Webhook deliveries due, each the first pending one of its task: (pending, now,
+#: pending, limit).
+WEBHOOK_DUE_SQL = (
+    f"SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries d WHERE status = ?"
+    " AND next_attempt_at <= ? AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p"
+    " WHERE p.task_id = d.task_id AND p.status = ? AND p.seq < d.seq)"
+    " ORDER BY next_attempt_at, seq LIMIT ?"
 )
 
 
@@ -454,6 +508,44 @@ def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, 
         )
 
 
+def _policy_candidates(
+    conn: sqlite3.Connection,
+    kinds: list[str],
+    limit: int,
+    policy: ClaimPolicy,
+    now: float,
+    turn_no: int,
+) -> list[Candidate]:
+    """What a claim under ``policy`` takes (kiln/store/claims.py), in claim order."""
+    lines: list[str | None] = [None]
+    rooms: dict[str, int | None] = {}
+    tenants: list[str] = []
+    if policy.by_tenant:
+        tenants = turn([r[0] for r in conn.execute(READY_TENANTS_SQL)], turn_no)
+        capped = [t for t in tenants if policy.cap(t) is not None]
+        running: dict[str, int] = {}
+        if capped:
+            running = dict(conn.execute(running_sql("?", len(capped)), capped).fetchall())
+        rooms = room(policy, tenants, running)
+        lines = [t for t in tenants if rooms[t] != 0]
+    found: list[Candidate] = []
+    for kind in kinds:
+        for tenant in lines:
+            key: tuple[str, ...] = (kind,) if tenant is None else (kind, tenant)
+            spare = rooms.get(tenant) if tenant is not None else None
+            take = limit if spare is None else min(limit, spare)
+            by_tenant = tenant is not None
+            if policy.aging_s is None:
+                sql = heads_sql("?", tenant=by_tenant, level=False)
+                found += candidates(conn.execute(sql, (*key, now, now, take)))
+                continue
+            levels = conn.execute(levels_sql("?", tenant=by_tenant), (*key, *key)).fetchall()
+            sql = heads_sql("?", tenant=by_tenant, level=True)
+            for (level,) in levels:
+                found += candidates(conn.execute(sql, (*key, level, now, now, take)))
+    return choose(found, limit, policy, rooms, tenants)
+
+
 # The store ------------------------------------------------------------------------------
 
 
@@ -484,6 +576,7 @@ class SqliteStore:
         self._writer.start()
         self._reader.start()
         self._closed = False
+        self._claim_turn = 0
 
     # plumbing
 
@@ -573,8 +666,8 @@ class SqliteStore:
         row = conn.execute(
             "INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,"
             " inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,"
-            " deadline_at, timeouts, created_at, updated_at, status_since)"
-            " VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " deadline_at, timeouts, created_at, updated_at, status_since, webhook)"
+            " VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " RETURNING *",
             (
                 new.id,
@@ -595,6 +688,7 @@ class SqliteStore:
                 now,
                 now,
                 now,
+                dumps(new.webhook),
             ),
         ).fetchone()
         task = task_from_row(row)
@@ -622,6 +716,22 @@ class SqliteStore:
     def _get(conn: sqlite3.Connection, task_id: str) -> Task | None:
         row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
         return None if row is None else task_from_row(row)
+
+    async def get_many(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        ids = sorted(set(task_ids))
+
+        def read(conn: sqlite3.Connection) -> dict[str, Task]:
+            found: dict[str, Task] = {}
+            for start in range(0, len(ids), GET_MANY_CHUNK):
+                chunk = ids[start : start + GET_MANY_CHUNK]
+                marks = ", ".join("?" * len(chunk))
+                for row in conn.execute(f"SELECT * FROM tasks WHERE id IN ({marks})", chunk):
+                    task = task_from_row(row)
+                    found[task.id] = task
+            return found
+
+        tasks: dict[str, Task] = await self._read(read) if ids else {}
+        return tasks
 
     async def list_tasks(
         self,
@@ -702,18 +812,35 @@ class SqliteStore:
         found: list[Task] = await self._read(read)
         return found
 
-    async def queue_position(self, task: Task) -> int | None:
+    async def queue_position(self, task: Task, policy: ClaimPolicy | None = None) -> int | None:
         now = self.clock()
         if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
             return None
+        aging_s = None if policy is None else policy.aging_s
 
         def read(conn: sqlite3.Connection) -> int:
-            row = conn.execute(
-                QUEUE_AHEAD_SQL,
-                (task.kind, now, now, task.priority, task.priority, task.ready_at,
-                 task.ready_at, task.id),
-            ).fetchone()  # fmt: skip
-            return int(row[0]) + 1
+            def count(sql: str, args: Sequence[Any]) -> int:
+                return int(conn.execute(sql, tuple(args)).fetchone()[0])
+
+            def ahead(tenant: str | None) -> int:
+                if aging_s is None:
+                    sql = QUEUE_AHEAD_SQL if tenant is None else ahead_sql("?", tenant=True,
+                                                                          level=False)  # fmt: skip
+                    return count(sql, ahead_args(task.kind, tenant, None, task, now, None))
+                key = (task.kind,) if tenant is None else (task.kind, tenant)
+                levels = conn.execute(levels_sql("?", tenant=tenant is not None), (*key, *key))
+                sql = ahead_sql("?", tenant=tenant is not None, level=True)
+                return sum(count(sql, ahead_args(task.kind, tenant, level, task, now, aging_s))
+                           for (level,) in levels.fetchall())  # fmt: skip
+
+            if policy is None or not policy.fair:
+                return ahead(None) + 1
+            own = ahead(task.tenant) + 1
+            others = [r[0] for r in conn.execute(READY_TENANTS_SQL) if r[0] != task.tenant]
+            depth = tenant_depth_sql("?")
+            return fair_position(
+                own, [count(depth, (task.kind, t, now, now, own - 1)) for t in others]
+            )
 
         position: int = await self._read(read)
         return position
@@ -721,12 +848,20 @@ class SqliteStore:
     # worker writes
 
     async def claim(
-        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
     ) -> list[Task]:
         if not kinds or limit <= 0:
             return []
+        self._claim_turn += 1
+        turn_no = self._claim_turn
         claimed: list[Task] = await self._write(
-            lambda conn: self._claim(conn, worker_id, kinds, limit, lease_ttl_s)
+            lambda conn: self._claim(conn, worker_id, kinds, limit, lease_ttl_s, policy, turn_no)
         )
         return claimed
 
@@ -737,14 +872,22 @@ class SqliteStore:
         kinds: list[str],
         limit: int,
         lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
+        turn_no: int = 0,
     ) -> list[Task]:
         now = self.clock()
-        candidates: list[sqlite3.Row] = []
-        for kind in kinds:
-            candidates += conn.execute(CLAIM_CANDIDATES_SQL, (kind, now, now, limit)).fetchall()
-        candidates.sort(key=lambda r: (-r["priority"], r["ready_at"], r["id"]))
+        chosen: list[tuple[str, str, float]]
+        if policy is None or policy.plain:
+            rows: list[sqlite3.Row] = []
+            for kind in kinds:
+                rows += conn.execute(CLAIM_CANDIDATES_SQL, (kind, now, now, limit)).fetchall()
+            rows.sort(key=lambda r: (-r["priority"], r["ready_at"], r["id"]))
+            chosen = [(r["id"], r["status"], r["status_since"]) for r in rows[:limit]]
+        else:
+            picked = _policy_candidates(conn, kinds, limit, policy, now, turn_no)
+            chosen = [(c.id, c.status, c.status_since) for c in picked]
         claimed: list[Task] = []
-        for cand in candidates[:limit]:
+        for cand_id, cand_status, cand_since in chosen:
             row = conn.execute(
                 "UPDATE tasks SET status = 'WAITING_FOR_RESOURCE', attempt = attempt + 1,"
                 " epoch = epoch + 1, version = version + 1, lease_owner = ?,"
@@ -754,12 +897,12 @@ class SqliteStore:
                 " progress_total = NULL, progress_at = NULL,"
                 " result_prefix = 'tasks/' || id || '/' || (attempt + 1) || '-' || (epoch + 1)"
                 f" WHERE id = ? AND status IN {_CLAIMABLE_SQL} RETURNING *",
-                (worker_id, now + lease_ttl_s, now, now, now, now, cand["id"]),
+                (worker_id, now + lease_ttl_s, now, now, now, now, cand_id),
             ).fetchone()
             if row is None:
                 continue
             task = task_from_row(row)
-            source = Status(cand["status"])
+            source = Status(cand_status)
             _append_event(
                 conn,
                 task=task,
@@ -769,13 +912,13 @@ class SqliteStore:
                 target=Status.WAITING_FOR_RESOURCE,
                 error=None,
                 at=now,
-                dwell_s=now - cand["status_since"],
+                dwell_s=now - cand_since,
             )
             if log.isEnabledFor(logging.INFO):
                 log.info("transition", extra={
                     "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
                     "from": str(source), "to": str(task.status), "event": "claim",
-                    "duration_s": now - cand["status_since"], "worker": worker_id,
+                    "duration_s": now - cand_since, "worker": worker_id,
                 })  # fmt: skip
             _count_status(conn, task.tenant, source, -1)
             _count_status(conn, task.tenant, Status.WAITING_FOR_RESOURCE, 1)
@@ -1015,6 +1158,7 @@ class SqliteStore:
             for task in tasks:
                 conn.execute("DELETE FROM events WHERE task_id = ?", (task.id,))
                 conn.execute("DELETE FROM idempotency_keys WHERE task_id = ?", (task.id,))
+                conn.execute("DELETE FROM webhook_deliveries WHERE task_id = ?", (task.id,))
                 conn.execute("DELETE FROM tasks WHERE id = ?", (task.id,))
                 _count_status(conn, task.tenant, task.status, -1)
             if tasks:
@@ -1087,6 +1231,251 @@ class SqliteStore:
 
     async def bump(self, name: str, labels: str = "") -> None:
         await self._write(lambda conn: _bump(conn, name, labels))
+
+    # webhooks (the outbox; see kiln/store/outbox.py and kiln/webhooks.py)
+
+    async def webhook_scan(self, *, limit: int) -> WebhookScan:
+        """One writer commits in seq order, so the events after the cursor have no gaps."""
+
+        def read(conn: sqlite3.Connection) -> WebhookScan:
+            row = conn.execute("SELECT seq FROM webhook_cursor WHERE name = ?", (CURSOR,))
+            found = row.fetchone()
+            cursor = 0 if found is None else int(found[0])
+            rows = conn.execute(
+                "SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (cursor, limit)
+            ).fetchall()
+            events = [event_from_row(r) for r in rows]
+            ids = json.dumps(sorted({e.task_id for e in events}))
+            tasks = {
+                r[0]: task_from_row(r)
+                for r in conn.execute(
+                    "SELECT * FROM tasks WHERE id IN (SELECT value FROM json_each(?))"
+                    " AND webhook IS NOT NULL",
+                    (ids,),
+                )
+            }
+            last = events[-1].seq if events else cursor
+            hooked = [(e, tasks[e.task_id]) for e in events if e.task_id in tasks]
+            return WebhookScan(cursor, last, len(events), hooked)
+
+        scan: WebhookScan = await self._read(read)
+        return scan
+
+    async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+        def write(conn: sqlite3.Connection) -> int:
+            added = 0
+            for item in deliveries:
+                added += conn.execute(
+                    f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS})"
+                    " SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+                    " WHERE EXISTS (SELECT 1 FROM tasks WHERE id = ?)"
+                    " ON CONFLICT (event_id) DO NOTHING",
+                    (*item.insert_args(), item.task_id),
+                ).rowcount
+            conn.execute(
+                "INSERT INTO webhook_cursor (name, seq) VALUES (?, ?) ON CONFLICT (name)"
+                " DO UPDATE SET seq = max(webhook_cursor.seq, excluded.seq)",
+                (CURSOR, cursor),
+            )
+            return added
+
+        added: int = await self._write(write)
+        return added
+
+    async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+        now = self.clock()
+
+        def read(conn: sqlite3.Connection) -> list[WebhookDelivery]:
+            rows = conn.execute(WEBHOOK_DUE_SQL, (PENDING, now, PENDING, limit)).fetchall()
+            return [delivery_from_row(r) for r in rows]
+
+        due: list[WebhookDelivery] = await self._read(read)
+        return due
+
+    async def webhook_record(self, attempt: WebhookAttempt) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE webhook_deliveries SET status = ?, attempts = attempts + 1,"
+                " next_attempt_at = coalesce(?, next_attempt_at), last_error = ?,"
+                " response_status = ?, updated_at = ? WHERE event_id = ? AND status = ?",
+                (attempt.status, attempt.next_attempt_at, attempt.error,
+                 attempt.response_status, self.clock(), attempt.event_id, PENDING),
+            )  # fmt: skip
+            _bump(conn, "webhook_deliveries", attempt.outcome)
+
+        await self._write(write)
+
+    async def webhook_deliveries(
+        self, *, task_id: str | None = None, limit: int = 100
+    ) -> list[WebhookDelivery]:
+        sql = f"SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries"
+        args: list[Any] = []
+        if task_id is not None:
+            sql += " WHERE task_id = ?"
+            args.append(task_id)
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+
+        def read(conn: sqlite3.Connection) -> list[WebhookDelivery]:
+            return [delivery_from_row(r) for r in conn.execute(sql, args).fetchall()]
+
+        found: list[WebhookDelivery] = await self._read(read)
+        return found
+
+    async def webhook_pending(self) -> int:
+        def read(conn: sqlite3.Connection) -> int:
+            sql = "SELECT COUNT(*) FROM webhook_deliveries WHERE status = ?"
+            return int(conn.execute(sql, (PENDING,)).fetchone()[0])
+
+        pending: int = await self._read(read)
+        return pending
+
+    # resource pools and rate limits (see kiln/store/pools.py, kiln/limits.py)
+
+    async def acquire_slots(
+        self,
+        task_id: str,
+        epoch: int,
+        needs: Mapping[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | None:
+        units = units_needed(needs, capacities)
+        if not units:
+            return None
+        wait: PoolWait | None = await self._write(
+            lambda conn: self._acquire_slots(conn, task_id, epoch, units, capacities)
+        )
+        return wait
+
+    def _acquire_slots(
+        self,
+        conn: sqlite3.Connection,
+        task_id: str,
+        epoch: int,
+        units: dict[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | _Refused | None:
+        now = self.clock()
+        row = conn.execute(
+            "SELECT status, epoch, lease_expires_at FROM tasks WHERE id = ?", (task_id,)
+        ).fetchone()
+        if (
+            row is None
+            or row["status"] != Status.WAITING_FOR_RESOURCE
+            or row["epoch"] != epoch
+            or (row["lease_expires_at"] or 0.0) <= now
+        ):
+            return _Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
+        lines = {}
+        for pool in sorted(units):
+            conn.execute(
+                "INSERT INTO pools (name, capacity) VALUES (?, ?) ON CONFLICT (name)"
+                " DO UPDATE SET capacity = excluded.capacity WHERE capacity <> excluded.capacity",
+                (pool, capacities[pool]),
+            )
+            conn.execute(f"DELETE FROM pool_slots WHERE pool = ? AND NOT {live_sql('?')}",
+                         (pool, now))  # fmt: skip
+            conn.execute(
+                "INSERT INTO pool_slots (pool, task_id, epoch, units, held, since)"
+                " VALUES (?, ?, ?, ?, 0, ?) ON CONFLICT (pool, task_id) DO NOTHING",
+                (pool, task_id, epoch, units[pool], now),
+            )
+            lines[pool] = slot_rows(conn.execute(
+                "SELECT task_id, units, held, since FROM pool_slots WHERE pool = ?", (pool,)
+            ))  # fmt: skip
+        wait = decide(lines, task_id, capacities)
+        if wait is None:
+            conn.execute(
+                "UPDATE pool_slots SET held = 1 WHERE task_id = ? AND held = 0", (task_id,)
+            )
+        return wait
+
+    async def pool_wait(self, task_id: str) -> PoolWait | None:
+        def read(conn: sqlite3.Connection) -> PoolWait | None:
+            now = self.clock()
+            waits = conn.execute(
+                "SELECT pool_slots.pool, pools.capacity FROM pool_slots JOIN pools"
+                f" ON pools.name = pool_slots.pool WHERE task_id = ? AND held = 0"
+                f" AND {live_sql('?')} ORDER BY pool_slots.pool",
+                (task_id, now),
+            ).fetchall()
+            for pool, capacity in waits:
+                rows = slot_rows(conn.execute(
+                    "SELECT task_id, units, held, since FROM pool_slots"
+                    f" WHERE pool = ? AND {live_sql('?')}", (pool, now),
+                ))  # fmt: skip
+                wait = standing(pool, rows, task_id, capacity)
+                if wait is not None:
+                    return wait
+            return None
+
+        found: PoolWait | None = await self._read(read)
+        return found
+
+    async def pools(self) -> list[PoolUsage]:
+        def read(conn: sqlite3.Connection) -> list[PoolUsage]:
+            rows = conn.execute(POOL_USAGE_SQL.format(live=live_sql("?")), (self.clock(),))
+            return [PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+        found: list[PoolUsage] = await self._read(read)
+        return found
+
+    async def take_token(self, name: str, rate: Rate) -> float:
+        def write(conn: sqlite3.Connection) -> float:
+            now = self.clock()
+            row = conn.execute(
+                "SELECT tokens, updated_at FROM rate_buckets WHERE name = ?", (name,)
+            ).fetchone()
+            left, wait_s = bucket_take(
+                None if row is None else row[0], None if row is None else row[1], now, rate
+            )
+            if wait_s == 0.0:
+                conn.execute(
+                    "INSERT INTO rate_buckets (name, tokens, updated_at) VALUES (?, ?, ?)"
+                    " ON CONFLICT (name) DO UPDATE SET tokens = excluded.tokens,"
+                    " updated_at = excluded.updated_at",
+                    (name, left, now),
+                )
+            return wait_s
+
+        wait_s: float = await self._write(write)
+        return wait_s
+
+    # breakers: circuit breaker states and the retry clock (kiln/breakers.py)
+
+    async def breakers(self) -> list[BreakerRecord]:
+        def read(conn: sqlite3.Connection) -> list[BreakerRecord]:
+            rows = conn.execute(BREAKERS_SQL).fetchall()
+            return [BreakerRecord(*row) for row in rows]
+
+        found: list[BreakerRecord] = await self._read(read)
+        return found
+
+    async def save_breaker(self, record: BreakerRecord, *, only_if_due: bool = False) -> bool:
+        sql = SAVE_BREAKER_SQL.format(p="?", guard=SAVE_BREAKER_IF_DUE if only_if_due else "")
+
+        def write(conn: sqlite3.Connection) -> bool:
+            row = conn.execute(
+                sql,
+                (record.name, record.state, record.opened_until, record.updated_at, record.by),
+            ).fetchone()
+            if row is not None:
+                _bump(conn, "breaker_transitions", f"{record.name}>{record.state}")
+            return row is not None
+
+        saved: bool = await self._write(write)
+        return saved
+
+    async def reserve_retry(self, earliest: float, interval_s: float) -> float:
+        def write(conn: sqlite3.Connection) -> float:
+            row = conn.execute(
+                RESERVE_RETRY_SQL.format(p="?", greatest="MAX"),
+                (earliest, interval_s, interval_s, interval_s, interval_s),
+            ).fetchone()
+            return float(row[0])
+
+        slot: float = await self._write(write)
+        return slot
 
 
 __all__ = ["ACTIVE", "SqliteStore", "connect", "migrate", "sqlite_path"]
