@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -68,17 +69,25 @@ def parse_breaker_policy(raw: str | None) -> dict[str, str]:
     return found
 
 
-def parse_unit_fraction(name: str, raw: str | None, default: float) -> float:
-    """A fraction in (0, 1] (KILN_BREAKER_FAILURE_RATE)."""
+def parse_number(
+    name: str, raw: str | None, default: float, ok: Callable[[float], bool], what: str
+) -> float:
+    """A number setting: ``default`` when unset, else a float that passes ``ok``."""
     if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise InvalidRequest(f"{name} must be a fraction above 0 and at most 1, got {raw!r}")
+        value = math.nan  # fails every check below
+    if not ok(value):
+        raise InvalidRequest(f"{name} must be {what}, got {raw!r}")
     return value
+
+
+def parse_unit_fraction(name: str, raw: str | None, default: float) -> float:
+    """A fraction in (0, 1] (KILN_BREAKER_FAILURE_RATE)."""
+    return parse_number(name, raw, default, lambda v: 0 < v <= 1,
+                        "a fraction above 0 and at most 1")  # fmt: skip
 
 
 RESULT_LOST_POLICIES = ("rerun", "fail")
@@ -88,15 +97,7 @@ FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True,
 
 def parse_seconds_or_off(name: str, raw: str | None, default: float) -> float:
     """A period in seconds where 0 turns the feature off (KILN_RECONCILE_INTERVAL_S)."""
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise InvalidRequest(f"{name} must be 0 (off) or a number of seconds, got {raw!r}")
-    return value
+    return parse_number(name, raw, default, lambda v: v >= 0, "0 (off) or a number of seconds")
 
 
 def parse_flag(name: str, raw: str | None) -> bool:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import kiln
+from kiln.config import Settings
 from kiln.store import Clock, Store
 
 from .backends import BACKENDS, Backend, PostgresDatabases, Row
+from .factories import KIND
 
 
 @pytest.fixture(params=BACKENDS, ids=[b.name for b in BACKENDS])
@@ -42,3 +46,15 @@ def truth(backend: Backend, store: Store) -> Callable[..., list[Row]]:
         return backend.rows(store, sql, args)
 
     return rows
+
+
+async def _handler(ctx: Any, params: Any) -> None:
+    return None
+
+
+@pytest.fixture
+def engine(store: Store, settings: Settings) -> kiln.App:
+    """The engine's policy on the store under test (the store fixture closes it)."""
+    app = kiln.App(store=store, settings=settings, rng=random.Random(7))
+    app.task(KIND)(_handler)
+    return app

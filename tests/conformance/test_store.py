@@ -9,15 +9,12 @@ is due.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import kiln
-from kiln.config import Settings
 from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost
 from kiln.models import Task, TaskEvent, Timeouts
 from kiln.states import Event, Status, replay
@@ -45,18 +42,6 @@ async def state_of(store: Store, task_id: str) -> tuple[Task | None, list[TaskEv
 
 async def counter(store: Store, name: str, labels: str = "") -> int:
     return (await store.counters()).get((name, labels), 0)
-
-
-async def _handler(ctx: Any, params: Any) -> None:
-    return None
-
-
-@pytest.fixture
-def engine(store: Store, settings: Settings) -> kiln.App:
-    """The engine's policy on the store under test (the store fixture closes it)."""
-    app = kiln.App(store=store, settings=settings, rng=random.Random(7))
-    app.task(KIND)(_handler)
-    return app
 
 
 # submit: insert-or-get ---------------------------------------------------------------------

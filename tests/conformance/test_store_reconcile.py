@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 import kiln
-from kiln.config import Settings
 from kiln.errors import Conflict
 from kiln.reconcile import Missing, ResultLostPolicy, lose_result
 from kiln.states import Event, Status
@@ -22,17 +19,6 @@ from .factories import KIND, drive, make_new_task
 
 Truth = Callable[..., list[Row]]
 S = Status
-
-
-async def _handler(ctx: Any, params: Any) -> None:
-    return None
-
-
-@pytest.fixture
-def engine(store: Store, settings: Settings) -> kiln.App:
-    app = kiln.App(store=store, settings=settings, rng=random.Random(7))
-    app.task(KIND)(_handler)
-    return app
 
 
 def _lost(task: kiln.Task) -> list[Missing]:
