@@ -8,6 +8,7 @@ working on it at once and never touches a newer attempt's storage location.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -39,9 +40,11 @@ PROGRESS_PERSIST_S = 1.0
 HEARTBEAT_MAX_S = 2.0
 #: Backoff between tries of a write while the store does not answer (seconds).
 STORE_RETRY_S = (0.1, 2.0)
-#: How often a task waiting in a shared pool's line asks again (seconds, doubling); a
-#: slot freed in this process wakes its waiters at once.
+#: How often a task waiting in a shared pool's line asks again (seconds, doubling), and
+#: at least how often the first in line asks. A slot freed in this process wakes the
+#: first of its waiters at once; a waiter that got its slot wakes the next.
 POOL_POLL_S = (0.05, 1.0)
+POOL_HEAD_POLL_S = 0.2
 
 
 class ResourcePool:
@@ -97,6 +100,9 @@ class Attempt:
     outputs: list[StoredOutput] = field(default_factory=list)
     #: Where the task waits in a shared pool's line (None: not waiting for one).
     pool_wait: PoolWait | None = None
+    #: Done generating: it holds (and waits for) no pool slot any more.
+    past_pools: bool = False
+    pool_wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Context:
@@ -161,8 +167,12 @@ class Worker:
         self.attempts: dict[str, Attempt] = {}
         self.completed = 0
         self._slot_free = asyncio.Event()
-        #: Set (and replaced) whenever an attempt of this process gives its pool slots back.
-        self._pools_freed = asyncio.Event()
+        #: This process's attempts waiting in shared pools' lines, in arrival order.
+        self._pool_waiters: list[Attempt] = []
+        #: What each kind takes: its code's resources with KILN_KIND_RESOURCES on top.
+        self.needs = {
+            name: app.settings.kind_needs(name, kind.resources) for name, kind in app.kinds.items()
+        }
         self.claim_policy = claim_policy(app.settings)
         self._stopping = False
         self._rng = random.Random()
@@ -187,8 +197,9 @@ class Worker:
                     self.app.wake.clear()
                     try:
                         kinds, probes = await self.breakers.claimable(self.kinds)
+                        kinds, limit = self._pool_room(kinds, free)
                         claimed = await self.app.store.claim(
-                            worker_id=self.worker_id, kinds=kinds, limit=free,
+                            worker_id=self.worker_id, kinds=kinds, limit=limit,
                             lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
                         ) if kinds else []  # fmt: skip
                         claimed += await self._claim_probes(probes, free - len(claimed))
@@ -207,6 +218,28 @@ class Worker:
         finally:
             self.app.cancel_listeners.remove(self._cancel_requested)
             await self.stop()
+
+    def _pool_room(self, kinds: list[str], free: int) -> tuple[list[str], int]:
+        """The kinds to claim and how many: this process keeps at most a shared pool's
+        capacity of attempts before that pool (claimed, waiting or holding a slot), so a
+        busy pool leaves its tasks PENDING, in the queue, instead of waiting here."""
+        capacities = self.app.settings.pools
+        if not capacities:
+            return kinds, free
+        before = collections.Counter(
+            pool
+            for attempt in self.attempts.values()
+            if not attempt.past_pools
+            for pool in units_needed(self.needs[attempt.kind.name], capacities)
+        )
+        keep = []
+        for kind in kinds:
+            pools = units_needed(self.needs[kind], capacities)
+            room = min((capacities[p] - before[p] for p in pools), default=free)
+            if room > 0:
+                keep.append(kind)
+                free = min(free, room)
+        return keep, free
 
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
         waiters = [asyncio.ensure_future(self._slot_free.wait())]
@@ -323,7 +356,7 @@ class Worker:
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
-        needs = self.app.settings.kind_needs(kind.name, kind.resources)
+        needs = self.needs[kind.name]
         async with self.pool.hold(needs):
             await self._acquire_shared(attempt, needs)
             await self._transition(
@@ -336,6 +369,7 @@ class Worker:
         await self._transition(
             attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
         )
+        attempt.past_pools = True
         self._wake_pool_waiters()  # leaving GENERATING gave the shared slots back
         stored = await self._upload(attempt, produced)
         flagged = bool(kind.review) and await call_review(kind.review, params, produced)  # type: ignore[arg-type]
@@ -359,30 +393,47 @@ class Worker:
         if not units_needed(needs, capacities):
             return
         delay = POOL_POLL_S[0]
-        while True:
-            freed = self._pools_freed  # a slot freed from now on wakes this waiter
-            task = attempt.task
-            try:
-                wait = await self.app.store.acquire_slots(task.id, task.epoch, needs, capacities)
-            except StoreUnavailable as exc:  # keep the place; the lease decides how long
-                log.warning("pool_acquire_failed", extra={**self._ids(attempt),
-                            "error": exc.message})  # fmt: skip
-            else:
-                if wait is None:
-                    attempt.pool_wait = None
-                    return
-                if wait != attempt.pool_wait:
-                    log.info("pool_wait", extra={**self._ids(attempt), "pool": wait.pool,
-                             "position": wait.position, "held": wait.held,
-                             "capacity": wait.capacity})  # fmt: skip
-                attempt.pool_wait = wait
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(freed.wait(), delay * self._rng.uniform(0.5, 1.0))
-            delay = min(delay * 2, POOL_POLL_S[1])
+        self._pool_waiters.append(attempt)
+        try:
+            while True:
+                attempt.pool_wake.clear()  # a wake-up from now on is kept for the wait below
+                task = attempt.task
+                in_line = attempt.pool_wait is not None
+                try:
+                    wait = await self.app.store.acquire_slots(
+                        task.id, task.epoch, needs, capacities, in_line=in_line
+                    )
+                except StoreUnavailable as exc:  # keep the place; the lease decides how long
+                    log.warning("pool_acquire_failed", extra={**self._ids(attempt),
+                                "error": exc.message})  # fmt: skip
+                    wait = attempt.pool_wait
+                else:
+                    if wait is None:
+                        attempt.pool_wait = None
+                        return
+                    if wait != attempt.pool_wait:
+                        log.info("pool_wait", extra={**self._ids(attempt), "pool": wait.pool,
+                                 "position": wait.position, "held": wait.held,
+                                 "capacity": wait.capacity})  # fmt: skip
+                    attempt.pool_wait = wait
+                ceiling = POOL_HEAD_POLL_S if wait and wait.position == 1 else POOL_POLL_S[1]
+                delay = min(delay, ceiling)
+                with contextlib.suppress(TimeoutError):
+                    pause = delay * self._rng.uniform(0.5, 1.0)
+                    await asyncio.wait_for(attempt.pool_wake.wait(), pause)
+                delay = min(delay * 2, ceiling)
+        finally:
+            self._pool_waiters.remove(attempt)
+            self._wake_pool_waiters()  # the next in line may have moved up
 
     def _wake_pool_waiters(self) -> None:
-        self._pools_freed.set()
-        self._pools_freed = asyncio.Event()
+        """A slot of this process came back, or its first waiter left the line: the first
+        waiter asks again now (one ask, not one per waiter), and the claim loop may take
+        more of the pool's tasks."""
+        if self._pool_waiters:
+            self._pool_waiters[0].pool_wake.set()
+        if self.app.settings.pools:
+            self._slot_free.set()
 
     async def _upload(self, attempt: Attempt, produced: list[Output]) -> list[StoredOutput]:
         prefix = attempt.task.result_prefix

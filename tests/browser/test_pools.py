@@ -3,6 +3,10 @@ overview and on its page (a `kiln serve` with `KILN_POOLS=gpu-a100:1`)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,21 +14,39 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from .conftest import Server, launch, unique_prompt, wait_until
+from .conftest import FAST_ENV, Server, launch, unique_prompt, wait_until
 
 pytestmark = pytest.mark.browser
 
 
+POOL_ENV = {"KILN_POOLS": "gpu-a100:1", "KILN_KIND_RESOURCES": "image.generate=gpu-a100:1"}
+
+
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory: pytest.TempPathFactory, chromium_path: str) -> Iterator[Server]:
+    """`kiln serve` plus a second worker process on the same data: a process keeps no more
+    of a pool's tasks than the pool has slots, so a task waits in the pool's line when
+    another process holds the slot."""
     root = tmp_path_factory.mktemp("kiln-pooled")
-    server = launch(
-        root, "pooled", None,
-        KILN_POOLS="gpu-a100:1", KILN_KIND_RESOURCES="image.generate=gpu-a100:1", KILN_GPUS="2",
-    )  # fmt: skip
+    server = launch(root, "pooled", None, KILN_GPUS="2", **POOL_ENV)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(FAST_ENV, **POOL_ENV)
+    with (root / "worker.log").open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "worker", "--data-dir", str(root / "pooled"),
+             "--concurrency", "2", "--gpus", "2"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+        )  # fmt: skip
     try:
         yield server.wait_healthy()
     finally:
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=10)
         server.stop()
 
 

@@ -206,12 +206,15 @@ class Store(Protocol):
         epoch: int,
         needs: Mapping[str, int],
         capacities: Mapping[str, int],
+        *,
+        in_line: bool = False,
     ) -> PoolWait | None:
         """Take ``needs`` units of each pool named in ``capacities`` for the attempt at
         ``epoch`` (WAITING_FOR_RESOURCE), all or none. None: granted (or nothing to take);
         else the task's place in the line, kept for the next call. The slots come back by
         themselves when the task leaves GENERATING or its lease lapses (kiln/store/pools.py).
-        Raises LeaseLost when the task is not held at ``epoch``."""
+        ``in_line``: the task asked before, so a plain read may answer that it still
+        waits. Raises LeaseLost when the task is not held at ``epoch``."""
         ...
 
     async def pool_wait(self, task_id: str) -> PoolWait | None:

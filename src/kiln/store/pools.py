@@ -7,6 +7,11 @@ with an unexpired lease. So a slot needs no renewal and no release of its own: i
 back by itself when the task moves on (generated, failed, cancelled, expired) or when its
 holder dies and the lease lapses. Dead rows are deleted by the next acquire of that pool.
 
+A waiter asks again and again; most asks find the line unchanged. So an ask first reads
+the live lines (one plain query, no lock, no write) and returns the task's place when it
+is in every line and still has to wait; only a first ask, or one where a slot looks free,
+takes the write path.
+
 The line is first come, first served: a waiter gets its slots when the units held plus the
 units of every waiter up to and including it fit the capacity. A task that needs several
 pools takes all or none, and keeps its place in every line while it waits.
@@ -130,3 +135,37 @@ def decide(
 def slot_rows(rows: Iterable[Any]) -> list[SlotRow]:
     """Rows of ``SELECT task_id, units, held, since`` as SlotRows."""
     return [SlotRow(str(r[0]), int(r[1]), bool(r[2]), float(r[3])) for r in rows]
+
+
+def lines_sql(ph: str, count: int) -> str:
+    """The live rows of some pools, for a read-only look at the lines:
+    (pool, ..., now); rows are (pool, task_id, units, held, since)."""
+    marks = ", ".join([ph] * count)
+    return (
+        "SELECT pool, task_id, units, held, since FROM pool_slots"
+        f" WHERE pool IN ({marks}) AND {live_sql(ph)}"
+    )
+
+
+def peek(
+    rows: Iterable[Any], task_id: str, units: Mapping[str, int], capacities: Mapping[str, int]
+) -> PoolWait | None:
+    """From a read of the live lines (:func:`lines_sql`): the task's place when it is in
+    every line and must still wait; None when the write path must decide (a first ask, a
+    lost place, or a slot that looks free)."""
+    lines: dict[str, list[SlotRow]] = {pool: [] for pool in units}
+    for row in rows:
+        lines[str(row[0])].append(SlotRow(str(row[1]), int(row[2]), bool(row[3]), float(row[4])))
+    if any(all(r.task_id != task_id for r in line) for line in lines.values()):
+        return None
+    return decide(lines, task_id, capacities)
+
+
+def live_lines(rows: Iterable[Any], names: Iterable[str]) -> dict[str, list[SlotRow]]:
+    """Rows of (pool, task_id, units, held, since, alive) as each pool's live line."""
+    lines: dict[str, list[SlotRow]] = {pool: [] for pool in names}
+    for row in rows:
+        if row[5]:
+            lines[str(row[0])].append(SlotRow(str(row[1]), int(row[2]), bool(row[3]),
+                                              float(row[4])))  # fmt: skip
+    return lines

@@ -93,7 +93,10 @@ from kiln.store.pools import (
     PoolUsage,
     PoolWait,
     decide,
+    lines_sql,
+    live_lines,
     live_sql,
+    peek,
     slot_rows,
     standing,
     units_needed,
@@ -1335,56 +1338,79 @@ class PostgresStore:
         epoch: int,
         needs: Mapping[str, int],
         capacities: Mapping[str, int],
+        *,
+        in_line: bool = False,
     ) -> PoolWait | None:
         units = units_needed(needs, capacities)
         if not units:
             return None
         names = sorted(units)
+        if in_line:
 
-        async def write(tx: _Tx) -> PoolWait | _Refused | None:
-            now = self.clock()
-            for pool in names:  # in name order: two acquirers never wait on each other
-                await tx.conn.execute(
-                    "INSERT INTO pools (name, capacity) VALUES (%s, %s) ON CONFLICT (name)"
-                    " DO UPDATE SET capacity = EXCLUDED.capacity"
-                    " WHERE pools.capacity <> EXCLUDED.capacity",
-                    (pool, capacities[pool]),
-                )
-            # One acquirer per pool at a time: the counts below must not change under it.
-            await tx.all(
-                "SELECT name FROM pools WHERE name = ANY(%s) ORDER BY name FOR UPDATE", (names,)
-            )
-            row = await tx.one(
-                "SELECT status, epoch, lease_expires_at FROM tasks WHERE id = %s", (task_id,)
-            )
-            if (
-                row is None
-                or row[0] != Status.WAITING_FOR_RESOURCE
-                or row[1] != epoch
-                or (row[2] or 0.0) <= now
-            ):
-                return _Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
-            lines = {}
-            for pool in names:
-                await tx.conn.execute(
-                    f"DELETE FROM pool_slots WHERE pool = %s AND NOT {live_sql('%s')}", (pool, now)
-                )
-                await tx.conn.execute(
-                    "INSERT INTO pool_slots (pool, task_id, epoch, units, held, since)"
-                    " VALUES (%s, %s, %s, %s, false, %s) ON CONFLICT (pool, task_id) DO NOTHING",
-                    (pool, task_id, epoch, units[pool], now),
-                )
-                lines[pool] = slot_rows(await tx.all(
-                    "SELECT task_id, units, held, since FROM pool_slots WHERE pool = %s", (pool,)
-                ))  # fmt: skip
-            wait = decide(lines, task_id, capacities)
-            if wait is None:
-                await tx.conn.execute(
-                    "UPDATE pool_slots SET held = true WHERE task_id = %s AND NOT held", (task_id,)
-                )
-            return wait
+            async def look(tx: _Tx) -> PoolWait | None:
+                rows = await tx.all(lines_sql("%s", len(names)), (*names, self.clock()))
+                return peek(rows, task_id, units, capacities)
 
-        return await self._write(write)
+            still = await self._read(look)
+            if still is not None:  # in line, and no slot for it yet: nothing to write
+                return still
+
+        return await self._write(lambda tx: self._take_slots(tx, task_id, epoch, units, capacities))
+
+    async def _take_slots(
+        self,
+        tx: _Tx,
+        task_id: str,
+        epoch: int,
+        units: dict[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | _Refused | None:
+        names = sorted(units)
+        now = self.clock()
+        # One acquirer per pool at a time (rows locked in name order, so two never wait
+        # on each other): the line read below must not change under it.
+        lock = "SELECT name, capacity FROM pools WHERE name = ANY(%s) ORDER BY name FOR UPDATE"
+        known = dict(await tx.all(lock, (names,)))
+        if any(known.get(pool) != capacities[pool] for pool in names):  # new or resized
+            await tx.conn.execute(
+                "INSERT INTO pools (name, capacity) SELECT * FROM unnest(%s::text[],"
+                " %s::int[]) ON CONFLICT (name) DO UPDATE SET capacity = EXCLUDED.capacity",
+                (names, [capacities[pool] for pool in names]),
+            )
+            await tx.all(lock, (names,))
+        # Into every line, if the attempt still holds its lease (a new attempt of the
+        # task starts again at the end of the line).
+        await tx.conn.execute(
+            "INSERT INTO pool_slots (pool, task_id, epoch, units, held, since)"
+            " SELECT p.pool, t.id, t.epoch, p.units, false, %s FROM tasks t,"
+            " unnest(%s::text[], %s::int[]) AS p(pool, units) WHERE t.id = %s"
+            " AND t.epoch = %s AND t.status = 'WAITING_FOR_RESOURCE'"
+            " AND t.lease_expires_at > %s ON CONFLICT (pool, task_id) DO UPDATE SET"
+            " epoch = EXCLUDED.epoch, units = EXCLUDED.units, held = false,"
+            " since = EXCLUDED.since WHERE pool_slots.epoch <> EXCLUDED.epoch",
+            (now, names, [units[pool] for pool in names], task_id, epoch, now),
+        )
+        rows = await tx.all(
+            f"SELECT pool, task_id, units, held, since, {live_sql('%s')} FROM pool_slots"
+            " WHERE pool = ANY(%s)",
+            (now, names),
+        )
+        dead = [(r[0], r[1]) for r in rows if not r[5]]
+        if dead:  # their attempts moved on or their holders died: the slots are free
+            await tx.conn.execute(
+                "DELETE FROM pool_slots WHERE (pool, task_id) IN"
+                " (SELECT * FROM unnest(%s::text[], %s::text[]))",
+                ([d[0] for d in dead], [d[1] for d in dead]),
+            )
+        lines = live_lines(rows, names)
+        if any(all(r.task_id != task_id for r in line) for line in lines.values()):
+            return _Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
+        wait = decide(lines, task_id, capacities)
+        if wait is None:
+            await tx.conn.execute(
+                "UPDATE pool_slots SET held = true WHERE task_id = %s AND NOT held", (task_id,)
+            )
+        return wait
 
     async def pool_wait(self, task_id: str) -> PoolWait | None:
         async def read(tx: _Tx) -> PoolWait | None:

@@ -83,7 +83,9 @@ from kiln.store.pools import (
     PoolUsage,
     PoolWait,
     decide,
+    lines_sql,
     live_sql,
+    peek,
     slot_rows,
     standing,
     units_needed,
@@ -1338,10 +1340,21 @@ class SqliteStore:
         epoch: int,
         needs: Mapping[str, int],
         capacities: Mapping[str, int],
+        *,
+        in_line: bool = False,
     ) -> PoolWait | None:
         units = units_needed(needs, capacities)
         if not units:
             return None
+        names = sorted(units)
+
+        def look(conn: sqlite3.Connection) -> PoolWait | None:
+            rows = conn.execute(lines_sql("?", len(names)), (*names, self.clock()))
+            return peek(rows, task_id, units, capacities)
+
+        still: PoolWait | None = await self._read(look) if in_line else None
+        if still is not None:  # in line, and no slot for it yet: nothing to write
+            return still
         wait: PoolWait | None = await self._write(
             lambda conn: self._acquire_slots(conn, task_id, epoch, units, capacities)
         )
