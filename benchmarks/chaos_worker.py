@@ -5,8 +5,8 @@ logs, the built-in kinds, ``app.worker``), reads the same ``KILN_*`` variables, 
 wraps the storage: each ``put`` goes wrong with probability ``--fault-rate``, in one of
 three ways a real object store can:
 
-- ``refused``: an OSError, nothing written (a full disk, a refused connection);
-- ``torn``: the object is written, then an OSError (the caller cannot tell it landed);
+- ``refused``: a StorageError, nothing written (a full disk, a refused connection);
+- ``torn``: the object is written, then a StorageError (the caller cannot tell it landed);
 - ``corrupt``: the object is written with its first byte flipped and the put returns.
 
 Each injected fault is appended as one line to ``<fault-log>/<pid>.log`` before it takes
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import os
 import random
 import signal
@@ -29,6 +28,7 @@ from pathlib import Path
 import kiln
 from kiln import backends, logs, transform
 from kiln.config import Settings
+from kiln.errors import StorageError
 from kiln.storage import Storage, StorageWrapper, open_storage
 
 FAULTS = ("refused", "torn", "corrupt")
@@ -51,10 +51,10 @@ class FaultyStorage(StorageWrapper):
         fault = self.rng.choice(FAULTS)
         self._record(fault, key)
         if fault == "refused":
-            raise OSError(errno.EIO, f"injected fault: write of {key} refused")
+            raise StorageError(f"injected fault: write of {key} refused")
         if fault == "torn":
             await self.inner.put(key, data)
-            raise OSError(errno.EIO, f"injected fault: write of {key} reported failed")
+            raise StorageError(f"injected fault: write of {key} reported failed")
         flipped = bytes([data[0] ^ 0xFF]) + data[1:] if data else b"\x00"
         await self.inner.put(key, flipped)
 
