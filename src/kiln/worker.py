@@ -195,6 +195,7 @@ class Worker:
                 free = self.concurrency - len(self.attempts)
                 if free > 0:
                     self.app.wake.clear()
+                    claimed: list[Task] = []
                     try:
                         kinds, probes = await self.breakers.claimable(self.kinds)
                         kinds, limit = self._pool_room(kinds, free)
@@ -202,14 +203,19 @@ class Worker:
                             worker_id=self.worker_id, kinds=kinds, limit=limit,
                             lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
                         ) if kinds else []  # fmt: skip
-                        claimed += await self._claim_probes(probes, free - len(claimed))
-                    except StoreUnavailable as exc:  # wait for the store, claim nothing
+                        for task in claimed:  # claimed is committed: run it, whatever follows
+                            self._start(task)
+                        probes, room = self._pool_room(probes, free - len(claimed))
+                        found = await self._claim_probes(probes, room)
+                        for task in found:
+                            self._start(task)
+                        claimed += found
+                    except StoreUnavailable as exc:  # wait for the store
                         log.warning("claim_failed", extra={"error": exc.message})
-                        await self._idle(idle_s, False)
-                        idle_s = min(idle_s * 2, self.idle_poll_s[1])
-                        continue
-                    for task in claimed:
-                        self._start(task)
+                        if not claimed:
+                            await self._idle(idle_s, False)
+                            idle_s = min(idle_s * 2, self.idle_poll_s[1])
+                            continue
                     if claimed:
                         idle_s = self.idle_poll_s[0]
                         continue
@@ -279,7 +285,7 @@ class Worker:
             while left:
                 found = await self.app.store.claim(
                     worker_id=self.worker_id, kinds=[left[0]], limit=1,
-                    lease_ttl_s=self.lease_ttl_s,
+                    lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
                 ) if len(claimed) < free else []  # fmt: skip
                 self.breakers.probing(left.pop(0), found[0].id if found else None)
                 for task in found:
@@ -359,6 +365,8 @@ class Worker:
         needs = self.needs[kind.name]
         async with self.pool.hold(needs):
             await self._acquire_shared(attempt, needs)
+            if self._pool_lease_lapsed(attempt):  # the slot may be another task's by now
+                raise LeaseLost(f"the lease of {attempt.task.id} lapsed while it took a slot")
             await self._transition(
                 attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
             )
@@ -510,7 +518,20 @@ class Worker:
             if not attempt.ended:
                 await self._beat(attempt, with_progress=attempt.progress_dirty)
 
+    def _pool_lease_lapsed(self, attempt: Attempt) -> bool:
+        """A shared pool's slot counts only while the attempt's lease runs: once it lapsed
+        (a paused process, a store that did not answer) another task may hold the slot,
+        so an attempt before or in a pool stops instead of renewing the lease."""
+        if attempt.past_pools or not units_needed(self.needs[attempt.kind.name],
+                                                   self.app.settings.pools):  # fmt: skip
+            return False
+        return self.app.now() >= (attempt.task.lease_expires_at or 0.0)
+
     async def _beat(self, attempt: Attempt, *, with_progress: bool) -> None:
+        if self._pool_lease_lapsed(attempt):
+            log.warning("pool_lease_lapsed", extra=self._ids(attempt))
+            self._halt(attempt, "lease_lost")
+            return
         progress = attempt.progress if with_progress else None
         try:
             task = await self.app.store.heartbeat(

@@ -3,14 +3,19 @@ and a killed holder's slot comes back by itself (its lease lapses; no one releas
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import kiln
+from kiln import demo
 from kiln.app import running
+from kiln.config import Settings
 from kiln.models import TaskEvent
 from kiln.states import Event, Status
 
 from .conftest import (
+    AdvancingClock,
     WorkerProcesses,
     assert_one_final_state,
     demo_params,
@@ -112,3 +117,33 @@ async def test_a_killed_holders_slot_comes_back_by_itself(
     assert [e.event for e in heron if e.event is Event.EXPIRE] == [Event.EXPIRE]
     usage = {p.name: (p.held, p.waiting) for p in await store.pools()}
     assert usage == {"gpu-a100": (0, 0)}
+
+
+async def test_an_attempt_whose_lease_lapsed_stops_instead_of_renewing_it(
+    settings: Settings, clock: AdvancingClock
+) -> None:
+    # Given a task generating with the only slot of a pool, on the fake clock
+    pooled = settings.with_(pools={"gpu-a100": 1},
+                            kind_resources={"image.generate": {"gpu-a100": 1}})  # fmt: skip
+    async with kiln.App(settings=pooled, clock=clock) as app:
+        demo.register(app)
+        params = demo_params("a heron", steps=150, step_ms=60)
+        task = (await app.submit("image.generate", params)).task
+        worker = app.worker(concurrency=1)
+        async with running(worker.run()):
+            generating = await wait_for_status(app.store, task.id, Status.GENERATING)
+            assert generating.lease_expires_at is not None
+            # When its lease lapses without a heartbeat landing (a paused process): another
+            # task may hold the slot now
+            clock.advance(pooled.lease_ttl_s + 1)
+            # Then the attempt stops at its next heartbeat instead of renewing the lease
+            await wait_until(lambda: _no_attempts(worker), timeout_s=10, what="the attempt to stop")
+        after = await app.get(task.id)
+        assert (after.status, after.epoch) == (Status.GENERATING, generating.epoch)
+        assert after.lease_expires_at is not None and after.lease_expires_at <= clock()
+        usage = {p.name: p.held for p in await app.store.pools()}
+        assert usage == {"gpu-a100": 0}  # the lapsed lease already gave the slot back
+
+
+async def _no_attempts(worker: Any) -> bool:
+    return not worker.attempts

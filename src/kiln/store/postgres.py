@@ -184,7 +184,9 @@ _ENQUEUE_SQL = (
     " %s::text[], %s::int[], %s::float8[], %s::text[], %s::int[], %s::float8[], %s::float8[])"
     " AS d(event_id, seq, task_id, tenant, event, url, payload, status, attempts,"
     " next_attempt_at, last_error, response_status, created_at, updated_at)"
-    " WHERE EXISTS (SELECT 1 FROM tasks t WHERE t.id = d.task_id)"
+    # KEY SHARE: a purge (which locks its tasks FOR UPDATE first) either waits for this
+    # insert and deletes the rows with the task, or has taken the task and this skips it.
+    " WHERE EXISTS (SELECT 1 FROM tasks t WHERE t.id = d.task_id FOR KEY SHARE)"
     " ON CONFLICT (event_id) DO NOTHING"
 )
 #: The event tail: rows after a seq, with the snapshot they were read in.
