@@ -153,19 +153,24 @@ def peek(
     """From a read of the live lines (:func:`lines_sql`): the task's place when it is in
     every line and must still wait; None when the write path must decide (a first ask, a
     lost place, or a slot that looks free)."""
-    lines: dict[str, list[SlotRow]] = {pool: [] for pool in units}
-    for row in rows:
-        lines[str(row[0])].append(SlotRow(str(row[1]), int(row[2]), bool(row[3]), float(row[4])))
-    if any(all(r.task_id != task_id for r in line) for line in lines.values()):
+    lines = by_pool(rows, units)
+    if not in_every_line(lines, task_id):
         return None
     return decide(lines, task_id, capacities)
 
 
-def live_lines(rows: Iterable[Any], names: Iterable[str]) -> dict[str, list[SlotRow]]:
-    """Rows of (pool, task_id, units, held, since, alive) as each pool's live line."""
+def by_pool(rows: Iterable[Any], names: Iterable[str]) -> dict[str, list[SlotRow]]:
+    """Rows of (pool, task_id, units, held, since) as each named pool's line."""
     lines: dict[str, list[SlotRow]] = {pool: [] for pool in names}
     for row in rows:
-        if row[5]:
-            lines[str(row[0])].append(SlotRow(str(row[1]), int(row[2]), bool(row[3]),
-                                              float(row[4])))  # fmt: skip
+        lines[str(row[0])] += slot_rows([row[1:5]])
     return lines
+
+
+def live_lines(rows: Iterable[Any], names: Iterable[str]) -> dict[str, list[SlotRow]]:
+    """Rows of (pool, task_id, units, held, since, alive) as each pool's live line."""
+    return by_pool((row for row in rows if row[5]), names)
+
+
+def in_every_line(lines: Mapping[str, list[SlotRow]], task_id: str) -> bool:
+    return all(any(r.task_id == task_id for r in line) for line in lines.values())

@@ -93,6 +93,7 @@ from kiln.store.pools import (
     PoolUsage,
     PoolWait,
     decide,
+    in_every_line,
     lines_sql,
     live_lines,
     live_sql,
@@ -1405,7 +1406,7 @@ class PostgresStore:
                 ([d[0] for d in dead], [d[1] for d in dead]),
             )
         lines = live_lines(rows, names)
-        if any(all(r.task_id != task_id for r in line) for line in lines.values()):
+        if not in_every_line(lines, task_id):
             return _Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
         wait = decide(lines, task_id, capacities)
         if wait is None:
