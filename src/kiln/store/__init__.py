@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
 from kiln.limits import Rate
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import Event, Status
@@ -20,10 +21,6 @@ from kiln.store.pools import PoolUsage, PoolWait
 
 Clock = Callable[[], float]
 
-#: Counter of failed attempts per minute, labels ``<minute since epoch, 10 digits>:<tenant>:
-#: <code>``, so a time range is a key range. Buckets older than a day are dropped.
-FAILURES_BY_MINUTE = "failures_by_minute"
-FAILURE_BUCKETS_KEPT_MIN = 24 * 60
 
 
 @dataclass(frozen=True, slots=True)
