@@ -14,26 +14,15 @@ import pytest
 
 from kiln.errors import StoreUnavailable
 from kiln.states import Status
-from kiln.store.claims import heads_sql, levels_sql
-from kiln.store.postgres import (
-    CLAIM_CANDIDATES_SQL,
-    DEDUP_LOOKUP_SQL,
-    DUE_CANCEL_SQL,
-    DUE_SQL,
-    DWELL_SQL,
-    DWELL_TENANT_SQL,
-    GHOSTS_SQL,
-    QUEUE_AHEAD_SQL,
-    PostgresStore,
-    migrate,
-    migrations,
-)
-from kiln.store.rows import purge_candidates
+from kiln.store.postgres import PostgresStore, migrate
+from kiln.store.queries import migrations, queries
+from kiln.store.sqlstore import purge_candidates
 from services.postgres import PostgresServer, free_port
 
 from .factories import KIND, make_new_task
 
 pytestmark = pytest.mark.postgres
+Q = queries("postgres")
 
 
 @pytest.fixture
@@ -195,20 +184,20 @@ def filled(postgres_server: PostgresServer) -> Iterator[psycopg.Connection[Any]]
 
 
 HOT = {
-    "claim candidates": (CLAIM_CANDIDATES_SQL, ("k1", 1e9, 1e9, 8)),
-    "dedup lookup": (DEDUP_LOOKUP_SQL, ("t1", "d8")),
-    "claim a tenant's line": (heads_sql("%s", tenant=True, level=False), ("k1", "t1", 1e9, 1e9, 8)),
-    "claim a priority level": (heads_sql("%s", tenant=False, level=True), ("k1", 2, 1e9, 1e9, 8)),
-    "priority levels": (levels_sql("%s", tenant=True), ("k1", "t1", "k1", "t1")),
-    "queue position": (QUEUE_AHEAD_SQL, ("k1", 1e9, 1e9, 2, 2, 500.0, 500.0, "tsk_x")),
-    "due": (DUE_SQL, (100.0, 100)),
-    "due cancels": (DUE_CANCEL_SQL, (100.0, 100)),
-    "ghosts": (GHOSTS_SQL, (100.0, 100.0)),
-    "dwell": (DWELL_SQL, (10_000,)),
-    "dwell of a tenant": (DWELL_TENANT_SQL, ("t3", 10_000)),
-    "purge": (purge_candidates("%s", 1e9, None, (), 500)[0], (1e9, 500)),
+    "claim candidates": (Q.claim_candidates, ("k1", 1e9, 1e9, 8)),
+    "dedup lookup": (Q.dedup_lookup, ("t1", "d8")),
+    "claim a tenant's line": (Q.heads_of_tenant, ("k1", "t1", 1e9, 1e9, 8)),
+    "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),
+    "priority levels": (Q.levels_of_tenant, ("k1", "t1", "k1", "t1")),
+    "queue position": (Q.queue_ahead, ("k1", 1e9, 1e9, 2, 2, 500.0, 500.0, "tsk_x")),
+    "due": (Q.due, (100.0, 100)),
+    "due cancels": (Q.due_cancel, (100.0, 100)),
+    "ghosts": (Q.ghosts, (100.0, 100.0)),
+    "dwell": (Q.dwell, (10_000,)),
+    "dwell of a tenant": (Q.dwell_of_tenant, ("t3", 10_000)),
+    "purge": (Q.sql(purge_candidates(1e9, None, (), 500)[0]), (1e9, 500)),
     "purge sparing tenants": (
-        purge_candidates("%s", 1e9, None, ("t1",), 500)[0],
+        Q.sql(purge_candidates(1e9, None, ("t1",), 500)[0]),
         (1e9, "t1", 500),
     ),
 }
@@ -247,11 +236,11 @@ async def test_migrations_apply_once_across_concurrent_processes(
 
     applied = await asyncio.gather(*(run() for _ in range(4)))
     # Then every version was applied once, and once more is nothing
-    assert sum(applied) == len(migrations())
+    assert sum(applied) == len(migrations("postgres"))
     assert await run() == 0
     with psycopg.connect(url) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
-    assert sorted(versions) == [v for v, _, _ in migrations()]
+    assert sorted(versions) == [v for v, _, _ in migrations("postgres")]
 
 
 async def test_a_store_upgrades_a_database_at_an_older_version_in_place(
@@ -259,7 +248,7 @@ async def test_a_store_upgrades_a_database_at_an_older_version_in_place(
 ) -> None:
     # Given a database with a task, migrated up to the first version only
     url = postgres_server.new_database(template=None)
-    first_version, _, first_sql = migrations()[0]
+    first_version, _, first_sql = migrations("postgres")[0]
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(first_sql.encode())
         conn.execute(
@@ -305,6 +294,6 @@ async def test_many_first_calls_at_once_migrate_once(postgres_server: PostgresSe
         assert found == [None] * 200
         with psycopg.connect(url) as conn:
             versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
-        assert sorted(versions) == [v for v, _, _ in migrations()]
+        assert sorted(versions) == [v for v, _, _ in migrations("postgres")]
     finally:
         await store.close()

@@ -1,6 +1,6 @@
 """SQLite-only checks: the hot queries' plans use their indexes, and migrations.
 
-The query texts are the store's own constants, so a change to a query is checked here.
+The query texts are the store's own named queries, so a change to a query is checked here.
 """
 
 from __future__ import annotations
@@ -13,22 +13,9 @@ from typing import Any
 
 import pytest
 
-from kiln.store.claims import ahead_sql, heads_sql, levels_sql
-from kiln.store.rows import purge_candidates
-from kiln.store.sqlite import (
-    CLAIM_CANDIDATES_SQL,
-    DEDUP_LOOKUP_SQL,
-    DUE_CANCEL_SQL,
-    DUE_SQL,
-    DWELL_SQL,
-    DWELL_TENANT_SQL,
-    GHOSTS_SQL,
-    QUEUE_AHEAD_SQL,
-    SqliteStore,
-    connect,
-    migrate,
-    migrations,
-)
+from kiln.store.queries import migrations, queries
+from kiln.store.sqlite import SqliteStore, connect, migrate
+from kiln.store.sqlstore import purge_candidates
 
 from .factories import make_new_task
 
@@ -62,48 +49,50 @@ SELECT printf('tsk_%08d', i), 't' || (i % 7), 'kind.' || (i % 4), status, i % 3,
 FROM shaped
 """
 
+Q = queries("sqlite")
+
 #: name -> (query, parameters, the indexes it may use)
 HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
-    "claim": (CLAIM_CANDIDATES_SQL, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
-    "due": (DUE_SQL, (NOW, 500), ("tasks_due",)),
-    "due_cancel": (DUE_CANCEL_SQL, (NOW - 10, 500), ("tasks_cancel_due",)),
-    "ghosts": (GHOSTS_SQL, (NOW - 30, NOW - 30), ("tasks_due",)),
+    "claim": (Q.claim_candidates, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
+    "due": (Q.due, (NOW, 500), ("tasks_due",)),
+    "due_cancel": (Q.due_cancel, (NOW - 10, 500), ("tasks_cancel_due",)),
+    "ghosts": (Q.ghosts, (NOW - 30, NOW - 30), ("tasks_due",)),
     "ghosts_of_tenant": (
-        GHOSTS_SQL + " AND tenant = ?",
+        Q.ghosts_of_tenant,
         (NOW - 30, NOW - 30, "t1"),
         ("tasks_due", "tasks_tenant_status_id"),
     ),
-    "dedup_lookup": (DEDUP_LOOKUP_SQL, ("t1", "d17"), ("tasks_dedup",)),
-    "purge": (purge_candidates("?", NOW, None, (), 500)[0], (NOW, 500), ("tasks_finished",)),
+    "dedup_lookup": (Q.dedup_lookup, ("t1", "d17"), ("tasks_dedup",)),
+    "purge": (Q.sql(purge_candidates(NOW, None, (), 500)[0]), (NOW, 500), ("tasks_finished",)),
     "purge_sparing_tenants": (
-        purge_candidates("?", NOW, None, ("t1", "t2"), 500)[0],
+        Q.sql(purge_candidates(NOW, None, ("t1", "t2"), 500)[0]),
         (NOW, "t1", "t2", 500),
         ("tasks_finished",),
     ),
-    "dwell_of_tenant": (DWELL_TENANT_SQL, ("t1", 10_000), ("events_tenant",)),
+    "dwell_of_tenant": (Q.dwell_of_tenant, ("t1", 10_000), ("events_tenant",)),
     "claim_tenant_line": (
-        heads_sql("?", tenant=True, level=False),
+        Q.heads_of_tenant,
         ("kind.1", "t1", NOW, NOW, 16),
         ("tasks_claim_tenant",),
     ),
     "claim_priority_level": (
-        heads_sql("?", tenant=False, level=True),
+        Q.heads_of_level,
         ("kind.1", 2, NOW, NOW, 16),
         ("tasks_claim",),
     ),
     "claim_tenant_priority_level": (
-        heads_sql("?", tenant=True, level=True),
+        Q.heads_of_tenant_level,
         ("kind.1", "t1", 2, NOW, NOW, 16),
         ("tasks_claim_tenant",),
     ),
-    "priority_levels": (levels_sql("?", tenant=False), ("kind.1", "kind.1"), ("tasks_claim",)),
+    "priority_levels": (Q.levels, ("kind.1", "kind.1"), ("tasks_claim",)),
     "queue_position_aging_level": (
-        ahead_sql("?", tenant=False, level=True),
+        Q.queue_ahead_of_level,
         ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
         ("tasks_claim",),
     ),
     "queue_position": (
-        QUEUE_AHEAD_SQL,
+        Q.queue_ahead,
         ("kind.1", NOW, NOW, 1, 1, NOW - 500, NOW - 500, "tsk_00000500"),
         ("tasks_claim", "tasks_ready"),
     ),
@@ -114,6 +103,7 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
 def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sqlite3.Connection]:
     path = tmp_path_factory.mktemp("plans") / "kiln.db"
     conn = connect(str(path))
+    conn.row_factory = sqlite3.Row
     migrate(conn)
     conn.execute(FILL_SQL, {"count": TASKS, "now": NOW})
     conn.execute("ANALYZE")
@@ -148,7 +138,7 @@ def test_hot_query_reads_through_its_index(filled: sqlite3.Connection, name: str
 def test_dwell_of_all_tenants_reads_only_the_latest_events(filled: sqlite3.Connection) -> None:
     # The event log is read backwards in seq (rowid) order: the LIMIT stops the scan, and
     # nothing is sorted, so the cost is the window, not the log's length.
-    details = plan(filled, DWELL_SQL, (10_000,))
+    details = plan(filled, Q.dwell, (10_000,))
     assert details == ["SCAN events"], details
 
 
@@ -173,7 +163,7 @@ def declared_schema(directory: Path) -> set[tuple[str, str, str, str]]:
     """Every migration file run as one script on an empty database."""
     conn = sqlite3.connect(directory / "declared.db")
     try:
-        conn.executescript("\n".join(sql for _, _, sql in migrations()))
+        conn.executescript("\n".join(sql for _, _, sql in migrations("sqlite")))
         return schema(conn)
     finally:
         conn.close()
@@ -186,16 +176,16 @@ def migrated_from(directory: Path, applied_first: int) -> sqlite3.Connection:
         "CREATE TABLE schema_migrations "
         "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
     )
-    for version, name, sql in migrations()[:applied_first]:
+    for version, name, sql in migrations("sqlite")[:applied_first]:
         conn.executescript(sql)
         conn.execute("INSERT INTO schema_migrations VALUES (?, ?, 'then')", (version, name))
     applied = migrate(conn)
-    assert applied == len(migrations()) - applied_first
+    assert applied == len(migrations("sqlite")) - applied_first
     return conn
 
 
 def test_there_is_at_least_one_numbered_migration() -> None:
-    versions = [version for version, _, _ in migrations()]
+    versions = [version for version, _, _ in migrations("sqlite")]
     assert versions
     assert versions == sorted(set(versions))
 
@@ -207,7 +197,7 @@ def test_migrated_schema_equals_the_declared_one(tmp_path: Path) -> None:
         name for _, name, _, _ in declared
     }
     # Then a database migrated from any earlier version ends with exactly that schema
-    for applied_first in range(len(migrations())):
+    for applied_first in range(len(migrations("sqlite"))):
         conn = migrated_from(tmp_path, applied_first)
         try:
             assert schema(conn) == declared
@@ -218,7 +208,7 @@ def test_migrated_schema_equals_the_declared_one(tmp_path: Path) -> None:
 def test_migrating_twice_is_a_no_op(tmp_path: Path) -> None:
     conn = connect(str(tmp_path / "kiln.db"))
     try:
-        assert migrate(conn) == len(migrations())
+        assert migrate(conn) == len(migrations("sqlite"))
         before = schema(conn), conn.execute("SELECT * FROM schema_migrations").fetchall()
         assert migrate(conn) == 0
         after = schema(conn), conn.execute("SELECT * FROM schema_migrations").fetchall()
@@ -248,11 +238,11 @@ def test_concurrent_migrations_apply_each_version_once(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     # Then every version was applied exactly once (each by whichever got there first)
-    assert len(applied) == 4 and sum(applied) == len(migrations())
+    assert len(applied) == 4 and sum(applied) == len(migrations("sqlite"))
     conn = connect(path)
     try:
         assert conn.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == len(
-            migrations()
+            migrations("sqlite")
         )
     finally:
         conn.close()

@@ -8,97 +8,24 @@ how to insert-or-get a submission, and how to find what is due.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
 from kiln.limits import Rate
-from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import Event, Status
+from kiln.models import NewTask, SubmitResult, Task, TaskEvent
+from kiln.states import Status
 from kiln.store.claims import ClaimPolicy
 from kiln.store.outbox import WebhookAttempt, WebhookDelivery, WebhookScan
 from kiln.store.pools import PoolUsage, PoolWait
-
-Clock = Callable[[], float]
-
-
-
-@dataclass(frozen=True, slots=True)
-class LeaderToken:
-    """Proof of leadership: writes made with it are refused once another leader took over."""
-
-    name: str
-    owner: str
-    epoch: int
-    expires_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class BreakerRecord:
-    """A circuit breaker's state as every process shares it (kiln.breakers).
-
-    ``state`` is closed, open or half_open. Open: calls are refused until
-    ``opened_until``; half_open: the process ``by`` holds the one probe until then.
-    """
-
-    name: str
-    state: str
-    opened_until: float | None
-    updated_at: float
-    by: str
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One compare-and-set on a task plus the event rows of its status changes.
-
-    The UPDATE matches only ``(task_id, expect_status, expect_epoch)``; ``steps`` chain
-    from ``expect_status`` (``fail`` then ``schedule_retry`` is two steps, one
-    transaction). ``fields`` are the columns to set besides status and bookkeeping.
-    """
-
-    task_id: str
-    expect_status: Status
-    expect_epoch: int | None
-    steps: tuple[tuple[Event, Status], ...]
-    fields: dict[str, Any] = field(default_factory=dict)
-    error: JSON | None = None
-    bump_epoch: bool = False
-    fenced: bool = False
-    leader: LeaderToken | None = None
-    counters: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    stage: str | None
-    step: int | None
-    total: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Due:
-    """What a supervisor sweep must act on, bounded by the sweep's limit.
-
-    Each task is filed under one reason, the first that applies: deadline passed, lease
-    expired, state timeout; overdue cancels are found apart.
-    """
-
-    lease_expired: list[Task]
-    state_expired: list[Task]
-    deadline_passed: list[Task]
-    cancel_overdue: list[Task]
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    counts: dict[str, int]
-    failures: dict[str, int]
-    dwell_seconds: dict[str, dict[str, float]]
-    ghosts: int
-    oldest_ready_at: float | None
-    #: Failed attempts by code over the last 60 minutes (per-minute buckets).
-    failures_last_hour: dict[str, int] = field(default_factory=dict)
+from kiln.store.records import (
+    BreakerRecord,
+    Change,
+    Clock,
+    Due,
+    LeaderToken,
+    Progress,
+    Stats,
+)
 
 
 class Store(Protocol):
@@ -139,6 +66,14 @@ class Store(Protocol):
         ...
 
     async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]: ...
+
+    async def apply_many(
+        self, changes: Sequence[Change]
+    ) -> list[tuple[Task, list[TaskEvent]] | Exception]:
+        """Apply several tasks' changes in one call (one group commit, one transaction on
+        PostgreSQL), each its own compare-and-set: a refused change comes back as its
+        error (LeaseLost, Conflict, ...) and the others commit (I11)."""
+        ...
 
     async def heartbeat(
         self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
@@ -300,3 +235,18 @@ def open_store(
 
         return PostgresStore(url, clock=clock or time.time, pool_size=pool_size)
     raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path.db or postgresql://...")
+
+
+__all__ = [
+    "FAILURES_BY_MINUTE",
+    "FAILURE_BUCKETS_KEPT_MIN",
+    "BreakerRecord",
+    "Change",
+    "Clock",
+    "Due",
+    "LeaderToken",
+    "Progress",
+    "Stats",
+    "Store",
+    "open_store",
+]

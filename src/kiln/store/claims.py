@@ -22,15 +22,24 @@ tenants there are); tenants with ready work come from the per-status counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kiln import counters as names
+from kiln.models import Task
+from kiln.states import CLAIMABLE, Event, Status
+from kiln.store.queries import Queries
+from kiln.store.rows import task_from_row
+from kiln.store.tx import EventRow, Op, Tx
 
 if TYPE_CHECKING:
     from kiln.config import Settings
 
-CLAIMABLE_SQL = "('PENDING', 'RETRYING')"
-RUNNING_SQL = "('WAITING_FOR_RESOURCE', 'GENERATING', 'UPLOADING')"
+T = TypeVar("T")
+log = logging.getLogger("kiln.store")
+
 #: Tenants whose lines one claim reads at most (the next claim goes on from there).
 MAX_TENANTS = 32
 
@@ -73,61 +82,9 @@ class Candidate:
     tenant: str
 
 
-#: Columns of a candidate row, in :class:`Candidate` order.
-CANDIDATE_COLUMNS = "id, priority, ready_at, status, status_since, version, tenant"
-
-
 def candidates(rows: Iterable[Sequence[Any]]) -> list[Candidate]:
     return [Candidate(r[0], int(r[1]), float(r[2]), r[3], float(r[4]), int(r[5]), r[6])
             for r in rows]  # fmt: skip
-
-
-def levels_sql(ph: str, *, tenant: bool) -> str:
-    """The distinct priorities of a kind's (or a kind and tenant's) claimable tasks, highest
-    first, each found by one index probe: (kind, [tenant,] kind, [tenant])."""
-    where = f"kind = {ph}" + (f" AND tenant = {ph}" if tenant else "")
-    where += f" AND status IN {CLAIMABLE_SQL}"
-    return (
-        "WITH RECURSIVE levels(p) AS ("
-        f" SELECT (SELECT priority FROM tasks WHERE {where} ORDER BY priority DESC LIMIT 1)"
-        " UNION ALL"
-        f" SELECT (SELECT priority FROM tasks WHERE {where} AND priority < levels.p"
-        " ORDER BY priority DESC LIMIT 1) FROM levels WHERE levels.p IS NOT NULL"
-        ") SELECT p FROM levels WHERE p IS NOT NULL"
-    )
-
-
-def heads_sql(ph: str, *, tenant: bool, level: bool) -> str:
-    """The first ready tasks of a line: (kind, [tenant,] [priority,] now, now, limit)."""
-    where = f"kind = {ph}" + (f" AND tenant = {ph}" if tenant else "")
-    where += f" AND status IN {CLAIMABLE_SQL}"
-    order = "ready_at, id"
-    if level:
-        where += f" AND priority = {ph}"
-    else:
-        order = "priority DESC, ready_at, id"
-    return (
-        f"SELECT {CANDIDATE_COLUMNS} FROM tasks WHERE {where}"
-        f" AND ready_at <= {ph} AND deadline_at > {ph} ORDER BY {order} LIMIT {ph}"
-    )
-
-
-#: Tenants with claimable tasks (from the per-status counts; no task row is read).
-READY_TENANTS_SQL = (
-    f"SELECT tenant FROM task_counts WHERE status IN {CLAIMABLE_SQL}"
-    " GROUP BY tenant HAVING sum(n) > 0 ORDER BY tenant"
-)
-
-
-def running_sql(ph: str, count: int) -> str:
-    """Claimed-and-unfinished tasks of some (capped) tenants, counted from the tasks
-    themselves so a claim sees its own transaction's earlier claims: (tenant, ...). The
-    cost follows the caps: at most a cap's worth of rows per tenant."""
-    marks = ", ".join([ph] * count)
-    return (
-        f"SELECT tenant, COUNT(*) FROM tasks WHERE tenant IN ({marks})"
-        f" AND status IN {RUNNING_SQL} GROUP BY tenant"
-    )
 
 
 def order_key(policy: ClaimPolicy) -> Any:
@@ -202,39 +159,6 @@ def room(
     return found
 
 
-def ahead_sql(ph: str, *, tenant: bool, level: bool) -> str:
-    """Ready tasks of a line claimed before a given one.
-
-    By level (aging): (kind, [tenant,] priority, now, now, bound, bound, id): those of one
-    priority level that became ready before ``bound``, the ready time at which that level
-    ties with the task. Else (kind, [tenant,] now, now, priority, priority, ready_at,
-    ready_at, id): the plain order.
-    """
-    where = f"kind = {ph}" + (f" AND tenant = {ph}" if tenant else "")
-    where += f" AND status IN {CLAIMABLE_SQL}"
-    if level:
-        return (
-            f"SELECT COUNT(*) FROM tasks WHERE {where} AND priority = {ph}"
-            f" AND ready_at <= {ph} AND deadline_at > {ph}"
-            f" AND (ready_at < {ph} OR (ready_at = {ph} AND id < {ph}))"
-        )
-    return (
-        f"SELECT COUNT(*) FROM tasks WHERE {where} AND ready_at <= {ph} AND deadline_at > {ph}"
-        f" AND (priority > {ph} OR (priority = {ph} AND (ready_at < {ph}"
-        f" OR (ready_at = {ph} AND id < {ph}))))"
-    )
-
-
-def tenant_depth_sql(ph: str) -> str:
-    """How many ready tasks a tenant's line holds, counted up to a bound:
-    (kind, tenant, now, now, bound)."""
-    return (
-        "SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = "
-        f"{ph} AND tenant = {ph} AND status IN {CLAIMABLE_SQL} AND ready_at <= {ph}"
-        f" AND deadline_at > {ph} LIMIT {ph}) AS line"
-    )
-
-
 def ahead_args(
     kind: str, tenant: str | None, level: int | None, task: Any, now: float, aging_s: float | None
 ) -> tuple[Any, ...]:
@@ -264,3 +188,181 @@ def claim_policy(settings: Settings) -> ClaimPolicy | None:
                       if lim.running is not None},
     )  # fmt: skip
     return None if policy.plain else policy
+
+
+#: The PostgreSQL advisory lock namespace of capped tenants' claims ("kcap").
+ADVISORY_CAPS = 0x6B636170
+
+
+class ClaimOps:
+    """Claims and queue positions, for :class:`kiln.store.sqlstore.SqlStore`."""
+
+    q: Queries
+    clock: Callable[[], float]
+    _claim_turn: int
+
+    async def _write(self, op: Op[T]) -> T:
+        raise NotImplementedError
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def claim(
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
+    ) -> list[Task]:
+        if not kinds or limit <= 0:
+            return []
+        self._claim_turn += 1
+        turn_no = self._claim_turn
+        return await self._write(
+            lambda tx: self._claim(tx, worker_id, kinds, limit, lease_ttl_s, policy, turn_no)
+        )
+
+    async def _claim(
+        self,
+        tx: Tx,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None,
+        turn_no: int,
+    ) -> list[Task]:
+        now = self.clock()
+        if policy is None or policy.plain:
+            found: list[Candidate] = []
+            for kind in kinds:  # locked on PostgreSQL (SKIP LOCKED)
+                found += candidates(await tx.all(self.q.claim_candidates, (kind, now, now, limit)))
+            chosen = sorted(found, key=lambda c: (-c.priority, c.ready_at, c.id))[:limit]
+        else:
+            chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no)
+        if not chosen:
+            return []
+        args = (worker_id, now + lease_ttl_s, now, now, now, now, [c.id for c in chosen])
+        by_id = {row[0]: task_from_row(row) for row in await tx.all(self.q.claim_tasks, args)}
+        claimed: list[Task] = []
+        events: list[EventRow] = []
+        for cand in chosen:  # in claim order
+            task = by_id.get(cand.id)
+            if task is None:
+                continue
+            source, dwell = Status(cand.status), now - cand.status_since
+            events.append(EventRow(task, task.version, Event.CLAIM, source,
+                                   Status.WAITING_FOR_RESOURCE, None, now, dwell))  # fmt: skip
+            log_claim(task, source, dwell, worker_id)
+            tx.count_status(task.tenant, source, -1)
+            tx.count_status(task.tenant, Status.WAITING_FOR_RESOURCE, 1)
+            tx.bump(names.TRANSITIONS, f"{source}>{Status.WAITING_FOR_RESOURCE}")
+            claimed.append(task)
+        await tx.insert_events(events)
+        return claimed
+
+    async def _policy_candidates(
+        self, tx: Tx, kinds: list[str], limit: int, policy: ClaimPolicy, now: float, turn_no: int
+    ) -> list[Candidate]:
+        """What a claim under ``policy`` takes, in claim order, locked: rows are read
+        unlocked, chosen, then locked (SKIP LOCKED: another claim's pick is left to it).
+        A capped tenant is claimed for by one claim at a time (a lock on PostgreSQL; the
+        SQLite writer is serial), so its cap holds across workers."""
+        rooms: dict[str, int | None] = {}
+        tenants: list[str] = []
+        lines: list[str | None] = [None]
+        if policy.by_tenant:
+            tenants = turn([r[0] for r in await tx.all(self.q.ready_tenants)], turn_no)
+            capped = [t for t in tenants if policy.cap(t) is not None]
+            rooms = room(policy, tenants, await self._running(tx, capped))
+            lines = [t for t in tenants if rooms[t] != 0]
+        found: list[Candidate] = []
+        for kind in kinds:
+            for tenant in lines:
+                spare = rooms.get(tenant) if tenant is not None else None
+                take = limit if spare is None else min(limit, spare)
+                found += await self._line(tx, kind, tenant, policy.aging_s, now, take)
+        picked = choose(found, limit, policy, rooms, tenants)
+        locking = sorted({c.tenant for c in picked if policy.cap(c.tenant) is not None})
+        if locking:
+            for tenant in locking:  # in name order: two claims never wait on each other
+                await tx.lock_tenant(tenant)
+            rooms.update(room(policy, locking, await self._running(tx, locking)))
+            picked = choose(picked, limit, policy, rooms, tenants)
+        if not picked:
+            return []
+        rows = await tx.all(self.q.lock_candidates, ([c.id for c in picked], now, now))
+        locked = {row[0] for row in rows}
+        return [c for c in picked if c.id in locked]
+
+    async def _line(
+        self, tx: Tx, kind: str, tenant: str | None, aging_s: float | None, now: float, take: int
+    ) -> list[Candidate]:
+        """The first ``take`` ready tasks of a kind's line (of one tenant, or all): one
+        index range, or one per priority level under aging."""
+        q = self.q
+        key: tuple[str, ...] = (kind,) if tenant is None else (kind, tenant)
+        if aging_s is None:
+            sql = q.heads if tenant is None else q.heads_of_tenant
+            return candidates(await tx.all(sql, (*key, now, now, take)))
+        levels = await tx.all(q.levels if tenant is None else q.levels_of_tenant, (*key, *key))
+        sql = q.heads_of_level if tenant is None else q.heads_of_tenant_level
+        found: list[Candidate] = []
+        for (level,) in levels:
+            found += candidates(await tx.all(sql, (*key, level, now, now, take)))
+        return found
+
+    async def _running(self, tx: Tx, tenants: Sequence[str]) -> dict[str, int]:
+        if not tenants:
+            return {}
+        return {r[0]: int(r[1]) for r in await tx.all(self.q.running_of_tenants, (list(tenants),))}
+
+    async def queue_position(self, task: Task, policy: ClaimPolicy | None = None) -> int | None:
+        now = self.clock()
+        if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
+            return None
+        return await self._read(lambda tx: self._position(tx, task, policy, now))
+
+    async def _position(self, tx: Tx, task: Task, policy: ClaimPolicy | None, now: float) -> int:
+        aging_s = None if policy is None else policy.aging_s
+        if policy is None or not policy.fair:
+            return await self._ahead(tx, task, None, aging_s, now) + 1
+        own = await self._ahead(tx, task, task.tenant, aging_s, now) + 1
+        others = [r[0] for r in await tx.all(self.q.ready_tenants) if r[0] != task.tenant]
+        depths = []
+        for other in others:
+            row = await tx.one(self.q.tenant_depth, (task.kind, other, now, now, own - 1))
+            depths.append(0 if row is None else int(row[0]))
+        return fair_position(own, depths)
+
+    async def _ahead(
+        self, tx: Tx, task: Task, tenant: str | None, aging_s: float | None, now: float
+    ) -> int:
+        """Ready tasks of the task's line (of one tenant, or all) claimed before it."""
+        q = self.q
+
+        async def count(sql: str, args: Sequence[Any]) -> int:
+            row = await tx.one(sql, args)
+            return 0 if row is None else int(row[0])
+
+        if aging_s is None:
+            sql = q.queue_ahead if tenant is None else q.queue_ahead_of_tenant
+            return await count(sql, ahead_args(task.kind, tenant, None, task, now, None))
+        key = (task.kind,) if tenant is None else (task.kind, tenant)
+        levels = await tx.all(q.levels if tenant is None else q.levels_of_tenant, (*key, *key))
+        sql = q.queue_ahead_of_level if tenant is None else q.queue_ahead_of_tenant_level
+        found = 0
+        for (level,) in levels:
+            found += await count(sql, ahead_args(task.kind, tenant, level, task, now, aging_s))
+        return found
+
+
+def log_claim(task: Task, source: Status, dwell_s: float, worker_id: str) -> None:
+    if log.isEnabledFor(logging.INFO):
+        log.info("transition", extra={
+            "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
+            "from": str(source), "to": str(task.status), "event": "claim",
+            "duration_s": dwell_s, "worker": worker_id,
+        })  # fmt: skip

@@ -7,23 +7,23 @@ per event id, so doing it twice is a no-op) and moves the cursor, in one transac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from kiln import counters as names
 from kiln.models import Task, TaskEvent
+from kiln.store.queries import Queries
+from kiln.store.rows import task_from_row
+from kiln.store.tx import Op, Tx
+
+T = TypeVar("T")
 
 PENDING = "pending"
 DELIVERED = "delivered"
 FAILED = "failed"
 #: The name of the outbox's row in ``webhook_cursor``.
 CURSOR = "events"
-
-#: The ``webhook_deliveries`` columns, in the order ``delivery_from_row`` reads them.
-DELIVERY_COLUMNS = (
-    "event_id, seq, task_id, tenant, event, url, payload, status, attempts,"
-    " next_attempt_at, last_error, response_status, created_at, updated_at"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class WebhookDelivery:
     updated_at: float = 0.0
 
     def insert_args(self) -> tuple[Any, ...]:
-        """Values for an insert, in ``DELIVERY_COLUMNS`` order."""
+        """Values for an insert, in the order of ``delivery_from_row``."""
         return (
             self.event_id, self.seq, self.task_id, self.tenant, self.event, self.url,
             self.payload, self.status, self.attempts, self.next_attempt_at, self.last_error,
@@ -100,3 +100,88 @@ def delivery_from_row(row: Sequence[Any]) -> WebhookDelivery:
         created_at=float(row[12]),
         updated_at=float(row[13]),
     )
+
+
+class OutboxOps:
+    """The webhook outbox, for :class:`kiln.store.sqlstore.SqlStore`."""
+
+    q: Queries
+    clock: Callable[[], float]
+    _outbox_gaps: dict[int, int]
+
+    async def _write(self, op: Op[T]) -> T:
+        raise NotImplementedError
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
+        raise NotImplementedError
+
+    async def webhook_scan(self, *, limit: int) -> WebhookScan:
+        """The events after the cursor as ``tail`` reads them, so the cursor never moves
+        past an event that may still appear."""
+
+        async def cursor_of(tx: Tx) -> int:
+            row = await tx.one(self.q.outbox_cursor, (CURSOR,))
+            return 0 if row is None else int(row[0])
+
+        cursor = await self._read(cursor_of)
+        events = await self._log_after(cursor, limit, self._outbox_gaps)
+        ids = sorted({e.task_id for e in events})
+
+        async def hooked_tasks(tx: Tx) -> dict[str, Task]:
+            return {r[0]: task_from_row(r) for r in await tx.all(self.q.hooked_tasks, (ids,))}
+
+        hooked = await self._read(hooked_tasks) if ids else {}
+        last = events[-1].seq if events else cursor
+        found = [(e, hooked[e.task_id]) for e in events if e.task_id in hooked]
+        return WebhookScan(cursor, last, len(events), found)
+
+    async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+        rows = [(*d.insert_args(), d.task_id) for d in deliveries]
+
+        async def write(tx: Tx) -> int:
+            added = await tx.many(self.q.enqueue_delivery, rows) if rows else 0
+            await tx.run(self.q.move_outbox_cursor, (CURSOR, cursor))
+            return added
+
+        return await self._write(write)
+
+    async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+        args = (PENDING, self.clock(), PENDING, limit)
+
+        async def read(tx: Tx) -> list[WebhookDelivery]:
+            return [delivery_from_row(r) for r in await tx.all(self.q.deliveries_due, args)]
+
+        return await self._read(read)
+
+    async def webhook_record(self, attempt: WebhookAttempt) -> None:
+        args = (attempt.status, attempt.next_attempt_at, attempt.error,
+                attempt.response_status, self.clock(), attempt.event_id, PENDING)  # fmt: skip
+
+        async def write(tx: Tx) -> None:
+            await tx.run(self.q.record_delivery, args)
+            tx.bump(names.WEBHOOK_DELIVERIES, attempt.outcome)
+
+        await self._write(write)
+
+    async def webhook_deliveries(
+        self, *, task_id: str | None = None, limit: int = 100
+    ) -> list[WebhookDelivery]:
+        if task_id is None:
+            sql, args = self.q.deliveries, (limit,)
+        else:
+            sql, args = self.q.deliveries_of_task, (task_id, limit)
+
+        async def read(tx: Tx) -> list[WebhookDelivery]:
+            return [delivery_from_row(r) for r in await tx.all(sql, args)]
+
+        return await self._read(read)
+
+    async def webhook_pending(self) -> int:
+        async def read(tx: Tx) -> int:
+            row = await tx.one(self.q.pending_deliveries, (PENDING,))
+            return 0 if row is None else int(row[0])
+
+        return await self._read(read)

@@ -16,40 +16,28 @@ The line is first come, first served: a waiter gets its slots when the units hel
 units of every waiter up to and including it fit the capacity. A task that needs several
 pools takes all or none, and keeps its place in every line while it waits.
 
-Both backends run the same steps in one transaction (the PostgreSQL one serialises on the
+Both backends run the same steps in one transaction (on PostgreSQL it serialises on the
 pools' rows, taken in name order) and leave the decision to :func:`decide`.
+
+The other limits every process shares live here too: token buckets (tenant rate limits,
+:mod:`kiln.limits`), circuit breaker states and the retry clock (:mod:`kiln.breakers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from kiln import counters as names
+from kiln.errors import LeaseLost
+from kiln.limits import Rate, bucket_take
 from kiln.models import JSON
+from kiln.store.queries import Queries
+from kiln.store.records import BreakerRecord
+from kiln.store.tx import Op, Refused, Tx
 
-#: The statuses in which an attempt's slot rows count.
-SLOT_STATUSES = "('WAITING_FOR_RESOURCE', 'GENERATING')"
-
-
-def live_sql(placeholder: str) -> str:
-    """SQL true when a ``pool_slots`` row's attempt is alive at ``now`` (one parameter)."""
-    return (
-        "EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id"
-        f" AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES}"
-        f" AND t.lease_expires_at > {placeholder})"
-    )
-
-
-#: Every pool with its capacity, units held and tasks waiting (live rows only); ``{live}``
-#: is :func:`live_sql` with the backend's placeholder (one parameter: now).
-POOL_USAGE_SQL = (
-    "SELECT pools.name, pools.capacity,"
-    " coalesce(sum(CASE WHEN pool_slots.held THEN pool_slots.units ELSE 0 END), 0),"
-    " count(pool_slots.task_id) - count(CASE WHEN pool_slots.held THEN 1 END)"
-    " FROM pools LEFT JOIN pool_slots ON pool_slots.pool = pools.name AND {live}"
-    " GROUP BY pools.name, pools.capacity ORDER BY pools.name"
-)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,16 +125,6 @@ def slot_rows(rows: Iterable[Any]) -> list[SlotRow]:
     return [SlotRow(str(r[0]), int(r[1]), bool(r[2]), float(r[3])) for r in rows]
 
 
-def lines_sql(ph: str, count: int) -> str:
-    """The live rows of some pools, for a read-only look at the lines:
-    (pool, ..., now); rows are (pool, task_id, units, held, since)."""
-    marks = ", ".join([ph] * count)
-    return (
-        "SELECT pool, task_id, units, held, since FROM pool_slots"
-        f" WHERE pool IN ({marks}) AND {live_sql(ph)}"
-    )
-
-
 def peek(
     rows: Iterable[Any], task_id: str, units: Mapping[str, int], capacities: Mapping[str, int]
 ) -> PoolWait | None:
@@ -174,3 +152,130 @@ def live_lines(rows: Iterable[Any], names: Iterable[str]) -> dict[str, list[Slot
 
 def in_every_line(lines: Mapping[str, list[SlotRow]], task_id: str) -> bool:
     return all(any(r.task_id == task_id for r in line) for line in lines.values())
+
+
+class PoolOps:
+    """Pools, token buckets, breakers and the retry clock, for
+    :class:`kiln.store.sqlstore.SqlStore`."""
+
+    q: Queries
+    clock: Callable[[], float]
+
+    async def _write(self, op: Op[T]) -> T:
+        raise NotImplementedError
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def acquire_slots(
+        self,
+        task_id: str,
+        epoch: int,
+        needs: Mapping[str, int],
+        capacities: Mapping[str, int],
+        *,
+        in_line: bool = False,
+    ) -> PoolWait | None:
+        units = units_needed(needs, capacities)
+        if not units:
+            return None
+        names_ = sorted(units)
+        if in_line:
+
+            async def look(tx: Tx) -> PoolWait | None:
+                rows = await tx.all(self.q.live_slot_rows, (names_, self.clock()))
+                return peek(rows, task_id, units, capacities)
+
+            still = await self._read(look)
+            if still is not None:  # in line, and no slot for it yet: nothing to write
+                return still
+        return await self._write(lambda tx: self._take_slots(tx, task_id, epoch, units, capacities))
+
+    async def _take_slots(
+        self,
+        tx: Tx,
+        task_id: str,
+        epoch: int,
+        units: dict[str, int],
+        capacities: Mapping[str, int],
+    ) -> PoolWait | Refused | None:
+        pools = sorted(units)
+        now = self.clock()
+        # One acquirer per pool at a time (rows locked in name order, so two never wait
+        # on each other): the lines read below must not change under it.
+        known = dict(await tx.all(self.q.lock_pools, (pools,)))
+        if any(known.get(pool) != capacities[pool] for pool in pools):  # new or resized
+            await tx.many(self.q.save_pool, [(pool, capacities[pool]) for pool in pools])
+            await tx.all(self.q.lock_pools, (pools,))
+        await tx.many(self.q.join_line,
+                      [(pool, units[pool], now, task_id, epoch, now) for pool in pools])  # fmt: skip
+        rows = await tx.all(self.q.slot_rows, (now, pools))
+        dead = [(r[0], r[1]) for r in rows if not r[5]]
+        if dead:  # their attempts moved on or their holders died: the slots are free
+            await tx.many(self.q.drop_slot, dead)
+        lines = live_lines(rows, pools)
+        if not in_every_line(lines, task_id):
+            return Refused(LeaseLost(f"task {task_id} is not waiting at epoch {epoch}"))
+        wait = decide(lines, task_id, capacities)
+        if wait is None:
+            await tx.run(self.q.hold_slots, (task_id,))
+        return wait
+
+    async def pool_wait(self, task_id: str) -> PoolWait | None:
+        async def read(tx: Tx) -> PoolWait | None:
+            now = self.clock()
+            for pool, capacity in await tx.all(self.q.waiting_in, (task_id, now)):
+                rows = await tx.all(self.q.live_slot_rows, ([pool], now))
+                wait = standing(pool, slot_rows(r[1:5] for r in rows), task_id, capacity)
+                if wait is not None:
+                    return wait
+            return None
+
+        return await self._read(read)
+
+    async def pools(self) -> list[PoolUsage]:
+        async def read(tx: Tx) -> list[PoolUsage]:
+            rows = await tx.all(self.q.pool_usage, (self.clock(),))
+            return [PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+        return await self._read(read)
+
+    async def take_token(self, name: str, rate: Rate) -> float:
+        async def write(tx: Tx) -> float:
+            now = self.clock()
+            await tx.run(self.q.new_bucket, (name, rate.burst, now))
+            row = await tx.one(self.q.lock_bucket, (name,))
+            assert row is not None
+            left, wait_s = bucket_take(row[0], row[1], now, rate)
+            if wait_s == 0.0:
+                await tx.run(self.q.save_bucket, (left, now, name))
+            return wait_s
+
+        return await self._write(write)
+
+    async def breakers(self) -> list[BreakerRecord]:
+        async def read(tx: Tx) -> list[BreakerRecord]:
+            return [BreakerRecord(*row) for row in await tx.all(self.q.breakers)]
+
+        return await self._read(read)
+
+    async def save_breaker(self, record: BreakerRecord, *, only_if_due: bool = False) -> bool:
+        sql = self.q.save_breaker_if_due if only_if_due else self.q.save_breaker
+        args = (record.name, record.state, record.opened_until, record.updated_at, record.by)
+
+        async def write(tx: Tx) -> bool:
+            saved = await tx.one(sql, args) is not None
+            if saved:
+                tx.bump(names.BREAKER_TRANSITIONS, f"{record.name}>{record.state}")
+            return saved
+
+        return await self._write(write)
+
+    async def reserve_retry(self, earliest: float, interval_s: float) -> float:
+        async def write(tx: Tx) -> float:
+            args = (earliest, interval_s, interval_s, interval_s, interval_s)
+            row = await tx.one(self.q.reserve_retry, args)
+            assert row is not None
+            return float(row[0])
+
+        return await self._write(write)

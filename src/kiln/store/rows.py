@@ -7,9 +7,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kiln.models import Task, Timeouts
-from kiln.states import FINAL, Status
-from kiln.store import Due
+from kiln.models import Task, TaskEvent, Timeouts
+from kiln.states import FINAL, Event, Status
+from kiln.store.records import Due
 
 JSON_COLUMNS = frozenset({"params", "metadata", "inputs", "timeouts", "error", "result", "webhook"})
 
@@ -116,6 +116,26 @@ def task_from_row(row: Sequence[Any]) -> Task:
     )
 
 
+def event_from_row(row: Sequence[Any]) -> TaskEvent:
+    """An event from a row of (seq, id, task_id, tenant, event, from_status, to_status,
+    attempt, epoch, error, at, dwell_s, final), as the events queries read them."""
+    return TaskEvent(
+        seq=row[0],
+        id=row[1],
+        task_id=row[2],
+        tenant=row[3],
+        event=Event(row[4]),
+        from_status=None if row[5] is None else STATUSES[row[5]],
+        status=STATUSES[row[6]],
+        attempt=row[7],
+        epoch=row[8],
+        error=loads(row[9]),
+        at=row[10],
+        dwell_s=row[11],
+        final=bool(row[12]),
+    )
+
+
 def dwell_percentiles(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, float]]:
     by_status: dict[str, list[float]] = {}
     final = {str(status) for status in FINAL}
@@ -144,24 +164,3 @@ def classify_due(task: Task, now: float, due: Due) -> None:
         due.lease_expired.append(task)
     elif task.state_deadline_at is not None and task.state_deadline_at < now:
         due.state_expired.append(task)
-
-
-_FINAL_SQL = "('SUCCESS', 'FAILED', 'TIMEOUT', 'CANCELLED')"
-
-
-def purge_candidates(
-    mark: str, finished_before: float, tenant: str | None, exclude: Sequence[str], limit: int
-) -> tuple[str, list[Any]]:
-    """The oldest final tasks a purge may delete, in either dialect (``mark`` is its
-    placeholder); reads through the ``tasks_finished`` index."""
-    sql = f"SELECT * FROM tasks WHERE status IN {_FINAL_SQL} AND finished_at < {mark}"
-    args: list[Any] = [finished_before]
-    if tenant is not None:
-        sql += f" AND tenant = {mark}"
-        args.append(tenant)
-    if exclude:
-        sql += f" AND tenant NOT IN ({', '.join([mark] * len(exclude))})"
-        args += list(exclude)
-    sql += f" ORDER BY finished_at LIMIT {mark}"
-    args.append(limit)
-    return sql, args

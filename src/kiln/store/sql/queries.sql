@@ -1,0 +1,451 @@
+-- The store's SQL for both dialects (kiln/store/queries.py renders it): parameters are
+-- written ?, {TOKENS} are status sets from kiln/states.py and the words the dialects spell
+-- differently. Each query says its parameters in order.
+
+-- tasks ---------------------------------------------------------------------------------
+
+-- get_task --
+-- A task: (id).
+SELECT * FROM tasks WHERE id = ?
+
+-- get_tasks --
+-- Tasks by id: ([ids]).
+SELECT * FROM tasks WHERE id {IN_LIST}
+
+-- lock_task --
+-- What a change checks before it writes, locked until commit: (id).
+SELECT status, epoch, version, status_since, tenant FROM tasks WHERE id = ? {FOR_UPDATE}
+
+-- insert_task --
+-- A new PENDING task, unless a live or successful task holds its content (then no row):
+-- (id, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint,
+-- idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,
+-- created_at, updated_at, status_since, webhook).
+INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
+    fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at,
+    timeouts, created_at, updated_at, status_since, webhook)
+VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
+DO NOTHING RETURNING *
+
+-- dedup_lookup --
+-- The live or successful task holding a dedup key: (tenant, dedup_key).
+SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ? AND status NOT IN {NOT_LIVE}
+
+-- claim_key --
+-- Take an idempotency key for a new task; no row when the key exists:
+-- (tenant, key, fingerprint, task_id, created_at).
+INSERT INTO idempotency_keys (tenant, key, fingerprint, task_id, created_at)
+VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, key) DO NOTHING RETURNING 1
+
+-- read_key --
+-- An idempotency key's request and task, locked: (tenant, key).
+SELECT fingerprint, task_id FROM idempotency_keys WHERE tenant = ? AND key = ? {FOR_UPDATE}
+
+-- point_key --
+-- Point a key at a task: (fingerprint, task_id, created_at, tenant, key).
+UPDATE idempotency_keys SET fingerprint = ?, task_id = ?, created_at = ?
+WHERE tenant = ? AND key = ?
+
+-- progressed --
+-- Tasks whose progress moved since a time: (since, limit).
+SELECT * FROM tasks WHERE progress_at > ? ORDER BY progress_at LIMIT ?
+
+-- heartbeat --
+-- Renew a running attempt's lease: (lease_expires_at, now, id, epoch).
+UPDATE tasks SET lease_expires_at = ?, updated_at = ?
+WHERE id = ? AND epoch = ? AND status IN {RUNNING} RETURNING *
+
+-- heartbeat_progress --
+-- Renew the lease and record progress: (lease_expires_at, now, stage, step, total, now,
+-- id, epoch).
+UPDATE tasks SET lease_expires_at = ?, updated_at = ?, stage = ?, progress_step = ?,
+    progress_total = ?, progress_at = ?
+WHERE id = ? AND epoch = ? AND status IN {RUNNING} RETURNING *
+
+-- request_cancel --
+-- Ask a running attempt to stop: (now, now, id).
+UPDATE tasks SET cancel_requested = {TRUE},
+    cancel_requested_at = coalesce(cancel_requested_at, ?), updated_at = ?
+WHERE id = ? AND status IN {RUNNING} RETURNING *
+
+-- claim_tasks --
+-- Claim chosen candidates (still claimable): (lease_owner, lease_expires_at, now, now,
+-- now, now, [ids]).
+UPDATE tasks SET status = 'WAITING_FOR_RESOURCE', attempt = attempt + 1, epoch = epoch + 1,
+    version = version + 1, lease_owner = ?, lease_expires_at = ?,
+    state_deadline_at = ? + {WAITING_S}, started_at = coalesce(started_at, ?),
+    updated_at = ?, status_since = ?, next_retry_at = NULL, stage = NULL,
+    progress_step = NULL, progress_total = NULL, progress_at = NULL,
+    result_prefix = 'tasks/' || id || '/' || (attempt + 1) || '-' || (epoch + 1)
+WHERE id {IN_LIST} AND status IN {CLAIMABLE} RETURNING *
+
+-- events ------------------------------------------------------------------------------
+
+-- events_of_task --
+-- (task_id, after, limit).
+SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
+    dwell_s, final
+FROM events WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?
+
+-- events_of_tenant --
+-- (tenant, after, limit).
+SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
+    dwell_s, final
+FROM events WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?
+
+-- events_after --
+-- (after, limit).
+SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
+    dwell_s, final
+FROM events WHERE seq > ? ORDER BY seq LIMIT ?
+
+-- last_seq --
+SELECT coalesce(MAX(seq), 0) FROM events
+
+-- supervisor ----------------------------------------------------------------------------
+
+-- due --
+-- Tasks whose due_at passed (deadline, lease, state timeout), soonest first: (now, limit).
+SELECT * FROM tasks WHERE due_at < ? ORDER BY due_at LIMIT ?
+
+-- due_cancel --
+-- Running tasks asked to stop before a cutoff: (cutoff, limit).
+SELECT * FROM tasks WHERE cancel_requested = {TRUE} AND status IN {RUNNING}
+    AND cancel_requested_at < ?
+ORDER BY cancel_requested_at LIMIT ?
+
+-- ghosts --
+-- Running tasks whose lease lapsed before a cutoff: (cutoff, cutoff).
+SELECT COUNT(*) FROM tasks WHERE due_at < ? AND status IN {RUNNING} AND lease_expires_at < ?
+
+-- ghosts_of_tenant --
+-- (cutoff, cutoff, tenant).
+SELECT COUNT(*) FROM tasks WHERE due_at < ? AND status IN {RUNNING} AND lease_expires_at < ?
+    AND tenant = ?
+
+-- lead --
+-- Take or renew a leadership: (name, owner, expires_at, now, now).
+INSERT INTO leaders (name, owner, epoch, expires_at) VALUES (?, ?, 1, ?)
+ON CONFLICT (name) DO UPDATE SET
+    epoch = CASE WHEN leaders.owner = excluded.owner AND leaders.expires_at >= ?
+        THEN leaders.epoch ELSE leaders.epoch + 1 END,
+    owner = excluded.owner, expires_at = excluded.expires_at
+WHERE leaders.owner = excluded.owner OR leaders.expires_at < ?
+RETURNING epoch, expires_at
+
+-- holds --
+-- Whether a token still leads; share-locked, so a takeover waits for the guarded write:
+-- (name, owner, epoch, now).
+SELECT 1 FROM leaders WHERE name = ? AND owner = ? AND epoch = ? AND expires_at >= ?
+{FOR_SHARE}
+
+-- stats and counters ----------------------------------------------------------------------
+
+-- status_counts --
+SELECT status, SUM(n) FROM task_counts GROUP BY status
+
+-- status_counts_of_tenant --
+-- (tenant).
+SELECT status, SUM(n) FROM task_counts WHERE tenant = ? GROUP BY status
+
+-- counter_rows --
+-- One counter's rows from a label on: (name, labels from).
+SELECT labels, SUM(n) FROM counters WHERE name = ? AND labels >= ? GROUP BY labels
+
+-- all_counters --
+SELECT name, labels, SUM(n) FROM counters GROUP BY name, labels
+
+-- prune_counter --
+-- Drop a counter's rows below a label: (name, labels below).
+DELETE FROM counters WHERE name = ? AND labels < ?
+
+-- dwell --
+-- The time spent in each status over the latest transitions: (window).
+SELECT from_status, dwell_s FROM events ORDER BY seq DESC LIMIT ?
+
+-- dwell_of_tenant --
+-- (tenant, window).
+SELECT from_status, dwell_s FROM events WHERE tenant = ? ORDER BY seq DESC LIMIT ?
+
+-- oldest_ready --
+SELECT ready_at FROM tasks WHERE status IN {CLAIMABLE} ORDER BY ready_at LIMIT 1
+
+-- retention -----------------------------------------------------------------------------
+
+-- purge_events --
+-- ([task ids]).
+DELETE FROM events WHERE task_id {IN_LIST}
+
+-- purge_keys --
+DELETE FROM idempotency_keys WHERE task_id {IN_LIST}
+
+-- purge_deliveries --
+DELETE FROM webhook_deliveries WHERE task_id {IN_LIST}
+
+-- purge_tasks --
+DELETE FROM tasks WHERE id {IN_LIST}
+
+-- claims (kiln/store/claims.py) ------------------------------------------------------------
+
+-- claim_candidates --
+-- Claim candidates of one kind, in claim order, locked: (kind, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
+
+-- lock_candidates --
+-- Chosen candidates that are still ready, locked: ([ids], now, now).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE id {IN_LIST} AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+{SKIP_LOCKED}
+
+-- heads --
+-- The first ready tasks of a kind: (kind, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ?
+
+-- heads_of_tenant --
+-- (kind, tenant, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ?
+
+-- heads_of_level --
+-- One priority level's first ready tasks: (kind, priority, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ? AND ready_at <= ?
+    AND deadline_at > ?
+ORDER BY ready_at, id LIMIT ?
+
+-- heads_of_tenant_level --
+-- (kind, tenant, priority, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE} AND priority = ? AND ready_at <= ?
+    AND deadline_at > ?
+ORDER BY ready_at, id LIMIT ?
+
+-- levels --
+-- The distinct priorities of a kind's claimable tasks, highest first, each found by one
+-- index probe: (kind, kind).
+WITH RECURSIVE levels(p) AS (
+    SELECT (SELECT priority FROM tasks WHERE kind = ? AND status IN {CLAIMABLE}
+        ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT priority FROM tasks WHERE kind = ? AND status IN {CLAIMABLE}
+        AND priority < levels.p ORDER BY priority DESC LIMIT 1)
+    FROM levels WHERE levels.p IS NOT NULL
+) SELECT p FROM levels WHERE p IS NOT NULL
+
+-- levels_of_tenant --
+-- (kind, tenant, kind, tenant).
+WITH RECURSIVE levels(p) AS (
+    SELECT (SELECT priority FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+        ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT priority FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+        AND priority < levels.p ORDER BY priority DESC LIMIT 1)
+    FROM levels WHERE levels.p IS NOT NULL
+) SELECT p FROM levels WHERE p IS NOT NULL
+
+-- queue_ahead --
+-- Ready tasks of a kind claimed before a given one: (kind, now, now, priority, priority,
+-- ready_at, ready_at, id).
+SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ?
+    AND deadline_at > ? AND (priority > ? OR (priority = ? AND (ready_at < ?
+    OR (ready_at = ? AND id < ?))))
+
+-- queue_ahead_of_tenant --
+-- (kind, tenant, now, now, priority, priority, ready_at, ready_at, id).
+SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+    AND ready_at <= ? AND deadline_at > ? AND (priority > ? OR (priority = ?
+    AND (ready_at < ? OR (ready_at = ? AND id < ?))))
+
+-- queue_ahead_of_level --
+-- Those of one priority level that became ready before a bound (the ready time at which
+-- that level ties with the task): (kind, priority, now, now, bound, bound, id).
+SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
+    AND ready_at <= ? AND deadline_at > ? AND (ready_at < ? OR (ready_at = ? AND id < ?))
+
+-- queue_ahead_of_tenant_level --
+-- (kind, tenant, priority, now, now, bound, bound, id).
+SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+    AND priority = ? AND ready_at <= ? AND deadline_at > ?
+    AND (ready_at < ? OR (ready_at = ? AND id < ?))
+
+-- tenant_depth --
+-- How many ready tasks a tenant's line holds, up to a bound: (kind, tenant, now, now, bound).
+SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND tenant = ?
+    AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ? LIMIT ?) AS line
+
+-- ready_tenants --
+-- Tenants with claimable tasks, from the per-status counts (no task row is read).
+SELECT tenant FROM task_counts WHERE status IN {CLAIMABLE}
+GROUP BY tenant HAVING sum(n) > 0 ORDER BY tenant
+
+-- running_of_tenants --
+-- Claimed-and-unfinished tasks of some tenants, counted from the tasks themselves so a
+-- claim sees its own transaction's earlier claims: ([tenants]).
+SELECT tenant, COUNT(*) FROM tasks WHERE tenant {IN_LIST} AND status IN {RUNNING}
+GROUP BY tenant
+
+-- resource pools (kiln/store/pools.py) ------------------------------------------------------
+
+-- lock_pools --
+-- Pools' capacities, locked in name order: ([names]).
+SELECT name, capacity FROM pools WHERE name {IN_LIST} ORDER BY name {FOR_UPDATE}
+
+-- save_pool --
+-- (name, capacity).
+INSERT INTO pools (name, capacity) VALUES (?, ?)
+ON CONFLICT (name) DO UPDATE SET capacity = excluded.capacity
+
+-- join_line --
+-- Into a pool's line, if the attempt still holds its lease (a new attempt of the task
+-- starts again at the end): (pool, units, since, task_id, epoch, now).
+INSERT INTO pool_slots (pool, task_id, epoch, units, held, since)
+SELECT ?, t.id, t.epoch, ?, {FALSE}, ? FROM tasks t WHERE t.id = ? AND t.epoch = ?
+    AND t.status = 'WAITING_FOR_RESOURCE' AND t.lease_expires_at > ?
+ON CONFLICT (pool, task_id) DO UPDATE SET epoch = excluded.epoch, units = excluded.units,
+    held = {FALSE}, since = excluded.since WHERE pool_slots.epoch <> excluded.epoch
+
+-- slot_rows --
+-- Every row of some pools, with whether its attempt is alive: (now, [names]).
+SELECT pool, task_id, units, held, since, EXISTS (SELECT 1 FROM tasks t
+    WHERE t.id = pool_slots.task_id AND t.epoch = pool_slots.epoch
+    AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+FROM pool_slots WHERE pool {IN_LIST}
+
+-- live_slot_rows --
+-- The live rows of some pools: ([names], now).
+SELECT pool, task_id, units, held, since FROM pool_slots WHERE pool {IN_LIST}
+    AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
+    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+
+-- drop_slot --
+-- (pool, task_id).
+DELETE FROM pool_slots WHERE pool = ? AND task_id = ?
+
+-- hold_slots --
+-- (task_id).
+UPDATE pool_slots SET held = {TRUE} WHERE task_id = ? AND held = {FALSE}
+
+-- waiting_in --
+-- The pools a task waits for (live rows), with their capacity: (task_id, now).
+SELECT pool_slots.pool, pools.capacity FROM pool_slots JOIN pools
+    ON pools.name = pool_slots.pool WHERE task_id = ? AND held = {FALSE}
+    AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
+    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+ORDER BY pool_slots.pool
+
+-- pool_usage --
+-- Every pool with its capacity, units held and tasks waiting (live rows): (now).
+SELECT pools.name, pools.capacity,
+    coalesce(sum(CASE WHEN pool_slots.held THEN pool_slots.units ELSE 0 END), 0),
+    count(pool_slots.task_id) - count(CASE WHEN pool_slots.held THEN 1 END)
+FROM pools LEFT JOIN pool_slots ON pool_slots.pool = pools.name
+    AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
+    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+GROUP BY pools.name, pools.capacity ORDER BY pools.name
+
+-- new_bucket --
+-- A full token bucket, unless it exists: (name, burst, now).
+INSERT INTO rate_buckets (name, tokens, updated_at) VALUES (?, ?, ?)
+ON CONFLICT (name) DO NOTHING
+
+-- lock_bucket --
+-- (name).
+SELECT tokens, updated_at FROM rate_buckets WHERE name = ? {FOR_UPDATE}
+
+-- save_bucket --
+-- (tokens, updated_at, name).
+UPDATE rate_buckets SET tokens = ?, updated_at = ? WHERE name = ?
+
+-- webhooks (kiln/store/outbox.py) ---------------------------------------------------------
+
+-- outbox_cursor --
+-- (cursor name).
+SELECT seq FROM webhook_cursor WHERE name = ?
+
+-- move_outbox_cursor --
+-- (cursor name, seq).
+INSERT INTO webhook_cursor (name, seq) VALUES (?, ?)
+ON CONFLICT (name) DO UPDATE SET seq = {GREATEST}(webhook_cursor.seq, excluded.seq)
+
+-- hooked_tasks --
+-- The tasks among some that have a webhook: ([ids]).
+SELECT * FROM tasks WHERE id {IN_LIST} AND webhook IS NOT NULL
+
+-- enqueue_delivery --
+-- A delivery, for a task that still exists (a purge may have taken it since its event
+-- was read; on PostgreSQL the purge then waits or this skips it): (the DELIVERY_COLUMNS
+-- of kiln/store/outbox.py, task_id).
+INSERT INTO webhook_deliveries (event_id, seq, task_id, tenant, event, url, payload, status,
+    attempts, next_attempt_at, last_error, response_status, created_at, updated_at)
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?
+WHERE EXISTS (SELECT 1 FROM tasks t WHERE t.id = ? {FOR_KEY_SHARE})
+ON CONFLICT (event_id) DO NOTHING
+
+-- deliveries_due --
+-- Deliveries due, each the first pending one of its task: (pending, now, pending, limit).
+SELECT event_id, seq, task_id, tenant, event, url, payload, status, attempts,
+    next_attempt_at, last_error, response_status, created_at, updated_at
+FROM webhook_deliveries d WHERE status = ? AND next_attempt_at <= ?
+    AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+    WHERE p.task_id = d.task_id AND p.status = ? AND p.seq < d.seq)
+ORDER BY next_attempt_at, seq LIMIT ?
+
+-- record_delivery --
+-- (status, next_attempt_at, last_error, response_status, now, event_id, pending).
+UPDATE webhook_deliveries SET status = ?, attempts = attempts + 1,
+    next_attempt_at = coalesce(?, next_attempt_at), last_error = ?,
+    response_status = ?, updated_at = ?
+WHERE event_id = ? AND status = ?
+
+-- deliveries --
+-- (limit).
+SELECT event_id, seq, task_id, tenant, event, url, payload, status, attempts,
+    next_attempt_at, last_error, response_status, created_at, updated_at
+FROM webhook_deliveries ORDER BY seq LIMIT ?
+
+-- deliveries_of_task --
+-- (task_id, limit).
+SELECT event_id, seq, task_id, tenant, event, url, payload, status, attempts,
+    next_attempt_at, last_error, response_status, created_at, updated_at
+FROM webhook_deliveries WHERE task_id = ? ORDER BY seq LIMIT ?
+
+-- pending_deliveries --
+-- (pending).
+SELECT COUNT(*) FROM webhook_deliveries WHERE status = ?
+
+-- breakers (kiln/breakers.py) ---------------------------------------------------------------
+
+-- breakers --
+SELECT name, state, opened_until, updated_at, "by" FROM breakers ORDER BY name
+
+-- save_breaker --
+-- Insert or replace a breaker's row; a row back when written:
+-- (name, state, opened_until, updated_at, by).
+INSERT INTO breakers (name, state, opened_until, updated_at, "by") VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (name) DO UPDATE SET state = excluded.state,
+    opened_until = excluded.opened_until, updated_at = excluded.updated_at,
+    "by" = excluded."by"
+RETURNING name
+
+-- save_breaker_if_due --
+-- The same, only when the stored breaker is open or half-open with its open period (or the
+-- previous probe's time) over: the half-open probe goes to one process.
+INSERT INTO breakers (name, state, opened_until, updated_at, "by") VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (name) DO UPDATE SET state = excluded.state,
+    opened_until = excluded.opened_until, updated_at = excluded.updated_at,
+    "by" = excluded."by"
+WHERE breakers.state <> 'closed' AND breakers.opened_until <= excluded.updated_at
+RETURNING name
+
+-- reserve_retry --
+-- Take the retry slot for (earliest, interval_s): max(earliest, next_at); next_at moves
+-- to slot + interval_s: (earliest, interval_s, interval_s, interval_s, interval_s).
+INSERT INTO retry_clock AS c (name, next_at) VALUES ('retries', ? + ?)
+ON CONFLICT (name) DO UPDATE SET next_at = {GREATEST}(c.next_at, excluded.next_at - ?) + ?
+RETURNING next_at - ?

@@ -1,0 +1,522 @@
+"""The Store written once over SQL; SQLite and PostgreSQL are thin drivers below it.
+
+Every operation is an ``async`` function of a :class:`~kiln.store.tx.Tx` (one
+transaction) that reads and writes through the named queries of
+:mod:`kiln.store.queries`; a driver runs it (see :mod:`kiln.store.tx`). The task
+lifecycle is here; claims, pools and limits, and the webhook outbox have modules of their
+own (``claims.py``, ``pools.py``, ``outbox.py``), and :class:`SqlStore` puts them together.
+
+What differs lives in the drivers (``sqlite.py``, ``postgres.py``): threads, group commit
+and migrations; the pool, reconnects, LISTEN/NOTIFY, the gap-safe tail, the claim lock and
+the one-statement paths of PostgreSQL; how event rows and counter deltas are written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from kiln import counters as names
+from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
+from kiln.models import NewTask, SubmitResult, Task, TaskEvent
+from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.store.claims import ClaimOps
+from kiln.store.outbox import OutboxOps
+from kiln.store.pools import PoolOps
+from kiln.store.queries import Queries
+from kiln.store.records import Change, Clock, Due, LeaderToken, Progress, Stats
+from kiln.store.rows import (
+    JSON_COLUMNS,
+    TASK_COLUMNS,
+    classify_due,
+    dumps,
+    dwell_percentiles,
+    event_from_row,
+    task_from_row,
+)
+from kiln.store.tx import EventRow, IntegrityViolation, Op, Refused, Row, Tx, UniqueViolation
+
+log = logging.getLogger("kiln.store")
+
+T = TypeVar("T")
+
+NOT_LIVE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
+#: Transitions read for the dwell percentiles of ``stats``.
+DWELL_WINDOW = 10_000
+
+
+def insert_args(new: NewTask, now: float) -> list[Any]:
+    """The parameters of the ``insert_task`` query."""
+    timeouts = {
+        "waiting_s": new.timeouts.waiting_s,
+        "generating_s": new.timeouts.generating_s,
+        "uploading_s": new.timeouts.uploading_s,
+    }
+    return [
+        new.id, new.tenant, new.kind, new.priority, now, dumps(new.params),
+        dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
+        new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
+        dumps(timeouts), now, now, now, dumps(new.webhook),
+    ]  # fmt: skip
+
+
+def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
+    """The UPDATE of a change whose row is locked and checked (``?`` placeholders)."""
+    sets = ["status = ?", "version = version + ?", "updated_at = ?", "status_since = ?"]
+    args: list[Any] = [str(target), len(change.steps), now, now]
+    if change.bump_epoch:
+        sets.append("epoch = epoch + 1")
+    if target in FINAL and "finished_at" not in change.fields:
+        sets.append("finished_at = ?")
+        args.append(now)
+    for column, value in change.fields.items():
+        if column not in TASK_COLUMNS:
+            raise ValueError(f"unknown task column {column!r}")
+        sets.append(f"{column} = ?")
+        args.append(dumps(value) if column in JSON_COLUMNS else value)
+    args.append(change.task_id)
+    return f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? RETURNING *", args
+
+
+def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
+    """Why ``change`` may not apply to the row as read, or None."""
+    if current is None:
+        return Refused(NotFound(f"task {change.task_id} does not exist"))
+    status, epoch = current[0], current[1]
+    if status == change.expect_status and (
+        change.expect_epoch is None or epoch == change.expect_epoch
+    ):
+        return None
+    if change.fenced:
+        tx.bump(names.STALE_WRITES)
+        return Refused(LeaseLost(f"task {change.task_id} moved on (now {status}, epoch {epoch})"))
+    return Refused(Conflict(f"task {change.task_id} is {status}, not {change.expect_status}"))
+
+
+class SqlTasks:
+    """The task lifecycle over a driver: submit, claim, apply, leases, reads, supervisor."""
+
+    q: Queries
+    clock: Clock
+
+    async def _write(self, op: Op[T]) -> T:
+        raise NotImplementedError
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    # submission
+
+    async def submit(self, new: NewTask) -> SubmitResult:
+        return await self._write(lambda tx: self._submit(tx, new))
+
+    async def _submit(self, tx: Tx, new: NewTask) -> SubmitResult | Refused:
+        now = self.clock()
+        if new.idempotency_key is not None:
+            key_args = (new.tenant, new.idempotency_key, new.fingerprint, new.id, now)
+            if await tx.one(self.q.claim_key, key_args) is None:  # the key exists
+                replay = await self._replay(tx, new, now)
+                if replay is not None:
+                    return replay
+        for _ in range(8):
+            if new.dedup_key is not None:
+                row = await tx.one(self.q.dedup_lookup, (new.tenant, new.dedup_key))
+                if row is not None:
+                    existing = task_from_row(row)
+                    await self._point_key(tx, new, existing.id, now)
+                    tx.bump(names.DEDUP_HITS, "content")
+                    return SubmitResult(existing, created=False, deduplicated=True)
+            task = await self._insert(tx, new, now)
+            if task is not None:
+                return SubmitResult(task, created=True)
+            # Another transaction inserted the same content meanwhile: answer with it.
+        raise Conflict("the same content was submitted and ended repeatedly; try again")
+
+    async def _replay(self, tx: Tx, new: NewTask, now: float) -> SubmitResult | Refused | None:
+        row = await tx.one(self.q.read_key, (new.tenant, new.idempotency_key))
+        assert row is not None
+        if row[0] != new.fingerprint:
+            return Refused(
+                IdempotencyKeyReused("this Idempotency-Key was used with a different request body")
+            )
+        found = await tx.one(self.q.get_task, (row[1],))
+        if found is not None:
+            tx.bump(names.DEDUP_HITS, "idempotency")
+            return SubmitResult(task_from_row(found), created=False, replayed=True)
+        await self._point_key(tx, new, new.id, now)  # its task is gone: the key is free
+        return None
+
+    async def _point_key(self, tx: Tx, new: NewTask, task_id: str, now: float) -> None:
+        if new.idempotency_key is not None:
+            await tx.run(self.q.point_key,
+                         (new.fingerprint, task_id, now, new.tenant, new.idempotency_key))  # fmt: skip
+
+    async def _insert(self, tx: Tx, new: NewTask, now: float) -> Task | None:
+        row = await tx.one(self.q.insert_task, insert_args(new, now))
+        if row is None:
+            return None
+        task = task_from_row(row)
+        await tx.insert_events(
+            [EventRow(task, 1, Event.SUBMIT, None, Status.PENDING, None, now, None)]
+        )
+        tx.count_status(new.tenant, Status.PENDING, 1)
+        await tx.notify_ready()
+        return task
+
+    # reads
+
+    async def get(self, task_id: str) -> Task | None:
+        async def read(tx: Tx) -> Task | None:
+            row = await tx.one(self.q.get_task, (task_id,))
+            return None if row is None else task_from_row(row)
+
+        return await self._read(read)
+
+    async def get_many(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        ids = sorted(set(task_ids))
+
+        async def read(tx: Tx) -> dict[str, Task]:
+            rows = await tx.all(self.q.get_tasks, (ids,))
+            return {task.id: task for task in map(task_from_row, rows)}
+
+        return await self._read(read) if ids else {}
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]:
+        where: list[str] = []
+        args: list[Any] = []
+        for column, value in (("tenant", tenant), ("status", status), ("kind", kind)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(str(value))
+        if cursor is not None:
+            where.append("id < ?")
+            args.append(cursor)
+        sql = "SELECT * FROM tasks"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql = self.q.sql(sql + " ORDER BY id DESC LIMIT ?")
+        args.append(limit + 1)
+
+        async def read(tx: Tx) -> list[Task]:
+            return [task_from_row(row) for row in await tx.all(sql, args)]
+
+        tasks = await self._read(read)
+        next_cursor = tasks[limit - 1].id if len(tasks) > limit else None
+        return tasks[:limit], next_cursor
+
+    async def events(
+        self,
+        *,
+        task_id: str | None = None,
+        tenant: str | None = None,
+        after: int = 0,
+        limit: int = 500,
+    ) -> list[TaskEvent]:
+        if task_id is not None:
+            sql, args = self.q.events_of_task, (task_id, after, limit)
+        elif tenant is not None:
+            sql, args = self.q.events_of_tenant, (tenant, after, limit)
+        else:
+            sql, args = self.q.events_after, (after, limit)
+
+        async def read(tx: Tx) -> list[TaskEvent]:
+            return [event_from_row(row) for row in await tx.all(sql, args)]
+
+        return await self._read(read)
+
+    async def last_seq(self) -> int:
+        async def read(tx: Tx) -> int:
+            row = await tx.one(self.q.last_seq)
+            return 0 if row is None else int(row[0])
+
+        return await self._read(read)
+
+    async def progressed(self, *, since: float, limit: int = 500) -> list[Task]:
+        async def read(tx: Tx) -> list[Task]:
+            return [task_from_row(r) for r in await tx.all(self.q.progressed, (since, limit))]
+
+        return await self._read(read)
+
+    # worker writes
+
+    async def heartbeat(
+        self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
+    ) -> Task:
+        now = self.clock()
+        if progress is None:
+            sql, args = self.q.heartbeat, (now + lease_ttl_s, now, task_id, epoch)
+        else:
+            sql = self.q.heartbeat_progress
+            args = (now + lease_ttl_s, now, progress.stage, progress.step, progress.total,
+                    now, task_id, epoch)  # fmt: skip
+
+        async def write(tx: Tx) -> Task | Refused:
+            row = await tx.one(sql, args)
+            if row is None:
+                tx.bump(names.STALE_WRITES)
+                return Refused(LeaseLost(f"task {task_id} is no longer held at epoch {epoch}"))
+            tx.bump(names.LEASE_RENEWALS)
+            return task_from_row(row)
+
+        return await self._write(write)
+
+    async def request_cancel(self, task_id: str) -> Task:
+        now = self.clock()
+
+        async def write(tx: Tx) -> Task | Refused:
+            row = await tx.one(self.q.request_cancel, (now, now, task_id))
+            if row is None:
+                return Refused(Conflict(f"task {task_id} is not running"))
+            return task_from_row(row)
+
+        return await self._write(write)
+
+    # the fenced compare-and-set
+
+    async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
+        try:
+            return await self._write(lambda tx: self._apply(tx, change))
+        except IntegrityViolation as exc:
+            # The change rolled back as a whole: never a status without its event (I6).
+            raise Conflict(f"task {change.task_id} changed concurrently: {exc}") from None
+
+    async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
+        now = self.clock()
+        if change.leader is not None and not await self._holds(tx, change.leader, now):
+            return Refused(NotLeader(f"{change.leader.owner} no longer leads"))
+        current = await tx.one(self.q.lock_task, (change.task_id,))
+        refused = refusal(tx, change, current)
+        if refused is not None:
+            return refused
+        assert current is not None
+        target = change.steps[-1][1]
+        sql, args = update_sql(change, target, now)
+        if change.expect_status in NOT_LIVE and target not in NOT_LIVE:
+            row = await self._revive(tx, self.q.sql(sql), args)
+        else:
+            row = await tx.one(self.q.sql(sql), args)
+        assert row is not None
+        task = task_from_row(row)
+        rows: list[EventRow] = []
+        source: Status = change.expect_status
+        dwell: float = now - current[3]
+        for offset, (event, step_target) in enumerate(change.steps, start=1):
+            final = offset == len(change.steps) and step_target in FINAL
+            rows.append(EventRow(task, current[2] + offset, event, source, step_target,
+                                 change.error, now, dwell, final))  # fmt: skip
+            tx.bump(names.TRANSITIONS, f"{source}>{step_target}")
+            source, dwell = step_target, 0.0
+        events = await tx.insert_events(rows)
+        tx.count_status(task.tenant, change.expect_status, -1)
+        tx.count_status(task.tenant, target, 1)
+        for name, labels in change.counters:
+            tx.bump(name, labels)
+        if target in CLAIMABLE:
+            await tx.notify_ready()
+        return task, events
+
+    @staticmethod
+    async def _revive(tx: Tx, sql: str, args: list[Any]) -> Row | None:
+        """A task leaving FAILED/TIMEOUT/CANCELLED re-enters the dedup index: when another
+        live task holds its content by now, it gives up its dedup key (I5)."""
+        try:
+            async with tx.savepoint():
+                return await tx.one(sql, args)
+        except UniqueViolation:
+            return await tx.one(sql.replace(" WHERE id", ", dedup_key = NULL WHERE id"), args)
+
+    # supervisor
+
+    async def due(self, *, limit: int, cancel_grace_s: float) -> Due:
+        now = self.clock()
+
+        async def read(tx: Tx) -> Due:
+            cancels = await tx.all(self.q.due_cancel, (now - cancel_grace_s, limit))
+            due = Due([], [], [], [task_from_row(row) for row in cancels])
+            for row in await tx.all(self.q.due, (now, limit)):
+                classify_due(task_from_row(row), now, due)
+            return due
+
+        return await self._read(read)
+
+    async def count_ghosts(self, *, older_than_s: float) -> int:
+        before = self.clock() - older_than_s
+
+        async def read(tx: Tx) -> int:
+            row = await tx.one(self.q.ghosts, (before, before))
+            return 0 if row is None else int(row[0])
+
+        return await self._read(read)
+
+    async def lead(self, name: str, owner: str, ttl_s: float) -> LeaderToken | None:
+        now = self.clock()
+
+        async def write(tx: Tx) -> LeaderToken | None:
+            row = await tx.one(self.q.lead, (name, owner, now + ttl_s, now, now))
+            return None if row is None else LeaderToken(name, owner, row[0], row[1])
+
+        return await self._write(write)
+
+    async def _holds(self, tx: Tx, token: LeaderToken, now: float) -> bool:
+        args = (token.name, token.owner, token.epoch, now)
+        return await tx.one(self.q.holds, args) is not None
+
+    # stats and counters
+
+    async def stats(self, *, tenant: str | None, ghost_after_s: float) -> Stats:
+        now = self.clock()
+        return await self._read(lambda tx: self._stats(tx, tenant, now, now - ghost_after_s))
+
+    async def _stats(self, tx: Tx, tenant: str | None, now: float, ghost_before: float) -> Stats:
+        q = self.q
+        counts = {str(s): 0 for s in Status}
+        rows = await (
+            tx.all(q.status_counts) if tenant is None
+            else tx.all(q.status_counts_of_tenant, (tenant,))
+        )  # fmt: skip
+        for status, n in rows:
+            counts[status] = int(n)
+        failures = await self._counted(tx, names.FAILURES, "", tenant, parts=2)
+        dwell = dwell_percentiles(
+            await tx.all(q.dwell, (DWELL_WINDOW,))
+            if tenant is None
+            else await tx.all(q.dwell_of_tenant, (tenant, DWELL_WINDOW))
+        )
+        ghost_row = await (
+            tx.one(q.ghosts, (ghost_before, ghost_before)) if tenant is None
+            else tx.one(q.ghosts_of_tenant, (ghost_before, ghost_before, tenant))
+        )  # fmt: skip
+        oldest = await tx.one(q.oldest_ready)
+        since = f"{int(now // 60) - 59:010d}:"
+        return Stats(
+            counts,
+            failures,
+            dwell,
+            int(ghost_row[0]) if ghost_row else 0,
+            None if oldest is None else oldest[0],
+            await self._counted(tx, names.FAILURES_BY_MINUTE, since, tenant, parts=3),
+        )
+
+    async def _counted(
+        self, tx: Tx, name: str, since: str, tenant: str | None, *, parts: int
+    ) -> dict[str, int]:
+        """A ``[minute:]tenant:code`` counter summed by code, for one tenant or all."""
+        found: dict[str, int] = {}
+        for labels, n in await tx.all(self.q.counter_rows, (name, since)):
+            *_, row_tenant, code = str(labels).split(":", parts - 1)
+            if tenant is None or row_tenant == tenant:
+                found[code] = found.get(code, 0) + int(n)
+        return found
+
+    async def counters(self) -> dict[tuple[str, str], int]:
+        async def read(tx: Tx) -> dict[tuple[str, str], int]:
+            rows = await tx.all(self.q.all_counters)
+            return {(name, labels): int(n) for name, labels, n in rows}
+
+        return await self._read(read)
+
+    async def bump(self, name: str, labels: str = "") -> None:
+        async def write(tx: Tx) -> None:
+            tx.bump(name, labels)
+
+        await self._write(write)
+
+    # retention
+
+    async def purge(
+        self,
+        *,
+        finished_before: float,
+        tenant: str | None = None,
+        exclude: Sequence[str] = (),
+        limit: int = 500,
+    ) -> list[Task]:
+        sql, args = purge_candidates(finished_before, tenant, exclude, limit)
+        sql = self.q.sql(sql + " {SKIP_LOCKED}")  # a manual retry in flight keeps its task
+
+        async def write(tx: Tx) -> list[Task]:
+            tasks = [task_from_row(row) for row in await tx.all(sql, args)]
+            if not tasks:
+                return []
+            ids = [task.id for task in tasks]
+            for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
+                          self.q.purge_tasks):  # fmt: skip
+                await tx.run(query, (ids,))
+            for task in tasks:
+                tx.count_status(task.tenant, task.status, -1)
+            tx.bump(names.PURGED, "", len(tasks))
+            return tasks
+
+        return await self._write(write)
+
+
+def purge_candidates(
+    finished_before: float, tenant: str | None, exclude: Sequence[str], limit: int
+) -> tuple[str, list[Any]]:
+    """The oldest final tasks a purge may delete (``?`` placeholders); reads through the
+    ``tasks_finished`` index."""
+    sql = "SELECT * FROM tasks WHERE status IN {FINAL} AND finished_at < ?"
+    args: list[Any] = [finished_before]
+    if tenant is not None:
+        sql += " AND tenant = ?"
+        args.append(tenant)
+    if exclude:
+        sql += f" AND tenant NOT IN ({', '.join('?' * len(exclude))})"
+        args += list(exclude)
+    sql += " ORDER BY finished_at LIMIT ?"
+    args.append(limit)
+    return sql, args
+
+
+class SqlStore(SqlTasks, ClaimOps, PoolOps, OutboxOps):
+    """The Store protocol over a driver: :class:`~kiln.store.sqlite.SqliteStore` and
+    :class:`~kiln.store.postgres.PostgresStore` say how an operation runs."""
+
+    def __init__(self, queries: Queries, clock: Clock) -> None:
+        self.q = queries
+        self.clock = clock
+        self._claim_turn = 0
+        self._tail_gaps: dict[int, int] = {}
+        self._outbox_gaps: dict[int, int] = {}  # the outbox follows the log on its own
+
+    async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
+        raise NotImplementedError
+
+    async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
+        """Events after ``after`` such that no event with a smaller seq can still appear;
+        ``gaps`` is the follower's memory of gaps (drivers that commit in seq order have
+        none)."""
+        return await self.events(after=after, limit=limit)
+
+    async def tail(self, *, after: int, limit: int = 1000) -> list[TaskEvent]:
+        return await self._log_after(after, limit, self._tail_gaps)
+
+    def watch_ready(self, callback: Callable[[], None]) -> None:
+        """Without a notification channel, workers elsewhere find new work by polling."""
+
+    async def apply_many(
+        self, changes: Sequence[Change]
+    ) -> list[tuple[Task, list[TaskEvent]] | Exception]:
+        """Apply several tasks' changes in one call, each its own compare-and-set: a
+        refused change rolls back alone and comes back as its error, the others commit
+        (I11)."""
+
+        def op(change: Change) -> Op[tuple[Task, list[TaskEvent]]]:
+            return lambda tx: self._apply(tx, change)
+
+        done = await self._write_many([op(change) for change in changes])
+        return [
+            Conflict(f"task {change.task_id} changed concurrently: {result}")
+            if isinstance(result, IntegrityViolation)
+            else result
+            for change, result in zip(changes, done, strict=True)
+        ]

@@ -1,0 +1,118 @@
+"""One transaction of a store driver, as the store's operations see it.
+
+Every operation of :class:`kiln.store.sqlstore.SqlStore` is an ``async`` function of a
+:class:`Tx`. A driver runs it: SQLite on its writer thread, inside the group commit, where
+the awaits never suspend (:func:`run_sync`); PostgreSQL on a pooled connection. An
+operation that must refuse returns :class:`Refused`: what it wrote (a stale write's
+counter) commits, and the driver raises the error after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
+from kiln.models import JSON, Task, TaskEvent
+from kiln.states import Event, Status
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+
+
+class IntegrityViolation(Exception):
+    """A constraint refused a statement (drivers translate their driver's error)."""
+
+
+class UniqueViolation(IntegrityViolation):
+    """A unique index refused a statement."""
+
+
+@dataclass(slots=True)
+class Refused:
+    """An operation's answer to raise once its transaction committed."""
+
+    error: Exception
+
+
+@dataclass(slots=True)
+class EventRow:
+    """An event row to insert (its seq comes from the database)."""
+
+    task: Task
+    version: int
+    event: Event
+    source: Status | None
+    target: Status
+    error: JSON | None
+    at: float
+    dwell_s: float | None
+    final: bool = False
+
+    def event_for(self, seq: int) -> TaskEvent:
+        return TaskEvent(
+            seq=seq, id=f"{self.task.id}:{self.version}", task_id=self.task.id,
+            tenant=self.task.tenant, event=self.event, from_status=self.source,
+            status=self.target, attempt=self.task.attempt, epoch=self.task.epoch,
+            error=self.error, at=self.at, dwell_s=self.dwell_s, final=self.final,
+        )  # fmt: skip
+
+
+class Tx(Protocol):
+    """One transaction of a driver, with the counter deltas it adds at commit."""
+
+    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None: ...
+
+    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]: ...
+
+    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """Execute; the rows it changed."""
+        ...
+
+    async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+        """Execute once per parameter row; the rows changed in all."""
+        ...
+
+    def savepoint(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """A nested transaction: an error inside rolls back only what it wrote."""
+        ...
+
+    async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]: ...
+
+    async def lock_tenant(self, tenant: str) -> None:
+        """Hold the claim lock of a capped tenant until commit (serial drivers: no-op)."""
+        ...
+
+    async def notify_ready(self) -> None:
+        """Tell idle workers elsewhere that work became claimable."""
+        ...
+
+    def count_status(self, tenant: str, status: Status, delta: int) -> None: ...
+
+    def bump(self, name: str, labels: str = "", delta: int = 1) -> None: ...
+
+
+#: An operation: an async function of one transaction.
+Op = Callable[[Tx], Awaitable[T | Refused]]
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run an operation whose awaits never suspend (a serial driver's Tx) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a store operation suspended inside a synchronous transaction")
+
+
+def buckets_below(tally: Mapping[tuple[str, str, str], int]) -> str | None:
+    """When a commit adds to a per-minute failure bucket: the label below which buckets
+    are older than a day and are dropped (``prune_counter``), else None."""
+    buckets = [b for (t, a, b) in tally if t == "counters" and a == FAILURES_BY_MINUTE]
+    if not buckets:
+        return None
+    newest = int(max(buckets).split(":", 1)[0])
+    return f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"
