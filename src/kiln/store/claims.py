@@ -23,16 +23,15 @@ tenants there are); tenants with ready work come from the per-status counts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln import counters as names
 from kiln.models import Task
 from kiln.states import CLAIMABLE, Event, Status
-from kiln.store.queries import Queries
 from kiln.store.rows import task_from_row
-from kiln.store.tx import EventRow, Op, Tx
+from kiln.store.tx import EventRow, Ops, Tx
 
 if TYPE_CHECKING:
     from kiln.config import Settings
@@ -194,18 +193,10 @@ def claim_policy(settings: Settings) -> ClaimPolicy | None:
 ADVISORY_CAPS = 0x6B636170
 
 
-class ClaimOps:
-    """Claims and queue positions, for :class:`kiln.store.sqlstore.SqlStore`."""
+class ClaimOps(Ops):
+    """Claims and queue positions, for :class:`kiln.store.sqlstore.Store`."""
 
-    q: Queries
-    clock: Callable[[], float]
     _claim_turn: int
-
-    async def _write(self, op: Op[T]) -> T:
-        raise NotImplementedError
-
-    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
-        raise NotImplementedError
 
     async def claim(
         self,
@@ -216,6 +207,9 @@ class ClaimOps:
         lease_ttl_s: float,
         policy: ClaimPolicy | None = None,
     ) -> list[Task]:
+        """Claim up to ``limit`` ready tasks of ``kinds``: in priority, then ready-time
+        order, or as ``policy`` says (aging, fair turns, running caps: store/claims.py)."""
+
         if not kinds or limit <= 0:
             return []
         self._claim_turn += 1
@@ -320,6 +314,9 @@ class ClaimOps:
         return {r[0]: int(r[1]) for r in await tx.all(self.q.running_of_tenants, (list(tenants),))}
 
     async def queue_position(self, task: Task, policy: ClaimPolicy | None = None) -> int | None:
+        """1 for the next task a claim of its kind takes (under ``policy``: with fair
+        turns, an estimate from the task's place in its tenant's line), while it is ready."""
+
         now = self.clock()
         if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
             return None

@@ -7,15 +7,14 @@ per event id, so doing it twice is a no-op) and moves the cursor, in one transac
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kiln import counters as names
 from kiln.models import Task, TaskEvent
-from kiln.store.queries import Queries
 from kiln.store.rows import task_from_row
-from kiln.store.tx import Op, Tx
+from kiln.store.tx import Ops, Tx
 
 T = TypeVar("T")
 
@@ -85,42 +84,24 @@ class WebhookAttempt:
 
 def delivery_from_row(row: Sequence[Any]) -> WebhookDelivery:
     return WebhookDelivery(
-        event_id=row[0],
-        seq=int(row[1]),
-        task_id=row[2],
-        tenant=row[3],
-        event=row[4],
-        url=row[5],
-        payload=row[6],
-        status=row[7],
-        attempts=int(row[8]),
-        next_attempt_at=float(row[9]),
-        last_error=row[10],
-        response_status=row[11],
-        created_at=float(row[12]),
-        updated_at=float(row[13]),
-    )
+        event_id=row[0], seq=int(row[1]), task_id=row[2], tenant=row[3], event=row[4],
+        url=row[5], payload=row[6], status=row[7], attempts=int(row[8]),
+        next_attempt_at=float(row[9]), last_error=row[10], response_status=row[11],
+        created_at=float(row[12]), updated_at=float(row[13]),
+    )  # fmt: skip
 
 
-class OutboxOps:
-    """The webhook outbox, for :class:`kiln.store.sqlstore.SqlStore`."""
+class OutboxOps(Ops):
+    """The webhook outbox, for :class:`kiln.store.sqlstore.Store`."""
 
-    q: Queries
-    clock: Callable[[], float]
     _outbox_gaps: dict[int, int]
-
-    async def _write(self, op: Op[T]) -> T:
-        raise NotImplementedError
-
-    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
-        raise NotImplementedError
 
     async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
         raise NotImplementedError
 
     async def webhook_scan(self, *, limit: int) -> WebhookScan:
-        """The events after the cursor as ``tail`` reads them, so the cursor never moves
-        past an event that may still appear."""
+        """Up to ``limit`` events after the outbox cursor, read like ``tail`` (no event
+        with a smaller seq can still appear), with the tasks among them that have a webhook."""
 
         async def cursor_of(tx: Tx) -> int:
             row = await tx.one(self.q.outbox_cursor, (CURSOR,))
@@ -139,6 +120,9 @@ class OutboxOps:
         return WebhookScan(cursor, last, len(events), found)
 
     async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+        """Add the deliveries of tasks that still exist (an event id already there is
+        skipped) and move the cursor up to ``cursor``, in one transaction; how many were added."""
+
         rows = [(*d.insert_args(), d.task_id) for d in deliveries]
 
         async def write(tx: Tx) -> int:
@@ -149,14 +133,17 @@ class OutboxOps:
         return await self._write(write)
 
     async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+        """Pending deliveries due now, soonest first; only the first pending delivery of
+        each task (in seq order), so a task's deliveries go out one after the other."""
+
         args = (PENDING, self.clock(), PENDING, limit)
 
-        async def read(tx: Tx) -> list[WebhookDelivery]:
-            return [delivery_from_row(r) for r in await tx.all(self.q.deliveries_due, args)]
-
-        return await self._read(read)
+        return await self._rows(self.q.deliveries_due, args, delivery_from_row)
 
     async def webhook_record(self, attempt: WebhookAttempt) -> None:
+        """Write what a delivery attempt came to (a row no longer pending is left as it
+        is) and count it in ``counters`` as ``("webhook_deliveries", outcome)``."""
+
         args = (attempt.status, attempt.next_attempt_at, attempt.error,
                 attempt.response_status, self.clock(), attempt.event_id, PENDING)  # fmt: skip
 
@@ -169,19 +156,15 @@ class OutboxOps:
     async def webhook_deliveries(
         self, *, task_id: str | None = None, limit: int = 100
     ) -> list[WebhookDelivery]:
+        """Deliveries in seq order, of one task or of all, whatever their status."""
+
+        args: tuple[Any, ...]
         if task_id is None:
             sql, args = self.q.deliveries, (limit,)
         else:
             sql, args = self.q.deliveries_of_task, (task_id, limit)
 
-        async def read(tx: Tx) -> list[WebhookDelivery]:
-            return [delivery_from_row(r) for r in await tx.all(sql, args)]
-
-        return await self._read(read)
+        return await self._rows(sql, args, delivery_from_row)
 
     async def webhook_pending(self) -> int:
-        async def read(tx: Tx) -> int:
-            row = await tx.one(self.q.pending_deliveries, (PENDING,))
-            return 0 if row is None else int(row[0])
-
-        return await self._read(read)
+        return await self._count(self.q.pending_deliveries, (PENDING,))

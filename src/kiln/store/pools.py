@@ -25,7 +25,7 @@ The other limits every process shares live here too: token buckets (tenant rate 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,9 +33,8 @@ from kiln import counters as names
 from kiln.errors import LeaseLost
 from kiln.limits import Rate, bucket_take
 from kiln.models import JSON
-from kiln.store.queries import Queries
 from kiln.store.records import BreakerRecord
-from kiln.store.tx import Op, Refused, Tx
+from kiln.store.tx import Ops, Refused, Tx
 
 T = TypeVar("T")
 
@@ -154,18 +153,9 @@ def in_every_line(lines: Mapping[str, list[SlotRow]], task_id: str) -> bool:
     return all(any(r.task_id == task_id for r in line) for line in lines.values())
 
 
-class PoolOps:
+class PoolOps(Ops):
     """Pools, token buckets, breakers and the retry clock, for
-    :class:`kiln.store.sqlstore.SqlStore`."""
-
-    q: Queries
-    clock: Callable[[], float]
-
-    async def _write(self, op: Op[T]) -> T:
-        raise NotImplementedError
-
-    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
-        raise NotImplementedError
+    :class:`kiln.store.sqlstore.Store`."""
 
     async def acquire_slots(
         self,
@@ -176,6 +166,13 @@ class PoolOps:
         *,
         in_line: bool = False,
     ) -> PoolWait | None:
+        """Take ``needs`` units of each pool named in ``capacities`` for the attempt at
+        ``epoch`` (WAITING_FOR_RESOURCE), all or none. None: granted (or nothing to take);
+        else the task's place in the line, kept for the next call. The slots come back by
+        themselves when the task leaves GENERATING or its lease lapses (kiln/store/pools.py).
+        ``in_line``: the task asked before, so a plain read may answer that it still
+        waits. Raises LeaseLost when the task is not held at ``epoch``."""
+
         units = units_needed(needs, capacities)
         if not units:
             return None
@@ -203,12 +200,12 @@ class PoolOps:
         now = self.clock()
         # One acquirer per pool at a time (rows locked in name order, so two never wait
         # on each other): the lines read below must not change under it.
-        known = dict(await tx.all(self.q.lock_pools, (pools,)))
+        known: dict[str, int] = dict(await tx.all(self.q.lock_pools, (pools,)))
         if any(known.get(pool) != capacities[pool] for pool in pools):  # new or resized
             await tx.many(self.q.save_pool, [(pool, capacities[pool]) for pool in pools])
             await tx.all(self.q.lock_pools, (pools,))
-        await tx.many(self.q.join_line,
-                      [(pool, units[pool], now, task_id, epoch, now) for pool in pools])  # fmt: skip
+        joins = [(pool, units[pool], now, task_id, epoch, now) for pool in pools]
+        await tx.many(self.q.join_line, joins)
         rows = await tx.all(self.q.slot_rows, (now, pools))
         dead = [(r[0], r[1]) for r in rows if not r[5]]
         if dead:  # their attempts moved on or their holders died: the slots are free
@@ -222,6 +219,8 @@ class PoolOps:
         return wait
 
     async def pool_wait(self, task_id: str) -> PoolWait | None:
+        """Where a waiting task stands in the line of a pool, or None."""
+
         async def read(tx: Tx) -> PoolWait | None:
             now = self.clock()
             for pool, capacity in await tx.all(self.q.waiting_in, (task_id, now)):
@@ -234,13 +233,15 @@ class PoolOps:
         return await self._read(read)
 
     async def pools(self) -> list[PoolUsage]:
-        async def read(tx: Tx) -> list[PoolUsage]:
-            rows = await tx.all(self.q.pool_usage, (self.clock(),))
-            return [PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+        """Every pool ever acquired, with its capacity, units held and tasks waiting."""
 
-        return await self._read(read)
+        usage = lambda r: PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3]))  # noqa: E731
+        return await self._rows(self.q.pool_usage, (self.clock(),), usage)
 
     async def take_token(self, name: str, rate: Rate) -> float:
+        """Take one token from the bucket ``name``: 0.0 when taken, else the seconds until
+        one is there (nothing taken). Shared by every process on the store."""
+
         async def write(tx: Tx) -> float:
             now = self.clock()
             await tx.run(self.q.new_bucket, (name, rate.burst, now))
@@ -254,12 +255,17 @@ class PoolOps:
         return await self._write(write)
 
     async def breakers(self) -> list[BreakerRecord]:
-        async def read(tx: Tx) -> list[BreakerRecord]:
-            return [BreakerRecord(*row) for row in await tx.all(self.q.breakers)]
+        """Every breaker's shared state, by name (one small read)."""
 
-        return await self._read(read)
+        return await self._rows(self.q.breakers, (), lambda row: BreakerRecord(*row))
 
     async def save_breaker(self, record: BreakerRecord, *, only_if_due: bool = False) -> bool:
+        """Write ``record`` (insert or replace) and count the transition in ``counters`` as
+        ``("breaker_transitions", "<name>><state>")``. With ``only_if_due`` it is written
+        only when no row exists or the stored one is open or half-open with
+        ``opened_until`` at or before ``record.updated_at``: the compare-and-set that lets
+        one process take the half-open probe. Whether it was written."""
+
         sql = self.q.save_breaker_if_due if only_if_due else self.q.save_breaker
         args = (record.name, record.state, record.opened_until, record.updated_at, record.by)
 
@@ -272,6 +278,10 @@ class PoolOps:
         return await self._write(write)
 
     async def reserve_retry(self, earliest: float, interval_s: float) -> float:
+        """The retry slot for a retry due at ``earliest``: max(earliest, the clock's next
+        free slot); the clock moves to that slot + ``interval_s``, atomically, so retries
+        from every process are spread ``interval_s`` apart."""
+
         async def write(tx: Tx) -> float:
             args = (earliest, interval_s, interval_s, interval_s, interval_s)
             row = await tx.one(self.q.reserve_retry, args)

@@ -41,7 +41,7 @@ from kiln.store.claims import ADVISORY_CAPS
 from kiln.store.queries import migrations, queries
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
-from kiln.store.sqlstore import NOT_LIVE, SqlStore, insert_args, update_sql
+from kiln.store.sqlstore import NOT_LIVE, Store, insert_args, update_sql
 from kiln.store.tx import (
     EventRow,
     IntegrityViolation,
@@ -199,7 +199,7 @@ class _CommitUnknown(Exception):
     """The connection broke during COMMIT: the transaction may or may not have landed."""
 
 
-class PostgresStore(SqlStore):
+class PostgresStore(Store):
     """The store for many processes on many machines. See the module docstring."""
 
     def __init__(
@@ -433,31 +433,39 @@ class PostgresStore(SqlStore):
         now = self.clock()
         args = [*insert_args(new, now), str(Event.SUBMIT), now,
                 random.randrange(COUNTER_SHARDS)]  # fmt: skip
+        row = await self._statement(Q.submit_one, args, notify=self._notify_due(now))
+        return None if row is None else task_from_row(row)
+
+    async def _statement(
+        self, sql: str, args: Sequence[Any], *, notify: bool = False
+    ) -> Row | None:
+        """One statement in autocommit (NOTIFY after it when it wrote a row and ``notify``).
+        A broken connection may have committed it: the caller's retry re-reads the row
+        and either finds the change done (a refusal) or does it."""
         for attempt in range(4):
             try:
                 async with self._connection() as conn:
-                    row = await (await conn.execute(Q.submit_one, args)).fetchone()
-                    if row is not None and self._notify_due(now):
+                    row = await (await conn.execute(sql, args)).fetchone()
+                    if row is not None and notify:
                         await conn.execute(f"NOTIFY {READY_CHANNEL}")
-                break
+                return row
             except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
                 if attempt == 3:
                     raise
+            except psycopg.errors.IntegrityError as exc:
+                raise IntegrityViolation(str(exc)) from None
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 await self._drop_broken()
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
-        return None if row is None else task_from_row(row)
+        raise AssertionError("unreachable")
 
-    async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
+    async def _apply_change(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         if _is_plain(change):
-            try:
-                applied = await self._apply_in_one_statement(change)
-            except psycopg.errors.IntegrityError as exc:
-                raise IntegrityViolation(str(exc)) from None
+            applied = await self._apply_in_one_statement(change)
             if applied is not None:
                 return applied
         # Everything else, and a refusal (worded by the full path), in a transaction.
-        return await super().apply(change)
+        return await super()._apply_change(change)
 
     async def _apply_in_one_statement(self, change: Change) -> tuple[Task, list[TaskEvent]] | None:
         """A worker's plain step (acquire, generated, uploaded, fail without retry) as one
@@ -475,20 +483,7 @@ class PostgresStore(SqlStore):
             str(event), str(source), str(target), final, dumps(change.error), now, now,
             shard, str(source), str(target), f"{source}>{target}", shard,
         ]  # fmt: skip
-        for attempt in range(4):
-            try:
-                async with self._connection() as conn:
-                    cur = await conn.execute(Q.one_step.replace("{sets}", sets), args)
-                    row = await cur.fetchone()
-                break
-            except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
-                if attempt == 3:
-                    raise
-            except (psycopg.OperationalError, PoolTimeout) as exc:
-                # Autocommit: a broken connection may have committed it; a retry re-reads
-                # the row and either finds the change done (a refusal) or does it.
-                await self._drop_broken()
-                raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        row = await self._statement(Q.one_step.replace("{sets}", sets), args)
         if row is None:
             return None
         task = task_from_row(row)

@@ -73,67 +73,31 @@ STATUSES = {str(status): status for status in Status}
 
 def task_from_row(row: Sequence[Any]) -> Task:
     """A task from a ``SELECT *`` row, read by position (see TASK_COLUMNS)."""
-    timeouts = json.loads(row[21])
     return Task(
-        id=row[0],
-        tenant=row[1],
-        kind=row[2],
-        status=STATUSES[row[3]],
-        params=json.loads(row[6]),
-        metadata=json.loads(row[7]),
-        inputs=json.loads(row[8]),
-        priority=row[4],
-        attempt=row[12],
-        max_attempts=row[13],
-        epoch=row[14],
-        version=row[15],
-        idempotency_key=row[10],
-        dedup_key=row[11],
-        fingerprint=row[9],
-        lease_owner=row[16],
-        lease_expires_at=row[17],
-        state_deadline_at=row[18],
-        deadline_s=row[19],
-        deadline_at=row[20],
-        timeouts=Timeouts(**timeouts),
-        stage=row[22],
-        progress_step=row[23],
-        progress_total=row[24],
-        progress_at=row[25],
-        cancel_requested=bool(row[26]),
-        cancel_requested_at=row[27],
-        next_retry_at=row[28],
-        ready_at=row[5],
-        result_prefix=row[29],
-        error=loads(row[30]),
-        result=loads(row[31]),
-        created_at=row[32],
-        updated_at=row[33],
-        status_since=row[34],
-        started_at=row[35],
-        finished_at=row[36],
+        id=row[0], tenant=row[1], kind=row[2], status=STATUSES[row[3]], priority=row[4],
+        ready_at=row[5], params=json.loads(row[6]), metadata=json.loads(row[7]),
+        inputs=json.loads(row[8]), fingerprint=row[9], idempotency_key=row[10],
+        dedup_key=row[11], attempt=row[12], max_attempts=row[13], epoch=row[14],
+        version=row[15], lease_owner=row[16], lease_expires_at=row[17],
+        state_deadline_at=row[18], deadline_s=row[19], deadline_at=row[20],
+        timeouts=Timeouts(**json.loads(row[21])), stage=row[22], progress_step=row[23],
+        progress_total=row[24], progress_at=row[25], cancel_requested=bool(row[26]),
+        cancel_requested_at=row[27], next_retry_at=row[28], result_prefix=row[29],
+        error=loads(row[30]), result=loads(row[31]), created_at=row[32], updated_at=row[33],
+        status_since=row[34], started_at=row[35], finished_at=row[36],
         webhook=loads(row[_WEBHOOK]),
-    )
+    )  # fmt: skip
 
 
 def event_from_row(row: Sequence[Any]) -> TaskEvent:
     """An event from a row of (seq, id, task_id, tenant, event, from_status, to_status,
     attempt, epoch, error, at, dwell_s, final), as the events queries read them."""
     return TaskEvent(
-        seq=row[0],
-        id=row[1],
-        task_id=row[2],
-        tenant=row[3],
-        event=Event(row[4]),
-        from_status=None if row[5] is None else STATUSES[row[5]],
-        status=STATUSES[row[6]],
-        attempt=row[7],
-        epoch=row[8],
-        error=loads(row[9]),
-        at=row[10],
-        dwell_s=row[11],
+        seq=row[0], id=row[1], task_id=row[2], tenant=row[3], event=Event(row[4]),
+        from_status=None if row[5] is None else STATUSES[row[5]], status=STATUSES[row[6]],
+        attempt=row[7], epoch=row[8], error=loads(row[9]), at=row[10], dwell_s=row[11],
         final=bool(row[12]),
-    )
+    )  # fmt: skip
 
 
 def dwell_percentiles(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, float]]:

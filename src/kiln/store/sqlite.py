@@ -35,7 +35,7 @@ from kiln.states import Status
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
-from kiln.store.sqlstore import SqlStore
+from kiln.store.sqlstore import Store
 from kiln.store.tx import (
     EventRow,
     IntegrityViolation,
@@ -387,7 +387,7 @@ class SqliteTx:
 # The store ------------------------------------------------------------------------------
 
 
-class SqliteStore(SqlStore):
+class SqliteStore(Store):
     """The embedded default store. See the module docstring for its threading model."""
 
     def __init__(self, path: str, *, clock: Clock, synchronous: str = "NORMAL") -> None:

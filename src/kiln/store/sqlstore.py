@@ -4,7 +4,7 @@ Every operation is an ``async`` function of a :class:`~kiln.store.tx.Tx` (one
 transaction) that reads and writes through the named queries of
 :mod:`kiln.store.queries`; a driver runs it (see :mod:`kiln.store.tx`). The task
 lifecycle is here; claims, pools and limits, and the webhook outbox have modules of their
-own (``claims.py``, ``pools.py``, ``outbox.py``), and :class:`SqlStore` puts them together.
+own (``claims.py``, ``pools.py``, ``outbox.py``), and :class:`Store` puts them together.
 
 What differs lives in the drivers (``sqlite.py``, ``postgres.py``): threads, group commit
 and migrations; the pool, reconnects, LISTEN/NOTIFY, the gap-safe tail, the claim lock and
@@ -14,7 +14,7 @@ the one-statement paths of PostgreSQL; how event rows and counter deltas are wri
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kiln import counters as names
@@ -35,7 +35,7 @@ from kiln.store.rows import (
     event_from_row,
     task_from_row,
 )
-from kiln.store.tx import EventRow, IntegrityViolation, Op, Refused, Row, Tx, UniqueViolation
+from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
 
 log = logging.getLogger("kiln.store")
 
@@ -94,17 +94,8 @@ def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
     return Refused(Conflict(f"task {change.task_id} is {status}, not {change.expect_status}"))
 
 
-class SqlTasks:
+class TaskOps(Ops):
     """The task lifecycle over a driver: submit, claim, apply, leases, reads, supervisor."""
-
-    q: Queries
-    clock: Clock
-
-    async def _write(self, op: Op[T]) -> T:
-        raise NotImplementedError
-
-    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
-        raise NotImplementedError
 
     # submission
 
@@ -149,8 +140,8 @@ class SqlTasks:
 
     async def _point_key(self, tx: Tx, new: NewTask, task_id: str, now: float) -> None:
         if new.idempotency_key is not None:
-            await tx.run(self.q.point_key,
-                         (new.fingerprint, task_id, now, new.tenant, new.idempotency_key))  # fmt: skip
+            args = (new.fingerprint, task_id, now, new.tenant, new.idempotency_key)
+            await tx.run(self.q.point_key, args)
 
     async def _insert(self, tx: Tx, new: NewTask, now: float) -> Task | None:
         row = await tx.one(self.q.insert_task, insert_args(new, now))
@@ -167,20 +158,18 @@ class SqlTasks:
     # reads
 
     async def get(self, task_id: str) -> Task | None:
-        async def read(tx: Tx) -> Task | None:
-            row = await tx.one(self.q.get_task, (task_id,))
-            return None if row is None else task_from_row(row)
-
-        return await self._read(read)
+        found = await self._rows(self.q.get_task, (task_id,), task_from_row)
+        return found[0] if found else None
 
     async def get_many(self, task_ids: Sequence[str]) -> dict[str, Task]:
+        """The tasks of ``task_ids`` that exist, by id, read in one query (the reconciler
+        looks up the tasks of a page of objects at once)."""
+
         ids = sorted(set(task_ids))
 
-        async def read(tx: Tx) -> dict[str, Task]:
-            rows = await tx.all(self.q.get_tasks, (ids,))
-            return {task.id: task for task in map(task_from_row, rows)}
-
-        return await self._read(read) if ids else {}
+        if not ids:
+            return {}
+        return {t.id: t for t in await self._rows(self.q.get_tasks, (ids,), task_from_row)}
 
     async def list_tasks(
         self,
@@ -206,10 +195,7 @@ class SqlTasks:
         sql = self.q.sql(sql + " ORDER BY id DESC LIMIT ?")
         args.append(limit + 1)
 
-        async def read(tx: Tx) -> list[Task]:
-            return [task_from_row(row) for row in await tx.all(sql, args)]
-
-        tasks = await self._read(read)
+        tasks = await self._rows(sql, args, task_from_row)
         next_cursor = tasks[limit - 1].id if len(tasks) > limit else None
         return tasks[:limit], next_cursor
 
@@ -221,6 +207,7 @@ class SqlTasks:
         after: int = 0,
         limit: int = 500,
     ) -> list[TaskEvent]:
+        args: tuple[Any, ...]
         if task_id is not None:
             sql, args = self.q.events_of_task, (task_id, after, limit)
         elif tenant is not None:
@@ -228,23 +215,15 @@ class SqlTasks:
         else:
             sql, args = self.q.events_after, (after, limit)
 
-        async def read(tx: Tx) -> list[TaskEvent]:
-            return [event_from_row(row) for row in await tx.all(sql, args)]
-
-        return await self._read(read)
+        return await self._rows(sql, args, event_from_row)
 
     async def last_seq(self) -> int:
-        async def read(tx: Tx) -> int:
-            row = await tx.one(self.q.last_seq)
-            return 0 if row is None else int(row[0])
+        """Where a tail of the log may start (see ``tail``)."""
 
-        return await self._read(read)
+        return await self._count(self.q.last_seq)
 
     async def progressed(self, *, since: float, limit: int = 500) -> list[Task]:
-        async def read(tx: Tx) -> list[Task]:
-            return [task_from_row(r) for r in await tx.all(self.q.progressed, (since, limit))]
-
-        return await self._read(read)
+        return await self._rows(self.q.progressed, (since, limit), task_from_row)
 
     # worker writes
 
@@ -252,6 +231,7 @@ class SqlTasks:
         self, task_id: str, epoch: int, lease_ttl_s: float, progress: Progress | None
     ) -> Task:
         now = self.clock()
+        args: tuple[Any, ...]
         if progress is None:
             sql, args = self.q.heartbeat, (now + lease_ttl_s, now, task_id, epoch)
         else:
@@ -284,10 +264,13 @@ class SqlTasks:
 
     async def apply(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         try:
-            return await self._write(lambda tx: self._apply(tx, change))
+            return await self._apply_change(change)
         except IntegrityViolation as exc:
             # The change rolled back as a whole: never a status without its event (I6).
             raise Conflict(f"task {change.task_id} changed concurrently: {exc}") from None
+
+    async def _apply_change(self, change: Change) -> tuple[Task, list[TaskEvent]]:
+        return await self._write(lambda tx: self._apply(tx, change))
 
     async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
         now = self.clock()
@@ -350,12 +333,7 @@ class SqlTasks:
 
     async def count_ghosts(self, *, older_than_s: float) -> int:
         before = self.clock() - older_than_s
-
-        async def read(tx: Tx) -> int:
-            row = await tx.one(self.q.ghosts, (before, before))
-            return 0 if row is None else int(row[0])
-
-        return await self._read(read)
+        return await self._count(self.q.ghosts, (before, before))
 
     async def lead(self, name: str, owner: str, ttl_s: float) -> LeaderToken | None:
         now = self.clock()
@@ -418,11 +396,8 @@ class SqlTasks:
         return found
 
     async def counters(self) -> dict[tuple[str, str], int]:
-        async def read(tx: Tx) -> dict[tuple[str, str], int]:
-            rows = await tx.all(self.q.all_counters)
-            return {(name, labels): int(n) for name, labels, n in rows}
-
-        return await self._read(read)
+        rows = await self._rows(self.q.all_counters, (), tuple)
+        return {(name, labels): int(n) for name, labels, n in rows}
 
     async def bump(self, name: str, labels: str = "") -> None:
         async def write(tx: Tx) -> None:
@@ -440,6 +415,10 @@ class SqlTasks:
         exclude: Sequence[str] = (),
         limit: int = 500,
     ) -> list[Task]:
+        """Delete up to ``limit`` final tasks that finished before ``finished_before`` (of
+        ``tenant``, or of every tenant but ``exclude``), oldest first, with their events and
+        idempotency keys, in one transaction; return them (their objects are the caller's)."""
+
         sql, args = purge_candidates(finished_before, tenant, exclude, limit)
         sql = self.q.sql(sql + " {SKIP_LOCKED}")  # a manual retry in flight keeps its task
 
@@ -477,9 +456,13 @@ def purge_candidates(
     return sql, args
 
 
-class SqlStore(SqlTasks, ClaimOps, PoolOps, OutboxOps):
-    """The Store protocol over a driver: :class:`~kiln.store.sqlite.SqliteStore` and
-    :class:`~kiln.store.postgres.PostgresStore` say how an operation runs."""
+class Store(TaskOps, ClaimOps, PoolOps, OutboxOps):
+    """A durable home for tasks, their event log, idempotency records and leaders.
+
+    Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and
+    :class:`~kiln.store.postgres.PostgresStore` say how an operation runs (``_write``,
+    ``_read``, ``_write_many``), how the log is followed (``_log_after``) and ``close``.
+    """
 
     def __init__(self, queries: Queries, clock: Clock) -> None:
         self.q = queries
@@ -489,6 +472,11 @@ class SqlStore(SqlTasks, ClaimOps, PoolOps, OutboxOps):
         self._outbox_gaps: dict[int, int] = {}  # the outbox follows the log on its own
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
+        """Run several operations in one call, each its own unit: one that refuses or
+        breaks a constraint comes back as its error, the others commit."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
         raise NotImplementedError
 
     async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
@@ -498,10 +486,14 @@ class SqlStore(SqlTasks, ClaimOps, PoolOps, OutboxOps):
         return await self.events(after=after, limit=limit)
 
     async def tail(self, *, after: int, limit: int = 1000) -> list[TaskEvent]:
+        """Events after ``after`` in seq order, such that no event with a smaller seq can
+        still appear: what a follower of the whole log reads (one per process)."""
+
         return await self._log_after(after, limit, self._tail_gaps)
 
     def watch_ready(self, callback: Callable[[], None]) -> None:
-        """Without a notification channel, workers elsewhere find new work by polling."""
+        """Call ``callback`` when another process made work claimable. Backends without
+        a notification channel do nothing: their workers find such work by polling."""
 
     async def apply_many(
         self, changes: Sequence[Change]

@@ -1,6 +1,6 @@
 """One transaction of a store driver, as the store's operations see it.
 
-Every operation of :class:`kiln.store.sqlstore.SqlStore` is an ``async`` function of a
+Every operation of :class:`kiln.store.sqlstore.Store` is an ``async`` function of a
 :class:`Tx`. A driver runs it: SQLite on its writer thread, inside the group commit, where
 the awaits never suspend (:func:`run_sync`); PostgreSQL on a pooled connection. An
 operation that must refuse returns :class:`Refused`: what it wrote (a stale write's
@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
 from kiln.models import JSON, Task, TaskEvent
 from kiln.states import Event, Status
+from kiln.store.queries import Queries
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -96,6 +97,40 @@ class Tx(Protocol):
 
 #: An operation: an async function of one transaction.
 Op = Callable[[Tx], Awaitable[T | Refused]]
+
+
+class Ops:
+    """What the store's groups of operations share: the dialect's queries, the clock, and
+    how an operation runs (a driver, :class:`~kiln.store.sqlite.SqliteStore` or
+    :class:`~kiln.store.postgres.PostgresStore`, says how)."""
+
+    q: Queries
+    clock: Callable[[], float]
+
+    async def _write(self, op: Op[T]) -> T:
+        """Run ``op`` in a write transaction; raise what it refused after the commit."""
+        raise NotImplementedError
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        """Run ``op`` on a read connection."""
+        raise NotImplementedError
+
+    async def _rows(self, sql: str, args: Sequence[Any], row: Callable[[Row], T]) -> list[T]:
+        """The rows of one query, each as ``row`` makes it."""
+
+        async def read(tx: Tx) -> list[T]:
+            return [row(found) for found in await tx.all(sql, args)]
+
+        return await self._read(read)
+
+    async def _count(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """The number one query answers (0 without a row)."""
+
+        async def read(tx: Tx) -> int:
+            found = await tx.one(sql, args)
+            return 0 if found is None else int(found[0])
+
+        return await self._read(read)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
