@@ -36,9 +36,10 @@ def test_every_command_refuses_a_bad_value_with_one_line(args: list[str]) -> Non
 def test_a_bad_value_under_an_old_name_is_named_as_set() -> None:
     result = runner.invoke(cli, ["worker"], env={"KILN_SUPERVISOR_INTERVAL": "0"})
 
+    # (the deprecation line may come first, where logging is already set up)
     assert result.exit_code == 2
-    assert result.stderr == (
-        "kiln: KILN_SUPERVISOR_INTERVAL='0': expected a number of seconds > 0\n"
+    assert result.stderr.splitlines()[-1] == (
+        "kiln: KILN_SUPERVISOR_INTERVAL='0': expected a number of seconds > 0"
     )
 
 
