@@ -247,13 +247,15 @@ def _hide_password(url: str) -> str:
 
 
 def _v(name: str, field_name: str, parse: Parser, help_text: str, **extra: Any) -> Variable:
+    """One row of the table (a shorthand that keeps the rows short)."""
     return Variable(name, field_name, parse, help_text, **extra)
 
 
 SECONDS = values.number("a number of seconds", above=0)
-SECONDS_OR_OFF = values.number("0 (off) or a number of seconds", least=0)
+SECONDS_OR_OFF = values.number("a number of seconds", least=0, note="0: off")
+SECONDS_OR_ZERO = values.number("a number of seconds", least=0)
 COUNT = values.number("a whole number", least=1, whole=True)
-COUNT_OR_NONE = values.number("a whole number", least=0, whole=True)
+COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
 PORT = values.number("a port number", least=0, most=65535, whole=True)
 TEXT = values.text()
 SECRET = values.text()
@@ -290,7 +292,7 @@ VARIABLES: tuple[Variable, ...] = (
        group=PROCESSES),
     _v("KILN_PORT", "port", PORT, "port `kiln serve` listens on (`--port`)",
        group=PROCESSES),
-    _v("KILN_WORKERS", "workers", COUNT_OR_NONE, "tasks `kiln serve` runs at once in its "
+    _v("KILN_WORKERS", "workers", COUNT_OR_ZERO, "tasks `kiln serve` runs at once in its "
        "own process (`--workers`)", group=PROCESSES, unit="tasks"),
     _v("KILN_NO_WORKERS", "no_workers", FLAG, "`1`: `kiln serve` runs no workers, the API "
        "only (`--no-workers`)", group=PROCESSES),
@@ -302,7 +304,7 @@ VARIABLES: tuple[Variable, ...] = (
        "once (`--concurrency`)", group=PROCESSES, unit="tasks"),
     _v("KILN_KINDS", "kinds", values.names(), "comma-separated task kinds `kiln worker` "
        "claims (`--kinds`)", group=PROCESSES, shown="every registered kind"),
-    _v("KILN_GPUS", "gpus", COUNT_OR_NONE, "GPU slots of a `kiln serve` or `kiln worker` "
+    _v("KILN_GPUS", "gpus", COUNT_OR_ZERO, "GPU slots of a `kiln serve` or `kiln worker` "
        "process (`--gpus`)", group=PROCESSES, unit="slots"),
     _v("KILN_METRICS_PORT", "metrics_port", PORT, "port of the Prometheus `/metrics` of "
        "`kiln worker` and `kiln supervisor` (`--metrics-port`)", group=PROCESSES,
@@ -392,7 +394,7 @@ VARIABLES: tuple[Variable, ...] = (
        "`tenant:seconds,...` (`0`: forever)", group=RETENTION),
     _v("KILN_RECONCILE_INTERVAL_S", "reconcile_interval_s", SECONDS_OR_OFF, "period of the "
        "leading supervisor's reconciliation pass (`0`: none)", group=RETENTION, unit="s"),
-    _v("KILN_RECONCILE_GRACE_S", "reconcile_grace_s", SECONDS_OR_OFF, "an orphan object "
+    _v("KILN_RECONCILE_GRACE_S", "reconcile_grace_s", SECONDS_OR_ZERO, "an orphan object "
        "younger than this is kept (`kiln reconcile --grace-s`)", group=RETENTION, unit="s"),
     _v("KILN_RECONCILE_REPAIR", "reconcile_repair", FLAG, "`1`: the supervisor's pass "
        "repairs instead of only reporting", group=RETENTION),
@@ -417,7 +419,7 @@ VARIABLES: tuple[Variable, ...] = (
        "folder (`model_index.json` beside its parts)", group=BACKENDS),
     _v("KILN_DIFFUSERS_DEVICE", "diffusers_device", values.choice(*DIFFUSERS_DEVICES),
        "`auto` (CUDA when torch sees a GPU, else CPU), `cpu` or `cuda`", group=BACKENDS),
-    _v("KILN_DIFFUSERS_PREVIEW_EVERY_STEPS", "diffusers_preview_every", COUNT_OR_NONE,
+    _v("KILN_DIFFUSERS_PREVIEW_EVERY_STEPS", "diffusers_preview_every", COUNT_OR_ZERO,
        "denoising steps between live previews (`0`: none)", group=BACKENDS, unit="steps",
        old="KILN_DIFFUSERS_PREVIEW_EVERY"),
     _v("KILN_WEBHOOK_SECRET", "webhook_secret", SECRET, "the HMAC-SHA256 key that signs "

@@ -64,12 +64,14 @@ def number(
     least: float | None = None,
     most: float | None = None,
     whole: bool = False,
+    note: str = "",
 ) -> Parser:
-    """A number within bounds: ``above`` (exclusive), ``least`` and ``most`` (inclusive)."""
+    """A number within bounds: ``above`` (exclusive), ``least`` and ``most`` (inclusive);
+    ``note`` says what a special value means."""
     bounds = [f"> {_g(above)}"] if above is not None else []
     bounds += [f">= {_g(least)}"] if least is not None else []
     bounds += [f"<= {_g(most)}"] if most is not None else []
-    expected = f"{what} {' and '.join(bounds)}".strip()
+    expected = f"{what} {' and '.join(bounds)}".strip() + (f" ({note})" if note else "")
 
     def convert(raw: str) -> float | int:
         value = float(raw.strip()) if _is_number(raw) else math.nan

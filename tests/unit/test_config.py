@@ -103,8 +103,8 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(var: Variable) -> Non
          "presigned"),
         ({"KILN_PRESIGN_TTL_S": "604801"}, "KILN_PRESIGN_TTL_S='604801': expected a number of "
          "seconds > 0 and <= 604800"),
-        ({"KILN_RECONCILE_GRACE_S": "-1"}, "KILN_RECONCILE_GRACE_S='-1': expected 0 (off) or a "
-         "number of seconds >= 0"),
+        ({"KILN_RECONCILE_INTERVAL_S": "-1"}, "KILN_RECONCILE_INTERVAL_S='-1': expected a "
+         "number of seconds >= 0 (0: off)"),
         ({"KILN_LOG_LEVEL": "loud"}, "KILN_LOG_LEVEL='loud': expected DEBUG, INFO, WARNING, "
          "WARN, ERROR or CRITICAL"),
         ({"KILN_RETENTION_TENANTS": "acme"}, "KILN_RETENTION_TENANTS='acme': expected "
