@@ -3,7 +3,11 @@
 Exit codes (API.md): 0 when the command did what it says (for ``submit --wait`` and
 ``watch``: the task ended SUCCESS); 1 when the task ended otherwise or the server refused
 (404, 409); 2 for usage, connection and authentication errors, with a one-line message on
-stderr and no traceback.
+stderr and no traceback. A setting kiln cannot use (a ``KILN_*`` variable or an option)
+is such a usage error, for every command: ``kiln: KILN_PORT='x': expected a port number ...``.
+
+Options that mirror a setting take their help, their environment variable and their
+default from :data:`kiln.config.VARIABLES`; the table alone reads the environment.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import functools
 import ipaddress
 import json
+import re
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
@@ -20,14 +25,15 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 import kiln
-from kiln import backends, logs, transform
-from kiln.client import DEFAULT_SERVER, Client
+from kiln import backends, config, logs, transform
+from kiln.client import Client
 from kiln.config import Settings
-from kiln.errors import InvalidRequest, KilnError
+from kiln.errors import ConfigError, InvalidRequest, KilnError
 from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
 from kiln.reconcile import DEFAULT_EXAMPLES, Report, ResultLostPolicy, reconcile
 from kiln.reconcile import Options as ReconcileOptions
@@ -50,7 +56,14 @@ cli = typer.Typer(
 
 #: Errors that mean "you asked wrongly or cannot get in": exit 2.
 USAGE_CODES = frozenset(
-    {"connection_failed", "unauthorized", "forbidden", "invalid_request", "unknown_kind"}
+    {
+        "config_error",
+        "connection_failed",
+        "unauthorized",
+        "forbidden",
+        "invalid_request",
+        "unknown_kind",
+    }
 )
 
 
@@ -87,55 +100,42 @@ def _handled(func: Callable[P, R]) -> Callable[P, R]:
 
 # shared options
 
-Server = Annotated[
-    str, typer.Option("--server", envvar="KILN_SERVER", help="the kiln API to talk to")
-]
-ApiKey = Annotated[
-    str | None, typer.Option("--api-key", envvar="KILN_API_KEY", help="sent as a Bearer token")
-]
-DataDir = Annotated[
-    Path | None,
-    typer.Option(
-        "--data-dir",
-        envvar="KILN_DATA_DIR",
-        show_default="./kiln-data",
-        help="data directory (database and results by default)",
-    ),
-]
-DatabaseUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--database-url",
-        envvar="KILN_DATABASE_URL",
-        help="sqlite:///path.db; default <data-dir>/kiln.db",
-    ),
-]
-StorageUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--storage-url", envvar="KILN_STORAGE_URL", help="file:///path; default <data-dir>/results"
-    ),
-]
-MetricsPort = Annotated[
-    int | None,
-    typer.Option(
-        "--metrics-port",
-        envvar="KILN_METRICS_PORT",
-        help="serve Prometheus metrics at /metrics on this port",
-    ),
-]
-MetricsHost = Annotated[
-    str, typer.Option("--metrics-host", envvar="KILN_METRICS_HOST", help="metrics address")
-]
+
+def _option(field: str, *flags: str, **extra: Any) -> Any:
+    """A typer option mirroring the setting ``field``: help, variable and default come
+    from the table. It reads only the command line; the table reads the environment."""
+    var = config.variable(field)
+    meaning = re.sub(r" \(`[^`]*--[a-z-]+`\)", "", var.help)  # the flag is shown anyway
+    shown = f"{meaning} [env {var.name}; default {var.default_text}]".replace("`", "")
+    return typer.Option(*flags, help=escape(shown), show_default=False, **extra)
+
+
+Server = Annotated[str | None, _option("server", "--server")]
+ApiKey = Annotated[str | None, _option("api_key", "--api-key")]
+DataDir = Annotated[Path | None, _option("data_dir", "--data-dir")]
+DatabaseUrl = Annotated[str | None, _option("database_url", "--database-url")]
+StorageUrl = Annotated[str | None, _option("storage_url", "--storage-url")]
+MetricsPort = Annotated[int | None, _option("metrics_port", "--metrics-port", min=0, max=65535)]
+MetricsHost = Annotated[str | None, _option("metrics_host", "--metrics-host")]
+Gpus = Annotated[int | None, _option("gpus", "--gpus", min=0)]
 
 
 def _settings(**overrides: Any) -> Settings:
-    """Settings from the environment, then the options that were given."""
-    try:
-        settings = Settings.from_env()
-    except ValueError as exc:  # e.g. a KILN_METRICS_PORT that is not a number
-        raise InvalidRequest(f"bad KILN_* setting: {exc}") from None
+    """Settings from the environment, then the options that were given (not None)."""
+    settings = Settings.from_env()
     return settings.with_(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _client(server: str | None, api_key: str | None) -> Client:
+    """A client on ``--server`` / ``--api-key``, else KILN_SERVER / KILN_API_KEY."""
+    settings = Settings.from_env(only=("server", "api_key"))
+    return Client(server or settings.server, api_key or settings.api_key)
+
+
+def _kinds(raw: str | None) -> tuple[str, ...] | None:
+    """``--kinds a,b`` as names; None when not given (or naming none)."""
+    names = tuple(k.strip() for k in (raw or "").split(",") if k.strip())
+    return names or None
 
 
 def _app(settings: Settings) -> kiln.App:
@@ -152,7 +152,7 @@ def _opened(app: kiln.App) -> kiln.App:
     try:
         _ = app.store, app.storage
     except (ValueError, NotImplementedError) as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     return app
 
 
@@ -171,44 +171,31 @@ def _loopback(host: str) -> bool:
 @cli.command()
 @_handled
 def serve(
-    host: Annotated[str, typer.Option(envvar="KILN_HOST", help="address to listen on")] = (
-        "127.0.0.1"
-    ),
-    port: Annotated[int, typer.Option(envvar="KILN_PORT", min=0, max=65535)] = 8000,
+    host: Annotated[str | None, _option("host", "--host")] = None,
+    port: Annotated[int | None, _option("port", "--port", min=0, max=65535)] = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
-    workers: Annotated[
-        int, typer.Option(envvar="KILN_WORKERS", min=0, help="concurrent tasks in this process")
-    ] = 2,
-    no_workers: Annotated[
-        bool, typer.Option("--no-workers", envvar="KILN_NO_WORKERS", help="API only")
-    ] = False,
-    no_supervisor: Annotated[
-        bool,
-        typer.Option(
-            "--no-supervisor",
-            envvar="KILN_NO_SUPERVISOR",
-            help="no supervisor loop here (run `kiln supervisor` processes instead)",
-        ),
-    ] = False,
-    gpus: Annotated[int, typer.Option(envvar="KILN_GPUS", min=0, help="gpu slots")] = 1,
-    insecure: Annotated[
-        bool,
-        typer.Option(
-            "--insecure",
-            envvar="KILN_INSECURE",
-            help="allow a non-loopback address without API keys",
-        ),
-    ] = False,
+    workers: Annotated[int | None, _option("workers", "--workers", min=0)] = None,
+    no_workers: Annotated[bool, _option("no_workers", "--no-workers")] = False,
+    no_supervisor: Annotated[bool, _option("no_supervisor", "--no-supervisor")] = False,
+    gpus: Gpus = None,
+    insecure: Annotated[bool, _option("insecure", "--insecure")] = False,
 ) -> None:
     """API + dashboard + workers + supervisor in one process."""
-    settings = _settings(data_dir=data_dir, database_url=database_url, storage_url=storage_url)
-    if not settings.auth_enabled and not _loopback(host) and not insecure:
-        raise InvalidRequest(
-            f"refusing to listen on {host} without API keys: set KILN_API_KEYS or "
-            "KILN_ADMIN_KEY, or pass --insecure"
-        )
+    settings = _settings(
+        host=host,
+        port=port,
+        data_dir=data_dir,
+        database_url=database_url,
+        storage_url=storage_url,
+        workers=workers,
+        no_workers=no_workers or None,  # a flag only turns its setting on
+        no_supervisor=no_supervisor or None,
+        gpus=gpus,
+        insecure=insecure or None,
+    )
+    _refuse_an_open_address(settings)
     import uvicorn
 
     from kiln.api.app import create_app, install_log_redaction
@@ -217,82 +204,98 @@ def serve(
     try:
         api = create_app(
             app,
-            workers=0 if no_workers else workers,
-            gpus=gpus,
-            supervisor=not no_supervisor,
+            workers=0 if settings.no_workers else settings.workers,
+            gpus=settings.gpus,
+            supervisor=not settings.no_supervisor,
             settings=settings,
         )
     except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     _opened(app)
-    config = uvicorn.Config(api, host=host, port=port, timeout_graceful_shutdown=5)
-    install_log_redaction()  # after uvicorn configured its loggers: no ?access_token= in logs
-    shown = f"[{host}]" if ":" in host else host
-    out = Console(highlight=False)
-    out.print(f"kiln dashboard: http://{shown}:{port}/")
-    out.print(f"database: {settings.resolved_database_url}")
-    out.print(f"storage:  {settings.resolved_storage_url}")
-    out.print(
-        f"workers:  {0 if no_workers else workers}; auth: "
-        f"{'on' if settings.auth_enabled else 'off'}"
+    uvicorn_config = uvicorn.Config(
+        api, host=settings.host, port=settings.port, timeout_graceful_shutdown=5
     )
+    install_log_redaction()  # after uvicorn configured its loggers: no ?access_token= in logs
+    _print_banner(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config).run()
+
+
+def _refuse_an_open_address(settings: Settings) -> None:
+    if settings.auth_enabled or _loopback(settings.host) or settings.insecure:
+        return
+    raise ConfigError(
+        f"refusing to listen on {settings.host} without API keys: set KILN_API_KEYS or "
+        "KILN_ADMIN_KEY, or pass --insecure",
+        variable="KILN_HOST",
+    )
+
+
+def _print_banner(settings: Settings) -> None:
+    host = settings.host
+    shown = f"[{host}]" if ":" in host else host
+    workers = 0 if settings.no_workers else settings.workers
+    out = Console(highlight=False)
+    out.print(f"kiln dashboard: http://{shown}:{settings.port}/")
+    out.print(f"database: {settings.resolved_database_url}")
+    out.print(f"storage:  {settings.resolved_storage_url}")
+    out.print(f"workers:  {workers}; auth: {'on' if settings.auth_enabled else 'off'}")
 
 
 @cli.command()
 @_handled
 def worker(
-    concurrency: Annotated[
-        int, typer.Option(envvar="KILN_CONCURRENCY", min=1, help="tasks run at once")
-    ] = 2,
-    kinds: Annotated[
-        str | None, typer.Option(envvar="KILN_KINDS", help="comma-separated task kinds")
-    ] = None,
-    gpus: Annotated[int, typer.Option(envvar="KILN_GPUS", min=0, help="gpu slots")] = 1,
+    concurrency: Annotated[int | None, _option("concurrency", "--concurrency", min=1)] = None,
+    kinds: Annotated[str | None, _option("kinds", "--kinds")] = None,
+    gpus: Gpus = None,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
     """A worker process only. SIGTERM or SIGINT gives running attempts back as retryable."""
     settings = _settings(
+        concurrency=concurrency,
+        kinds=_kinds(kinds),
+        gpus=gpus,
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     app = _app(settings)
-    names = [k.strip() for k in kinds.split(",") if k.strip()] if kinds else None
+    names = list(settings.kinds) if settings.kinds else None
     unknown = sorted(set(names or []) - set(app.kinds))
     if unknown:
-        raise InvalidRequest(f"no task kind {', '.join(unknown)} is registered")
-    asyncio.run(_run_worker(_opened(app), concurrency, names, gpus, metrics_host))
+        raise ConfigError(f"no task kind {', '.join(unknown)} is registered", variable="KILN_KINDS")
+    asyncio.run(_run_worker(_opened(app), names))
 
 
-async def _run_worker(
-    app: kiln.App, concurrency: int, kinds: list[str] | None, gpus: int, metrics_host: str
-) -> None:
+async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
+    settings = app.settings
     async with app:
-        process = app.worker(concurrency=concurrency, kinds=kinds, resources={"gpu": gpus})
+        process = app.worker(
+            concurrency=settings.concurrency, kinds=kinds, resources={"gpu": settings.gpus}
+        )
         readings = worker_readings(process)
         upstream: list[Collector] = [*backends.collectors(app), app.breakers]
-        with _metrics(app.settings.metrics_port, metrics_host, readings, upstream):
+        with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
             await _until_signalled(process.run())
 
 
 @cli.command()
 @_handled
 def supervisor(
-    interval: Annotated[
+    interval_s: Annotated[
         float | None,
-        typer.Option(envvar="KILN_SUPERVISOR_INTERVAL", min=0.001, help="sweep period, seconds"),
+        _option("supervisor_interval_s", "--interval-s", "--interval", min=0.001),
     ] = None,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
@@ -302,16 +305,19 @@ def supervisor(
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
-        supervisor_interval_s=interval,
+        supervisor_interval_s=interval_s,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
-    asyncio.run(_run_supervisor(_opened(_app(settings)), metrics_host))
+    asyncio.run(_run_supervisor(_opened(_app(settings))))
 
 
-async def _run_supervisor(app: kiln.App, metrics_host: str) -> None:
+async def _run_supervisor(app: kiln.App) -> None:
+    settings = app.settings
     async with app:
         process = app.supervisor()
-        with _metrics(app.settings.metrics_port, metrics_host, supervisor_readings(process)):
+        readings = supervisor_readings(process)
+        with _metrics(settings.metrics_port, settings.metrics_host, readings):
             await _until_signalled(process.run())
 
 
@@ -388,7 +394,7 @@ def submit(
     max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
     wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Submit an image.generate task and print its id."""
@@ -403,7 +409,7 @@ def submit(
         "simulate": _simulate(step_ms, simulate),
     }
     fields: JSON = {"priority": priority, "max_attempts": max_attempts}
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         task = client.submit(
             "image.generate",
             {k: v for k, v in params.items() if v is not None},
@@ -422,11 +428,11 @@ def submit(
 @_handled
 def watch(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Follow a task with a live progress bar; exit 0 when it ends SUCCESS."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         raise typer.Exit(_follow(client, client.get(task_id)))
 
 
@@ -505,11 +511,11 @@ def _ended(client: Client, task: JSON) -> int:
 def status(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
     as_json: Annotated[bool, typer.Option("--json", help="print the task as JSON")] = False,
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Show a task."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         task = client.get(task_id)
         if as_json:
             typer.echo(json.dumps(task, indent=2))
@@ -541,11 +547,11 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
 @_handled
 def cancel(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Cancel a task (running tasks stop at their worker's next heartbeat)."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         task = client.cancel(task_id)
     if task["status"] == "CANCELLED":
         typer.echo(f"{task['id']} CANCELLED")
@@ -557,11 +563,11 @@ def cancel(
 @_handled
 def retry(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Retry a final FAILED, TIMEOUT or CANCELLED task now."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         task = client.retry(task_id)
     typer.echo(f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})")
 
@@ -572,11 +578,11 @@ def review(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
     decision: Annotated[str, typer.Argument(help="approve or reject")],
     reason: Annotated[str | None, typer.Option(help="why (shown on a reject)")] = None,
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Approve or reject a task in NEEDS_REVIEW (admin key)."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         task = client.review(task_id, decision, reason)
     typer.echo(f"{task['id']} {task['status']}")
 
@@ -588,11 +594,11 @@ def list_tasks(
     kind: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1, max=200)] = 50,
     cursor: Annotated[str | None, typer.Option(help="next_cursor of a previous page")] = None,
-    server: Server = DEFAULT_SERVER,
+    server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """List tasks, newest first."""
-    with Client(server, api_key) as client:
+    with _client(server, api_key) as client:
         page = client.list(status=task_status, kind=kind, limit=limit, cursor=cursor)
     Console(highlight=False).print(_task_table(page["items"]))
     if page.get("next_cursor"):
@@ -632,17 +638,9 @@ def reconcile_command(
             "SUCCESS tasks whose output is missing or corrupt",
         ),
     ] = False,
-    grace_s: Annotated[
-        float | None,
-        typer.Option(min=0, help="orphan age to repair [env KILN_RECONCILE_GRACE_S; 3600]"),
-    ] = None,
+    grace_s: Annotated[float | None, _option("reconcile_grace_s", "--grace-s", min=0)] = None,
     result_lost: Annotated[
-        ResultLostPolicy | None,
-        typer.Option(
-            "--result-lost",
-            help="with --repair, a lost result's task is re-run or marked FAILED result_lost "
-            "[env KILN_RESULT_LOST_POLICY; fail]",
-        ),
+        ResultLostPolicy | None, _option("result_lost_policy", "--result-lost")
     ] = None,
     examples: Annotated[
         int, typer.Option(min=0, help="items of each list the report shows; counts stay exact")
@@ -714,6 +712,31 @@ def _repair_lines(report: Report) -> Iterator[str]:
         f"result lost ({report.result_lost_policy}): {report.rerun_count} tasks rerun, "
         f"{report.failed_count} marked FAILED, {report.conflicts} moved on first"
     )
+
+
+@cli.command("settings")
+@_handled
+def settings_command(
+    as_markdown: Annotated[
+        bool, typer.Option("--markdown", help="print the table as the docs show it")
+    ] = False,
+) -> None:
+    """Print every KILN_* variable: its value here, its default and what it does."""
+    if as_markdown:
+        typer.echo(config.markdown(), nl=False)
+        return
+    current = Settings.from_env()
+    table = Table(Column("variable", no_wrap=True), "value", "default", "unit", "meaning")
+    for var in config.VARIABLES:
+        cells = (
+            var.name,
+            var.shown_value(getattr(current, var.field)),
+            var.default_text.replace("`", ""),
+            var.unit,
+            var.help.replace("`", ""),
+        )
+        table.add_row(*(escape(cell) for cell in cells))
+    Console(highlight=False).print(table)
 
 
 @cli.command()

@@ -1,185 +1,66 @@
-"""Settings: the only code that reads ``KILN_*`` environment variables."""
+"""Settings: the only code that reads ``KILN_*`` environment variables.
+
+One declarative table, :data:`VARIABLES`, lists every variable: its name, the
+:class:`Settings` field it sets, how its text is parsed (and what it should look like),
+its unit, a help line and the older name it replaces, if any. :meth:`Settings.from_env`,
+the command line's options and help, ``kiln settings`` and the configuration docs are all
+derived from it. Defaults are the :class:`Settings` field defaults.
+
+A value kiln cannot use raises :class:`~kiln.errors.ConfigError` naming the variable, the
+value and what it should be. A variable set under its older name still works and logs one
+deprecation line on the ``kiln.config`` logger.
+"""
 
 from __future__ import annotations
 
-import math
+import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-from kiln.errors import InvalidRequest
-from kiln.limits import (
-    Rate,
-    TenantLimit,
-    parse_kind_resources,
-    parse_pools,
-    parse_tenant_limits,
+from kiln import config_values as values
+from kiln.config_values import (
+    BREAKER_POLICIES,
+    CLAIM_ORDERS,
+    DIFFUSERS_DEVICES,
+    FLAG_VALUES,
+    MAX_PRESIGN_TTL_S,
+    OUTPUT_URL_MODES,
+    RESERVED_TENANTS,
+    RESULT_LOST_POLICIES,
+    Parser,
+    parse_api_keys,
+    parse_breaker_policy,
+    parse_retention,
 )
+from kiln.errors import ConfigError, KilnError
+from kiln.limits import Rate, TenantLimit
 
-RESERVED_TENANTS = frozenset({"admin"})
-OUTPUT_URL_MODES = ("proxy", "presigned")
-MAX_PRESIGN_TTL_S = 7 * 24 * 3600.0  # the longest S3 signature version 4 allows
-DIFFUSERS_DEVICES = ("auto", "cpu", "cuda")
-CLAIM_ORDERS = ("fifo", "fair")
-
-
-def parse_claim_order(raw: str | None) -> str:
-    """KILN_CLAIM_ORDER: fifo (priority, then ready time) or fair (tenants take turns)."""
-    order = (raw or "fifo").strip().lower()
-    if order not in CLAIM_ORDERS:
-        raise InvalidRequest(f"KILN_CLAIM_ORDER must be fifo or fair, got {raw!r}")
-    return order
-
-
-def parse_retention(raw: str | None) -> dict[str, float]:
-    """``tenant:seconds,tenant:seconds`` → {tenant: seconds}; 0 keeps a tenant's tasks."""
-    found: dict[str, float] = {}
-    for item in (raw or "").split(","):
-        if not item.strip():
-            continue
-        tenant, sep, seconds = (part.strip() for part in item.partition(":"))
-        try:
-            value = float(seconds)
-        except ValueError:
-            value = -1.0
-        if not sep or not tenant or value < 0:
-            raise InvalidRequest(f"KILN_RETENTION_TENANTS entry {item!r} is not tenant:seconds")
-        found[tenant] = value
-    return found
-
-
-BREAKER_POLICIES = ("pause", "fail_fast")
-
-
-def parse_breaker_policy(raw: str | None) -> dict[str, str]:
-    """KILN_BREAKER_POLICY ``kind=pause,kind=fail_fast`` → {kind: policy}; ``*`` names
-    every kind not listed (unset: pause)."""
-    found: dict[str, str] = {}
-    for item in (raw or "").split(","):
-        if not item.strip():
-            continue
-        kind, sep, policy = (part.strip() for part in item.partition("="))
-        if not sep or not kind or policy.lower() not in BREAKER_POLICIES:
-            raise InvalidRequest(
-                f"KILN_BREAKER_POLICY entry {item!r} is not kind=pause or kind=fail_fast"
-            )
-        found[kind] = policy.lower()
-    return found
-
-
-def parse_number(
-    name: str, raw: str | None, default: float, ok: Callable[[float], bool], what: str
-) -> float:
-    """A number setting: ``default`` when unset, else a float that passes ``ok``."""
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan  # fails every check below
-    if not ok(value):
-        raise InvalidRequest(f"{name} must be {what}, got {raw!r}")
-    return value
-
-
-def parse_unit_fraction(name: str, raw: str | None, default: float) -> float:
-    """A fraction in (0, 1] (KILN_BREAKER_FAILURE_RATE)."""
-    return parse_number(name, raw, default, lambda v: 0 < v <= 1,
-                        "a fraction above 0 and at most 1")  # fmt: skip
-
-
-RESULT_LOST_POLICIES = ("rerun", "fail")
-FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True,
-               "0": False, "false": False, "no": False, "off": False, "": False}  # fmt: skip
-
-
-def parse_seconds_or_off(name: str, raw: str | None, default: float) -> float:
-    """A period in seconds where 0 turns the feature off (KILN_RECONCILE_INTERVAL_S)."""
-    return parse_number(name, raw, default, lambda v: v >= 0, "0 (off) or a number of seconds")
-
-
-def parse_flag(name: str, raw: str | None) -> bool:
-    """1/true/yes/on or 0/false/no/off (unset: off)."""
-    try:
-        return FLAG_VALUES[(raw or "").strip().lower()]
-    except KeyError:
-        raise InvalidRequest(f"{name} must be 1 or 0, got {raw!r}") from None
-
-
-def parse_result_lost_policy(raw: str | None) -> str:
-    """KILN_RESULT_LOST_POLICY: rerun (the task runs again) or fail (FAILED result_lost)."""
-    policy = (raw or "fail").strip().lower()
-    if policy not in RESULT_LOST_POLICIES:
-        raise InvalidRequest(f"KILN_RESULT_LOST_POLICY must be rerun or fail, got {raw!r}")
-    return policy
-
-
-def parse_diffusers_device(raw: str | None) -> str:
-    """KILN_DIFFUSERS_DEVICE: auto (cuda when torch sees a GPU, else cpu), cpu or cuda."""
-    device = (raw or "auto").strip().lower()
-    if device not in DIFFUSERS_DEVICES:
-        raise InvalidRequest(f"KILN_DIFFUSERS_DEVICE must be auto, cpu or cuda, got {raw!r}")
-    return device
-
-
-def parse_preview_every(raw: str | None) -> int:
-    """KILN_DIFFUSERS_PREVIEW_EVERY: denoising steps between previews, 0 for none."""
-    if raw is None or raw.strip() == "":
-        return 5
-    try:
-        steps = int(raw)
-    except ValueError:
-        steps = -1
-    if steps < 0:
-        raise InvalidRequest(f"KILN_DIFFUSERS_PREVIEW_EVERY must be 0 or more steps, got {raw!r}")
-    return steps
-
-
-def parse_api_keys(raw: str | None) -> dict[str, str]:
-    """``tenant:key,tenant:key`` → {key: tenant}. The tenant name ``admin`` is reserved."""
-    keys: dict[str, str] = {}
-    if not raw:
-        return keys
-    for item in raw.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        tenant, sep, key = item.partition(":")
-        tenant, key = tenant.strip(), key.strip()
-        if not sep or not tenant or not key:
-            raise InvalidRequest(f"KILN_API_KEYS entry {item!r} is not tenant:key")
-        if tenant in RESERVED_TENANTS:
-            raise InvalidRequest(f"KILN_API_KEYS may not use the reserved tenant {tenant!r}")
-        if key in keys:
-            raise InvalidRequest("KILN_API_KEYS lists the same key twice")
-        keys[key] = tenant
-    return keys
+log = logging.getLogger("kiln.config")
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """Everything a kiln process is configured with; :data:`VARIABLES` documents each field."""
+
     data_dir: Path = Path("./kiln-data")
     database_url: str | None = None
     storage_url: str | None = None
     lease_ttl_s: float = 30.0
     supervisor_interval_s: float = 1.0
     api_keys: dict[str, str] = field(default_factory=dict)
-    admin_key: str | None = None
-    api_key: str | None = None
+    admin_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
     retry_base_s: float = 1.0
     retry_max_s: float = 60.0
-    #: Retries per second across the cluster (KILN_RETRY_RATE; None: no cap).
     retry_rate: float | None = None
-    #: Circuit breakers (kiln.breakers): open when at least this fraction of the calls...
     breaker_failure_rate: float = 0.5
-    #: ...of the last ``breaker_window_s`` seconds failed, once there are this many calls;
     breaker_min_calls: int = 10
     breaker_window_s: float = 60.0
-    #: stay open this long, then let one probe through (half-open).
     breaker_open_s: float = 30.0
-    #: What a kind does while its dependency's breaker is open: pause or fail_fast.
     breaker_policy: dict[str, str] = field(default_factory=dict)
     cancel_grace_s: float = 10.0
     max_body_bytes: int = 1_048_576
@@ -190,63 +71,51 @@ class Settings:
     log_format: str = "text"
     log_level: str = "INFO"
     output_urls: str = "proxy"
-    #: Connections each process keeps open to PostgreSQL at most (KILN_DB_POOL_SIZE).
     db_pool_size: int = 10
-    #: Final tasks are purged this long after they finished (None: kept forever).
     retention_s: float | None = None
-    #: Per-tenant retention overrides, seconds (0: forever).
     retention_tenants: dict[str, float] = field(default_factory=dict)
-    #: Period of the leading supervisor's reconciliation pass (0: no pass).
     reconcile_interval_s: float = 86400.0
-    #: An orphan object younger than this is kept.
     reconcile_grace_s: float = 3600.0
-    #: Whether the supervisor's pass repairs (deletes old orphans, applies the policy).
     reconcile_repair: bool = False
-    #: What a repair does to a SUCCESS task whose output is lost: rerun or fail.
     result_lost_policy: str = "fail"
     presign_ttl_s: float = 900.0
-    #: Resource pools shared by every worker: capacity by name (KILN_POOLS).
     pools: dict[str, int] = field(default_factory=dict)
-    #: Pool units each kind needs besides what its code declares (KILN_KIND_RESOURCES).
     kind_resources: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Submission rate of every tenant (KILN_TENANT_RATE), and per-tenant limits
-    #: (KILN_TENANT_LIMITS: rate and running-task cap).
     tenant_rate: Rate | None = None
     tenant_running: int | None = None
     tenant_limits: dict[str, TenantLimit] = field(default_factory=dict)
-    #: Seconds of waiting worth one priority point in the claim order (None: strict).
     priority_aging_s: float | None = None
-    #: fifo (priority, then ready time) or fair (tenants take turns) (KILN_CLAIM_ORDER).
     claim_order: str = "fifo"
-    #: What serves the `image.generate` kind: demo, openai-images or comfyui (KILN_BACKEND).
     backend: str = "demo"
     openai_base_url: str = "https://api.openai.com/v1"
     openai_api_key: str | None = field(default=None, repr=False)
     openai_model: str = "gpt-image-1"
     openai_timeout_s: float = 120.0
     comfyui_url: str = "http://127.0.0.1:8188"
-    #: An API-format workflow JSON with {{prompt}}, {{seed}}, ... placeholders.
     comfyui_workflow: Path | None = None
     comfyui_timeout_s: float = 300.0
-    #: A local diffusers pipeline folder (model_index.json beside its parts).
     diffusers_model_dir: Path | None = None
-    #: auto (cuda when torch sees a GPU, else cpu), cpu or cuda.
     diffusers_device: str = "auto"
-    #: Denoising steps between previews (0: none).
     diffusers_preview_every: int = 5
-    #: Webhooks (kiln.webhooks): the HMAC-SHA256 signing secret (unset: unsigned).
     webhook_secret: str | None = field(default=None, repr=False)
-    #: Attempts per delivery before it is marked failed.
     webhook_max_attempts: int = 8
-    #: The whole of one delivery attempt (resolve, connect, send, answer), seconds.
     webhook_timeout_s: float = 10.0
-    #: Deliveries in flight at once (per dispatching supervisor).
     webhook_concurrency: int = 16
-    #: Backoff between attempts: base·2^(attempt-1), capped, times a jitter in [0.5, 1].
     webhook_retry_base_s: float = 5.0
     webhook_retry_max_s: float = 3600.0
-    #: Allow webhooks to loopback, private, link-local and other non-public addresses.
     webhook_allow_private: bool = False
+    # The processes' own options (kiln serve / worker / supervisor and the client commands).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 2
+    no_workers: bool = False
+    no_supervisor: bool = False
+    insecure: bool = False
+    concurrency: int = 2
+    kinds: tuple[str, ...] | None = None
+    gpus: int = 1
+    metrics_host: str = "127.0.0.1"
+    server: str = "http://127.0.0.1:8000"
 
     @property
     def resolved_database_url(self) -> str:
@@ -280,104 +149,349 @@ class Settings:
         return replace(self, **changes)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, only: Iterable[str] | None = None
+    ) -> Settings:
+        """Settings from ``environ`` (default ``os.environ``) through :data:`VARIABLES`.
+
+        ``only`` names the fields to read (the client commands read two); the others keep
+        their defaults. Raises ConfigError for the first unusable value.
+        """
         env = os.environ if environ is None else environ
+        wanted = None if only is None else set(only)
+        read: dict[str, Any] = {
+            var.field: var.read(env) for var in VARIABLES if wanted is None or var.field in wanted
+        }
+        return cls(**read)
 
-        def num(name: str, default: float) -> float:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise InvalidRequest(f"{name} must be a number, got {raw!r}") from None
-            if value <= 0:
-                raise InvalidRequest(f"{name} must be positive, got {raw!r}")
-            return value
 
-        metrics = env.get("KILN_METRICS_PORT")
-        workflow = env.get("KILN_COMFYUI_WORKFLOW")
-        model_dir = env.get("KILN_DIFFUSERS_MODEL_DIR")
-        output_urls = (env.get("KILN_OUTPUT_URLS") or "proxy").lower()
-        if output_urls not in OUTPUT_URL_MODES:
-            raise InvalidRequest(
-                f"KILN_OUTPUT_URLS must be 'proxy' or 'presigned', got {env['KILN_OUTPUT_URLS']!r}"
-            )
-        presign_ttl_s = num("KILN_PRESIGN_TTL_S", 900.0)
-        if presign_ttl_s > MAX_PRESIGN_TTL_S:
-            raise InvalidRequest(
-                f"KILN_PRESIGN_TTL_S may be at most {MAX_PRESIGN_TTL_S:.0f} (7 days), "
-                f"got {env['KILN_PRESIGN_TTL_S']!r}"
-            )
-        return cls(
-            data_dir=Path(env.get("KILN_DATA_DIR") or "./kiln-data"),
-            database_url=env.get("KILN_DATABASE_URL") or None,
-            storage_url=env.get("KILN_STORAGE_URL") or None,
-            lease_ttl_s=num("KILN_LEASE_TTL", 30.0),
-            supervisor_interval_s=num("KILN_SUPERVISOR_INTERVAL", 1.0),
-            api_keys=parse_api_keys(env.get("KILN_API_KEYS")),
-            admin_key=env.get("KILN_ADMIN_KEY") or None,
-            api_key=env.get("KILN_API_KEY") or None,
-            retry_base_s=num("KILN_RETRY_BASE_S", 1.0),
-            retry_max_s=num("KILN_RETRY_MAX_S", 60.0),
-            retry_rate=num("KILN_RETRY_RATE", 0.0) or None,
-            breaker_failure_rate=parse_unit_fraction(
-                "KILN_BREAKER_FAILURE_RATE", env.get("KILN_BREAKER_FAILURE_RATE"), 0.5
-            ),
-            breaker_min_calls=int(num("KILN_BREAKER_MIN_CALLS", 10)),
-            breaker_window_s=num("KILN_BREAKER_WINDOW_S", 60.0),
-            breaker_open_s=num("KILN_BREAKER_OPEN_S", 30.0),
-            breaker_policy=parse_breaker_policy(env.get("KILN_BREAKER_POLICY")),
-            cancel_grace_s=num("KILN_CANCEL_GRACE_S", 10.0),
-            max_body_bytes=int(num("KILN_MAX_BODY_BYTES", 1_048_576)),
-            max_upload_bytes=int(num("KILN_MAX_UPLOAD_BYTES", 20_971_520)),
-            max_image_pixels=int(num("KILN_MAX_IMAGE_PIXELS", 40_000_000)),
-            metrics_port=int(metrics) if metrics else None,
-            sqlite_synchronous=(env.get("KILN_SQLITE_SYNCHRONOUS") or "NORMAL").upper(),
-            log_format=(env.get("KILN_LOG_FORMAT") or "text").lower(),
-            log_level=(env.get("KILN_LOG_LEVEL") or "INFO").upper(),
-            output_urls=output_urls,
-            presign_ttl_s=presign_ttl_s,
-            pools=parse_pools(env.get("KILN_POOLS")),
-            kind_resources=parse_kind_resources(env.get("KILN_KIND_RESOURCES")),
-            tenant_rate=(
-                Rate.parse(env["KILN_TENANT_RATE"], name="KILN_TENANT_RATE")
-                if env.get("KILN_TENANT_RATE")
-                else None
-            ),
-            tenant_running=int(num("KILN_TENANT_RUNNING", 0)) or None,
-            tenant_limits=parse_tenant_limits(env.get("KILN_TENANT_LIMITS")),
-            priority_aging_s=num("KILN_PRIORITY_AGING_S", 0.0) or None,
-            claim_order=parse_claim_order(env.get("KILN_CLAIM_ORDER")),
-            db_pool_size=int(num("KILN_DB_POOL_SIZE", 10)),
-            retention_s=num("KILN_RETENTION_S", 0.0) or None,
-            retention_tenants=parse_retention(env.get("KILN_RETENTION_TENANTS")),
-            reconcile_interval_s=parse_seconds_or_off(
-                "KILN_RECONCILE_INTERVAL_S", env.get("KILN_RECONCILE_INTERVAL_S"), 86400.0
-            ),
-            reconcile_grace_s=parse_seconds_or_off(
-                "KILN_RECONCILE_GRACE_S", env.get("KILN_RECONCILE_GRACE_S"), 3600.0
-            ),
-            reconcile_repair=parse_flag("KILN_RECONCILE_REPAIR", env.get("KILN_RECONCILE_REPAIR")),
-            result_lost_policy=parse_result_lost_policy(env.get("KILN_RESULT_LOST_POLICY")),
-            backend=(env.get("KILN_BACKEND") or "demo").strip().lower(),
-            openai_base_url=env.get("KILN_OPENAI_BASE_URL") or "https://api.openai.com/v1",
-            openai_api_key=env.get("KILN_OPENAI_API_KEY") or None,
-            openai_model=env.get("KILN_OPENAI_MODEL") or "gpt-image-1",
-            openai_timeout_s=num("KILN_OPENAI_TIMEOUT_S", 120.0),
-            comfyui_url=env.get("KILN_COMFYUI_URL") or "http://127.0.0.1:8188",
-            comfyui_workflow=Path(workflow) if workflow else None,
-            comfyui_timeout_s=num("KILN_COMFYUI_TIMEOUT_S", 300.0),
-            diffusers_model_dir=Path(model_dir) if model_dir else None,
-            diffusers_device=parse_diffusers_device(env.get("KILN_DIFFUSERS_DEVICE")),
-            diffusers_preview_every=parse_preview_every(env.get("KILN_DIFFUSERS_PREVIEW_EVERY")),
-            webhook_secret=env.get("KILN_WEBHOOK_SECRET") or None,
-            webhook_max_attempts=int(num("KILN_WEBHOOK_MAX_ATTEMPTS", 8)),
-            webhook_timeout_s=num("KILN_WEBHOOK_TIMEOUT_S", 10.0),
-            webhook_concurrency=int(num("KILN_WEBHOOK_CONCURRENCY", 16)),
-            webhook_retry_base_s=num("KILN_WEBHOOK_RETRY_BASE_S", 5.0),
-            webhook_retry_max_s=num("KILN_WEBHOOK_RETRY_MAX_S", 3600.0),
-            webhook_allow_private=parse_flag(
-                "KILN_WEBHOOK_ALLOW_PRIVATE", env.get("KILN_WEBHOOK_ALLOW_PRIVATE")
-            ),
-        )
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """One row of the table: a ``KILN_*`` variable and the Settings field it sets."""
+
+    name: str
+    field: str
+    parse: Parser
+    help: str
+    group: str
+    unit: str = ""
+    #: The older name this variable replaces; still read, with a deprecation line.
+    old: str | None = None
+    #: The default as the docs say it, when the field's own default does not say it well.
+    shown: str | None = None
+    #: Never printed: ``kiln settings`` shows whether it is set, errors hide the value.
+    secret: bool = False
+
+    @property
+    def default(self) -> object:
+        """The Settings field's default."""
+        spec = _FIELDS[self.field]
+        if spec.default_factory is not MISSING:
+            return spec.default_factory()
+        return spec.default
+
+    @property
+    def default_text(self) -> str:
+        return self.shown if self.shown is not None else values.text_of(self.default)
+
+    def lookup(self, env: Mapping[str, str]) -> tuple[str, str] | None:
+        """(the name it was found under, its text), or None when unset or empty."""
+        raw = env.get(self.name)
+        if raw is not None and raw.strip():
+            return self.name, raw
+        if self.old is None:
+            return None
+        raw = env.get(self.old)
+        if raw is None or not raw.strip():
+            return None
+        log.warning("%s is deprecated: set %s instead", self.old, self.name)
+        return self.old, raw
+
+    def read(self, env: Mapping[str, str]) -> object:
+        """The parsed value in ``env``, else the default; ConfigError when unusable."""
+        found = self.lookup(env)
+        if found is None:
+            return self.default
+        name, raw = found
+        try:
+            return self.parse(raw)
+        except (ValueError, KilnError) as exc:
+            raise self.refusal(name, raw, str(exc)) from None
+
+    def refusal(self, name: str, raw: str, reason: str = "") -> ConfigError:
+        """The ConfigError for ``raw`` set under ``name``: one line, a secret's value hidden
+        (its parser's reasons never repeat it)."""
+        shown = "(hidden)" if self.secret else repr(raw)
+        line = f"{name}={shown}: expected {self.parse.expected}"
+        if reason:
+            line += f" ({reason})"
+        return ConfigError(line, variable=name)
+
+    def shown_value(self, value: object) -> str:
+        """``value`` as ``kiln settings`` prints it: secrets and URL passwords hidden."""
+        if self.secret:
+            return "(set)" if value else "unset"
+        text = values.text_of(value)
+        return _hide_password(text) if "://" in text else text
+
+
+def _hide_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _v(name: str, field_name: str, parse: Parser, help_text: str, **extra: Any) -> Variable:
+    """One row of the table (a shorthand that keeps the rows short)."""
+    return Variable(name, field_name, parse, help_text, **extra)
+
+
+SECONDS = values.number("a number of seconds", above=0)
+SECONDS_OR_OFF = values.number("a number of seconds", least=0, note="0: off")
+SECONDS_OR_ZERO = values.number("a number of seconds", least=0)
+COUNT = values.number("a whole number", least=1, whole=True)
+COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
+PORT = values.number("a port number", least=0, most=65535, whole=True)
+TEXT = values.text()
+SECRET = values.text()
+PATH = values.path()
+FLAG = values.flag()
+
+DATA = "Data"
+PROCESSES = "Processes"
+CLIENT = "Client commands"
+API = "API"
+RETRIES = "Leases and retries"
+BREAKERS = "Circuit breakers"
+LIMITS = "Pools and tenants"
+RETENTION = "Retention and reconciliation"
+BACKENDS = "Backends"
+WEBHOOKS = "Webhooks"
+
+#: Every KILN_* variable kiln reads, grouped as the docs show them.
+VARIABLES: tuple[Variable, ...] = (
+    _v("KILN_DATA_DIR", "data_dir", PATH, "data directory: the database and the results "
+       "live here unless their URLs are set", group=DATA, shown="`./kiln-data`"),
+    _v("KILN_DATABASE_URL", "database_url", TEXT, "`sqlite:///path/kiln.db` or "
+       "`postgresql://user:password@host:5432/db`", group=DATA,
+       shown="SQLite at `<data-dir>/kiln.db`"),
+    _v("KILN_STORAGE_URL", "storage_url", TEXT, "`file:///path` or "
+       "`s3://bucket/prefix?endpoint_url=...` (credentials from `AWS_ACCESS_KEY_ID`, "
+       "`AWS_SECRET_ACCESS_KEY`, `AWS_REGION`)", group=DATA, shown="`<data-dir>/results`"),
+    _v("KILN_DB_POOL_SIZE", "db_pool_size", COUNT, "PostgreSQL connections each process "
+       "keeps at most (plus one for LISTEN)", group=DATA, unit="connections"),
+    _v("KILN_SQLITE_SYNCHRONOUS", "sqlite_synchronous",
+       values.choice("OFF", "NORMAL", "FULL", "EXTRA", upper=True), "SQLite durability: "
+       "`NORMAL` (WAL-safe, may lose the last commits on power loss) or `FULL`", group=DATA),
+    _v("KILN_HOST", "host", TEXT, "address `kiln serve` listens on (`--host`)",
+       group=PROCESSES),
+    _v("KILN_PORT", "port", PORT, "port `kiln serve` listens on (`--port`)",
+       group=PROCESSES),
+    _v("KILN_WORKERS", "workers", COUNT_OR_ZERO, "tasks `kiln serve` runs at once in its "
+       "own process (`--workers`)", group=PROCESSES, unit="tasks"),
+    _v("KILN_NO_WORKERS", "no_workers", FLAG, "`1`: `kiln serve` runs no workers, the API "
+       "only (`--no-workers`)", group=PROCESSES),
+    _v("KILN_NO_SUPERVISOR", "no_supervisor", FLAG, "`1`: no supervisor loop in `kiln serve`"
+       "; run `kiln supervisor` processes instead (`--no-supervisor`)", group=PROCESSES),
+    _v("KILN_INSECURE", "insecure", FLAG, "`1`: `kiln serve` may listen on a non-loopback "
+       "address without API keys (`--insecure`)", group=PROCESSES),
+    _v("KILN_CONCURRENCY", "concurrency", COUNT, "attempts `kiln worker` claims and runs at "
+       "once (`--concurrency`)", group=PROCESSES, unit="tasks"),
+    _v("KILN_KINDS", "kinds", values.names(), "comma-separated task kinds `kiln worker` "
+       "claims (`--kinds`)", group=PROCESSES, shown="every registered kind"),
+    _v("KILN_GPUS", "gpus", COUNT_OR_ZERO, "GPU slots of a `kiln serve` or `kiln worker` "
+       "process (`--gpus`)", group=PROCESSES, unit="slots"),
+    _v("KILN_METRICS_PORT", "metrics_port", PORT, "port of the Prometheus `/metrics` of "
+       "`kiln worker` and `kiln supervisor` (`--metrics-port`)", group=PROCESSES,
+       shown="unset (off)"),
+    _v("KILN_METRICS_HOST", "metrics_host", TEXT, "address of that `/metrics` "
+       "(`--metrics-host`)", group=PROCESSES),
+    _v("KILN_LOG_FORMAT", "log_format", values.choice("text", "json"), "`text`, or `json`: "
+       "one JSON object per line, one line per transition", group=PROCESSES),
+    _v("KILN_LOG_LEVEL", "log_level",
+       values.choice("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", upper=True),
+       "the lowest level logged", group=PROCESSES),
+    _v("KILN_SERVER", "server", TEXT, "the kiln API the client commands talk to "
+       "(`--server`)", group=CLIENT),
+    _v("KILN_API_KEY", "api_key", SECRET, "the key the client commands send "
+       "(`--api-key`)", group=CLIENT, secret=True),
+    _v("KILN_API_KEYS", "api_keys", values.structured(
+       "tenant:key pairs, comma-separated, tenant not `admin`", parse_api_keys),
+       "`tenant:key,tenant:key`; unset (and no admin key) means no auth and one tenant "
+       "`default`", group=API, secret=True),
+    _v("KILN_ADMIN_KEY", "admin_key", SECRET, "key for admin endpoints; it may act on any "
+       "tenant's task", group=API, secret=True),
+    _v("KILN_MAX_BODY_BYTES", "max_body_bytes", COUNT, "largest JSON request body",
+       group=API, unit="bytes"),
+    _v("KILN_MAX_UPLOAD_BYTES", "max_upload_bytes", COUNT, "largest upload request",
+       group=API, unit="bytes"),
+    _v("KILN_MAX_IMAGE_PIXELS", "max_image_pixels", COUNT, "most pixels of an uploaded "
+       "image", group=API, unit="pixels"),
+    _v("KILN_OUTPUT_URLS", "output_urls", values.choice(*OUTPUT_URL_MODES), "`proxy`: the "
+       "API sends an output's bytes; `presigned`: a 307 redirect to a presigned URL",
+       group=API),
+    _v("KILN_PRESIGN_TTL_S", "presign_ttl_s",
+       values.number("a number of seconds", above=0, most=MAX_PRESIGN_TTL_S),
+       "lifetime of a presigned output URL", group=API, unit="s"),
+    _v("KILN_LEASE_TTL_S", "lease_ttl_s", SECONDS, "lease of a running attempt; workers "
+       "renew it every min(TTL/3, 2 s)", group=RETRIES, unit="s", old="KILN_LEASE_TTL"),
+    _v("KILN_SUPERVISOR_INTERVAL_S", "supervisor_interval_s", SECONDS, "sweep period of the "
+       "supervisor (`kiln supervisor --interval-s`)", group=RETRIES, unit="s",
+       old="KILN_SUPERVISOR_INTERVAL"),
+    _v("KILN_CANCEL_GRACE_S", "cancel_grace_s", SECONDS, "time a running task has to honour "
+       "a cancel before the supervisor forces it", group=RETRIES, unit="s"),
+    _v("KILN_RETRY_BASE_S", "retry_base_s", SECONDS, "retry backoff: full jitter over "
+       "base·2^(attempt-1)", group=RETRIES, unit="s"),
+    _v("KILN_RETRY_MAX_S", "retry_max_s", SECONDS, "cap of the retry backoff",
+       group=RETRIES, unit="s"),
+    _v("KILN_RETRY_RATE_PER_S", "retry_rate", values.number("a number per second", above=0),
+       "most retries per second across the cluster", group=RETRIES, unit="per s",
+       old="KILN_RETRY_RATE", shown="unset (no cap)"),
+    _v("KILN_BREAKER_FAILURE_RATE", "breaker_failure_rate",
+       values.number("a fraction", above=0, most=1), "a circuit breaker opens when at "
+       "least this fraction of the calls of its window failed", group=BREAKERS,
+       unit="fraction"),
+    _v("KILN_BREAKER_MIN_CALLS", "breaker_min_calls", COUNT, "...once there are this many "
+       "calls in the window", group=BREAKERS, unit="calls"),
+    _v("KILN_BREAKER_WINDOW_S", "breaker_window_s", SECONDS, "the window of calls a breaker "
+       "judges", group=BREAKERS, unit="s"),
+    _v("KILN_BREAKER_OPEN_S", "breaker_open_s", SECONDS, "how long an open breaker refuses "
+       "calls before one probe goes through", group=BREAKERS, unit="s"),
+    _v("KILN_BREAKER_POLICY", "breaker_policy", values.structured(
+       "kind=pause or kind=fail_fast, comma-separated", parse_breaker_policy),
+       "what a kind does while a breaker it depends on is open, `kind=pause,kind=fail_fast`"
+       " (`*`: the kinds not listed)", group=BREAKERS, shown="every kind `pause`"),
+    _v("KILN_POOLS", "pools", values.limits_parser(
+       "name:capacity pairs, comma-separated", "pools"), "shared resource pools, "
+       "`name:capacity,...`", group=LIMITS),
+    _v("KILN_KIND_RESOURCES", "kind_resources", values.limits_parser(
+       "kind=pool:units+pool:units, comma-separated", "kind_resources"), "what a kind takes "
+       "besides its code's `resources`", group=LIMITS),
+    _v("KILN_TENANT_RATE_PER_S", "tenant_rate", values.limits_parser(
+       "<per second>[/<burst>], a rate > 0 and a burst >= 1", "rate"), "submissions per "
+       "second of every tenant, `rate[/burst]` (429 over it)", group=LIMITS, unit="per s",
+       old="KILN_TENANT_RATE", shown="unset (no limit)"),
+    _v("KILN_TENANT_RUNNING", "tenant_running", COUNT, "claimed-and-unfinished tasks a "
+       "tenant may have at once", group=LIMITS, unit="tasks", shown="unset (no cap)"),
+    _v("KILN_TENANT_LIMITS", "tenant_limits", values.limits_parser(
+       "tenant=rate:N/B+running:N, comma-separated", "tenant_limits"), "per-tenant "
+       "overrides, `tenant=rate:5/20+running:4,...`", group=LIMITS),
+    _v("KILN_CLAIM_ORDER", "claim_order", values.choice(*CLAIM_ORDERS), "`fifo`: priority, "
+       "then ready time; `fair`: tenants take turns", group=LIMITS),
+    _v("KILN_PRIORITY_AGING_S", "priority_aging_s", SECONDS, "seconds of waiting worth one "
+       "priority point in the claim order", group=LIMITS, unit="s",
+       shown="unset (strict priority)"),
+    _v("KILN_RETENTION_S", "retention_s", SECONDS, "final tasks are purged this long after "
+       "they finished (also the dedup window)", group=RETENTION, unit="s",
+       shown="unset (kept forever)"),
+    _v("KILN_RETENTION_TENANTS", "retention_tenants", values.structured(
+       "tenant:seconds pairs, comma-separated", parse_retention), "per-tenant retention, "
+       "`tenant:seconds,...` (`0`: forever)", group=RETENTION),
+    _v("KILN_RECONCILE_INTERVAL_S", "reconcile_interval_s", SECONDS_OR_OFF, "period of the "
+       "leading supervisor's reconciliation pass (`0`: none)", group=RETENTION, unit="s"),
+    _v("KILN_RECONCILE_GRACE_S", "reconcile_grace_s", SECONDS_OR_ZERO, "an orphan object "
+       "younger than this is kept (`kiln reconcile --grace-s`)", group=RETENTION, unit="s"),
+    _v("KILN_RECONCILE_REPAIR", "reconcile_repair", FLAG, "`1`: the supervisor's pass "
+       "repairs instead of only reporting", group=RETENTION),
+    _v("KILN_RESULT_LOST_POLICY", "result_lost_policy", values.choice(*RESULT_LOST_POLICIES),
+       "what a repair does to a SUCCESS task whose output is lost: `fail` or `rerun` "
+       "(`kiln reconcile --result-lost`)", group=RETENTION),
+    _v("KILN_BACKEND", "backend", values.text(lower=True), "what serves `image.generate`: "
+       "`demo`, `openai-images`, `comfyui` or `diffusers`", group=BACKENDS),
+    _v("KILN_OPENAI_BASE_URL", "openai_base_url", TEXT, "the OpenAI-compatible endpoint",
+       group=BACKENDS),
+    _v("KILN_OPENAI_API_KEY", "openai_api_key", SECRET, "its key", group=BACKENDS,
+       secret=True),
+    _v("KILN_OPENAI_MODEL", "openai_model", TEXT, "the model", group=BACKENDS),
+    _v("KILN_OPENAI_TIMEOUT_S", "openai_timeout_s", SECONDS, "the most one generation may "
+       "take", group=BACKENDS, unit="s"),
+    _v("KILN_COMFYUI_URL", "comfyui_url", TEXT, "the ComfyUI server", group=BACKENDS),
+    _v("KILN_COMFYUI_WORKFLOW", "comfyui_workflow", PATH, "an API-format workflow JSON with "
+       "`{{prompt}}`, `{{seed}}`, ... placeholders", group=BACKENDS),
+    _v("KILN_COMFYUI_TIMEOUT_S", "comfyui_timeout_s", SECONDS, "the most one generation may "
+       "take, queue wait included", group=BACKENDS, unit="s"),
+    _v("KILN_DIFFUSERS_MODEL_DIR", "diffusers_model_dir", PATH, "a local diffusers pipeline "
+       "folder (`model_index.json` beside its parts)", group=BACKENDS),
+    _v("KILN_DIFFUSERS_DEVICE", "diffusers_device", values.choice(*DIFFUSERS_DEVICES),
+       "`auto` (CUDA when torch sees a GPU, else CPU), `cpu` or `cuda`", group=BACKENDS),
+    _v("KILN_DIFFUSERS_PREVIEW_EVERY_STEPS", "diffusers_preview_every", COUNT_OR_ZERO,
+       "denoising steps between live previews (`0`: none)", group=BACKENDS, unit="steps",
+       old="KILN_DIFFUSERS_PREVIEW_EVERY"),
+    _v("KILN_WEBHOOK_SECRET", "webhook_secret", SECRET, "the HMAC-SHA256 key that signs "
+       "webhook deliveries", group=WEBHOOKS, secret=True, shown="unset (unsigned)"),
+    _v("KILN_WEBHOOK_MAX_ATTEMPTS", "webhook_max_attempts", COUNT, "attempts per delivery "
+       "before it is marked failed", group=WEBHOOKS, unit="attempts"),
+    _v("KILN_WEBHOOK_TIMEOUT_S", "webhook_timeout_s", SECONDS, "the most one delivery attempt"
+       " may take (lookup, connect, send, answer)", group=WEBHOOKS, unit="s"),
+    _v("KILN_WEBHOOK_CONCURRENCY", "webhook_concurrency", COUNT, "deliveries in flight at "
+       "once per dispatching supervisor", group=WEBHOOKS, unit="deliveries"),
+    _v("KILN_WEBHOOK_RETRY_BASE_S", "webhook_retry_base_s", SECONDS, "delivery backoff: "
+       "base·2^(attempt-1), capped, times a jitter in [0.5, 1]", group=WEBHOOKS, unit="s"),
+    _v("KILN_WEBHOOK_RETRY_MAX_S", "webhook_retry_max_s", SECONDS, "cap of the delivery "
+       "backoff", group=WEBHOOKS, unit="s"),
+    _v("KILN_WEBHOOK_ALLOW_PRIVATE", "webhook_allow_private", FLAG, "`1`: webhooks may reach "
+       "loopback, private, link-local and other non-public addresses", group=WEBHOOKS),
+)  # fmt: skip
+
+#: The table by Settings field.
+BY_FIELD: dict[str, Variable] = {var.field: var for var in VARIABLES}
+
+
+def variable(field_name: str) -> Variable:
+    """The table's row for a Settings field."""
+    return BY_FIELD[field_name]
+
+
+def groups() -> list[str]:
+    """The table's groups, in table order."""
+    return list(dict.fromkeys(var.group for var in VARIABLES))
+
+
+def _doc_row(var: Variable) -> str:
+    name = f"`{var.name}`" + (f" (was `{var.old}`)" if var.old else "")
+    if var.shown is not None:
+        default = var.shown
+    else:
+        text = values.text_of(var.default)
+        default = text if text == "unset" else f"`{text}`"
+    return f"| {name} | {var.help} | {var.unit} | {default} |"
+
+
+def markdown(only: Iterable[str] | None = None) -> str:
+    """The table as Markdown: a heading and a table per group (``only``: those groups)."""
+    chosen = groups() if only is None else list(only)
+    lines: list[str] = []
+    for group in chosen:
+        lines += [
+            f"### {group}",
+            "",
+            "| variable | meaning | unit | default |",
+            "|---|---|---|---|",
+        ]
+        lines += [_doc_row(var) for var in VARIABLES if var.group == group]
+        lines.append("")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "BREAKER_POLICIES",
+    "BY_FIELD",
+    "CLAIM_ORDERS",
+    "DIFFUSERS_DEVICES",
+    "FLAG_VALUES",
+    "MAX_PRESIGN_TTL_S",
+    "OUTPUT_URL_MODES",
+    "RESERVED_TENANTS",
+    "RESULT_LOST_POLICIES",
+    "VARIABLES",
+    "Settings",
+    "Variable",
+    "groups",
+    "markdown",
+    "variable",
+]

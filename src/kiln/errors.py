@@ -1,6 +1,49 @@
-"""The error tree. Each error the API can answer carries its API.md ``code``.
+"""The error tree: every error kiln raises on purpose is a :class:`KilnError`.
 
-``kiln.api.errors`` alone maps these to HTTP statuses and the error envelope.
+Each class carries its ``code`` (API.md's where the API answers it). ``kiln.api.errors``
+alone maps codes to HTTP statuses and the error envelope; a code it does not list is
+answered ``500 internal_error`` without its message.
+
+- ``KilnError`` ``internal_error`` (500): the root; a bare one is a bug.
+
+  - Refused requests (the API answers them with their own code)
+
+    - ``InvalidRequest`` ``invalid_request`` (422): a malformed body or a bad field.
+    - ``UnknownKind`` ``unknown_kind`` (422): no task kind of that name is registered.
+    - ``IdempotencyKeyReused`` ``idempotency_key_reused`` (422): same key, other body.
+    - ``Unauthorized`` ``unauthorized`` (401): no valid API key.
+    - ``Forbidden`` ``forbidden`` (403): the key may not do this.
+    - ``NotFound`` ``not_found`` (404): no such task for this key.
+    - ``AlreadyFinal`` ``already_final`` (409): the task ended; it cannot be cancelled.
+    - ``NotRetryable`` ``not_retryable`` (409): only FAILED, TIMEOUT or CANCELLED retry.
+    - ``NotInReview`` ``not_in_review`` (409): a review decision on a task not in review.
+    - ``PayloadTooLarge`` ``payload_too_large`` (413): a body or an upload over a limit.
+    - ``UnsupportedMediaType`` ``unsupported_media_type`` (415): not JSON or an image.
+    - ``RateLimited`` ``rate_limited`` (429): over the tenant's rate; ``retry_after_s``.
+
+  - Engine outcomes (never a request's fault)
+
+    - ``LeaseLost`` ``lease_lost`` (500): a fenced write matched no row; the worker
+      drops the task.
+    - ``Conflict`` ``conflict`` (409): an unfenced compare-and-set lost a race.
+    - ``NotLeader`` ``not_leader`` (500): another supervisor leads.
+    - ``StoreUnavailable`` ``store_unavailable`` (503): the database does not answer.
+    - ``StorageError`` ``storage_error`` (503): the object storage does not answer.
+    - ``kiln.states.IllegalTransition`` ``illegal_transition`` (500): the state table
+      forbids the event from the task's status.
+
+  - ``ConfigError`` ``config_error`` (500; ``kiln`` exits 2): a ``KILN_*`` variable or an
+    option has a value kiln cannot use. Raised before anything starts, by
+    ``kiln.config``, with the variable's name, its value and what it should be.
+
+  - ``TaskError`` ``task_failed``: what a task handler raises on purpose. Its ``code``
+    (given, or the class's) becomes the task's ``error.code``; never an API answer.
+
+    - ``Retryable`` ``task_failed``: another attempt may succeed (``retry_after_s``).
+    - ``Permanent`` ``permanent_failure``: another attempt would fail too.
+
+- ``kiln.client.ConnectionFailed`` ``connection_failed``: the client could not reach
+  the server (raised by the client only).
 """
 
 from __future__ import annotations
@@ -9,6 +52,8 @@ from typing import Any
 
 
 class KilnError(Exception):
+    """The root of kiln's errors: a ``code``, a human ``message`` and API ``details``."""
+
     code = "internal_error"
 
     def __init__(self, message: str, *, details: list[Any] | None = None) -> None:
@@ -98,12 +143,32 @@ class NotLeader(KilnError):
     code = "not_leader"
 
 
+class ConfigError(KilnError):
+    """A setting (a ``KILN_*`` variable or a command-line option) has an unusable value.
+
+    ``variable`` names the setting; the message says its value and what it should be.
+    """
+
+    code = "config_error"
+
+    def __init__(
+        self, message: str, *, details: list[Any] | None = None, variable: str | None = None
+    ) -> None:
+        super().__init__(message, details=details)
+        self.variable = variable
+
+
 # Errors raised by task handlers --------------------------------------------------------
 
 
-class TaskError(Exception):
-    """Base of the errors a handler raises on purpose, with a reason code."""
+class TaskError(KilnError):
+    """Base of the errors a handler raises on purpose, with a reason code.
 
+    The instance's ``code`` is the one given, else ``task_failed`` when retryable and
+    ``permanent_failure`` when not: it becomes the task's ``error.code``.
+    """
+
+    code = "task_failed"
     retryable = True
 
     def __init__(self, message: str = "", *, code: str | None = None) -> None:
@@ -129,4 +194,5 @@ class Retryable(TaskError):
 class Permanent(TaskError):
     """The attempt failed for a reason another attempt would not fix: fail for good."""
 
+    code = "permanent_failure"
     retryable = False

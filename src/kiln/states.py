@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kiln.errors import KilnError
+
 
 class Status(StrEnum):
     PENDING = "PENDING"
@@ -131,14 +133,20 @@ TRANSITIONS: tuple[Rule, ...] = (
 RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}
 
 
-class IllegalTransition(Exception):
-    """The table forbids applying ``event`` to a task in ``status``."""
+class IllegalTransition(KilnError):
+    """The table forbids applying ``event`` to a task in ``status``.
+
+    An engine error (code ``illegal_transition``): the API answers it 500 without its
+    message, as any error it does not map.
+    """
+
+    code = "illegal_transition"
 
     def __init__(self, status: Status | None, event: Event, target: Status | None = None) -> None:
+        super().__init__(f"event {event} is not allowed from {status} to {target}")
         self.status = status
         self.event = event
         self.target = target
-        super().__init__(f"event {event} is not allowed from {status} to {target}")
 
 
 def check(status: Status | None, event: Event, target: Status | None = None) -> Status:

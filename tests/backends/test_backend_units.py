@@ -25,7 +25,7 @@ from kiln.backends.upstream import check_response, retry_after_s, sniff
 from kiln.bus import ProgressEvent
 from kiln.config import Settings
 from kiln.demo import GenerateParams
-from kiln.errors import InvalidRequest, Permanent, Retryable
+from kiln.errors import ConfigError, InvalidRequest, Permanent, Retryable
 from kiln.paint import encode, render
 from kiln.retry import RetryPolicy
 from kiln.states import Status
@@ -86,7 +86,9 @@ def test_a_backend_that_cannot_start_is_refused_up_front(
 
 
 def test_a_bad_timeout_is_refused() -> None:
-    with pytest.raises(InvalidRequest, match="KILN_OPENAI_TIMEOUT_S must be positive"):
+    with pytest.raises(
+        ConfigError, match="KILN_OPENAI_TIMEOUT_S='0': expected a number of seconds > 0"
+    ):
         Settings.from_env({"KILN_OPENAI_TIMEOUT_S": "0"})
 
 

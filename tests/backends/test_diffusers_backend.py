@@ -22,7 +22,7 @@ from kiln.backends.upstream import UpstreamMetrics, sniff
 from kiln.bus import ProgressEvent
 from kiln.config import Settings
 from kiln.demo import GenerateParams
-from kiln.errors import InvalidRequest, Permanent, Retryable
+from kiln.errors import ConfigError, InvalidRequest, Permanent, Retryable
 from kiln.models import StoredOutput
 from kiln.states import Status
 from kiln.storage import verify
@@ -357,12 +357,12 @@ def test_diffusers_defaults_are_auto_device_and_a_preview_every_5_steps() -> Non
     ("name", "value"),
     [
         ("KILN_DIFFUSERS_DEVICE", "tpu"),
-        ("KILN_DIFFUSERS_PREVIEW_EVERY", "-1"),
+        ("KILN_DIFFUSERS_PREVIEW_EVERY_STEPS", "-1"),
         ("KILN_DIFFUSERS_PREVIEW_EVERY", "often"),
     ],
 )
 def test_bad_diffusers_settings_are_refused(name: str, value: str) -> None:
-    with pytest.raises(InvalidRequest, match=name):
+    with pytest.raises(ConfigError, match=name):
         Settings.from_env({name: value})
 
 

@@ -23,7 +23,7 @@ import pytest
 FAST_ENV = {
     "KILN_RETRY_BASE_S": "0.05",
     "KILN_RETRY_MAX_S": "0.1",
-    "KILN_SUPERVISOR_INTERVAL": "0.1",
+    "KILN_SUPERVISOR_INTERVAL_S": "0.1",
 }
 
 
@@ -175,7 +175,7 @@ def server(session_processes: Processes) -> Server:
     A 3 s lease means a heartbeat every second: a cancel reaches a stalled attempt quickly.
     """
     return session_processes.serve(
-        session_processes.root / "data", "--workers", "2", KILN_LEASE_TTL="3"
+        session_processes.root / "data", "--workers", "2", KILN_LEASE_TTL_S="3"
     )
 
 

@@ -19,7 +19,7 @@ from .conftest import Process, Processes, Server, free_port, wait_until
 def api_only(module_processes: Processes) -> Server:
     """API and supervisor only; 1 s leases swept every 0.1 s."""
     return module_processes.serve(
-        module_processes.root / "shared-data", "--no-workers", KILN_LEASE_TTL="1"
+        module_processes.root / "shared-data", "--no-workers", KILN_LEASE_TTL_S="1"
     )
 
 

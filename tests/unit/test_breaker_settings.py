@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.config import Settings
-from kiln.errors import InvalidRequest
+from kiln.errors import ConfigError
 
 
 def test_the_defaults_pause_every_kind_and_cap_no_retries() -> None:
@@ -42,14 +42,15 @@ def test_the_settings_are_read_from_the_environment() -> None:
     [
         ("KILN_BREAKER_POLICY", "image.generate=retry", "kind=pause or kind=fail_fast"),
         ("KILN_BREAKER_POLICY", "fail_fast", "kind=pause or kind=fail_fast"),
-        ("KILN_BREAKER_FAILURE_RATE", "1.5", "at most 1"),
-        ("KILN_BREAKER_FAILURE_RATE", "0", "above 0"),
-        ("KILN_BREAKER_MIN_CALLS", "0", "must be positive"),
-        ("KILN_RETRY_RATE", "-1", "must be positive"),
-        ("KILN_BREAKER_OPEN_S", "soon", "must be a number"),
+        ("KILN_BREAKER_FAILURE_RATE", "1.5", "<= 1"),
+        ("KILN_BREAKER_FAILURE_RATE", "0", "> 0"),
+        ("KILN_BREAKER_MIN_CALLS", "0", "a whole number >= 1"),
+        ("KILN_RETRY_RATE_PER_S", "-1", "a number per second > 0"),
+        ("KILN_RETRY_RATE", "-1", "a number per second > 0"),
+        ("KILN_BREAKER_OPEN_S", "soon", "a number of seconds > 0"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_name(name: str, raw: str, message: str) -> None:
-    with pytest.raises(InvalidRequest, match=message) as refused:
+    with pytest.raises(ConfigError, match=message) as refused:
         Settings.from_env({name: raw})
     assert name in str(refused.value)

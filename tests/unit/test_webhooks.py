@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.config import Settings
-from kiln.errors import InvalidRequest
+from kiln.errors import ConfigError, InvalidRequest
 from kiln.models import TaskEvent
 from kiln.states import Event, Status
 from kiln.webhooks import (
@@ -184,5 +184,5 @@ def test_the_webhook_settings_are_read_from_the_environment() -> None:
         defaults.webhook_allow_private,
     ) == (None, 8, False)
     assert "hidden-value" not in repr(Settings.from_env({"KILN_WEBHOOK_SECRET": "hidden-value"}))
-    with pytest.raises(InvalidRequest, match="KILN_WEBHOOK_ALLOW_PRIVATE"):
+    with pytest.raises(ConfigError, match="KILN_WEBHOOK_ALLOW_PRIVATE"):
         Settings.from_env({"KILN_WEBHOOK_ALLOW_PRIVATE": "maybe"})
