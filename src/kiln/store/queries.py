@@ -77,12 +77,11 @@ class Queries:
     def __init__(self, dialect: str, named: dict[str, str]) -> None:
         self.dialect = dialect
         self._named = named
+        self.__dict__.update(named)  # a plain attribute read on the hot path
 
     def __getattr__(self, name: str) -> str:
-        try:
-            return self._named[name]
-        except KeyError:
-            raise AttributeError(f"no query {name!r} for {self.dialect}") from None
+        """Only reached for a name that is not a query (the type checker's view)."""
+        raise AttributeError(f"no query {name!r} for {self.dialect}")
 
     @property
     def names(self) -> frozenset[str]:

@@ -302,12 +302,14 @@ def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, 
         conn.execute(q.prune_counter, (FAILURES_BY_MINUTE, below))
 
 
-def _params(args: Sequence[Any]) -> Sequence[Any]:
-    """Lists (the ``{IN_LIST}`` parameters) as the JSON arrays ``json_each`` reads."""
-    for arg in args:
-        if type(arg) is list:
-            return [json.dumps(a) if type(a) is list else a for a in args]
-    return args
+#: The queries that take a list (``{IN_LIST}``): SQLite reads it as a JSON array.
+_TAKES_LISTS = frozenset(sql for sql in queries("sqlite")._named.values() if "json_each(?)" in sql)
+
+
+def _params(sql: str, args: Sequence[Any]) -> Sequence[Any]:
+    if sql not in _TAKES_LISTS:
+        return args
+    return [json.dumps(a) if type(a) is list else a for a in args]
 
 
 def _violation(exc: sqlite3.IntegrityError) -> IntegrityViolation:
@@ -319,15 +321,16 @@ def _violation(exc: sqlite3.IntegrityError) -> IntegrityViolation:
 class SqliteTx:
     """A :class:`~kiln.store.tx.Tx` on the connection of the thread running it."""
 
-    __slots__ = ("conn", "q")
+    __slots__ = ("conn", "q", "tally")
 
     def __init__(self, conn: sqlite3.Connection, q: Queries) -> None:
         self.conn = conn
         self.q = q
+        self.tally = _tally(conn)
 
     def _execute(self, sql: str, args: Sequence[Any]) -> sqlite3.Cursor:
         try:
-            return self.conn.execute(sql, _params(args))
+            return self.conn.execute(sql, _params(sql, args))
         except sqlite3.IntegrityError as exc:
             raise _violation(exc) from None
 
@@ -343,7 +346,7 @@ class SqliteTx:
 
     async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
         try:
-            return self.conn.executemany(sql, [_params(r) for r in rows]).rowcount
+            return self.conn.executemany(sql, [_params(sql, r) for r in rows]).rowcount
         except sqlite3.IntegrityError as exc:
             raise _violation(exc) from None
 
@@ -378,10 +381,10 @@ class SqliteTx:
         """Workers in other processes on the same file find new work by polling."""
 
     def count_status(self, tenant: str, status: Status, delta: int) -> None:
-        _tally(self.conn)[("task_counts", tenant, str(status))] += delta
+        self.tally[("task_counts", tenant, str(status))] += delta
 
     def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
-        _tally(self.conn)[("counters", name, labels)] += delta
+        self.tally[("counters", name, labels)] += delta
 
 
 # The store ------------------------------------------------------------------------------
@@ -420,11 +423,11 @@ class SqliteStore(Store):
         return lambda conn: run_sync(op(SqliteTx(conn, q)))  # type: ignore[arg-type]
 
     async def _write(self, op: Op[T]) -> T:
-        result: T = await self._submit_to(self._writer, [self._job(op)])
+        result: T = await self._submit_to(self._writer, self._job(op))
         return result
 
     async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
-        result: T = await self._submit_to(self._reader, [self._job(op)])
+        result: T = await self._submit_to(self._reader, self._job(op))
         return result
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
@@ -448,10 +451,13 @@ class SqliteStore(Store):
         thread.put_many([_Job(fn, loop, future) for fn, future in zip(fns, futures, strict=True)])
         return futures
 
-    async def _submit_to(
-        self, thread: _DbThread, fns: list[Callable[[sqlite3.Connection], Any]]
-    ) -> Any:
-        (future,) = self._enqueue(thread, fns)
+    @staticmethod
+    async def _submit_to(thread: _DbThread, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if not thread.is_alive():
+            raise StoreUnavailable(f"the store's {thread.name} thread is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        thread.put(_Job(fn, loop, future))
         return await future
 
     @property
