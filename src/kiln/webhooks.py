@@ -46,6 +46,7 @@ from kiln.store.outbox import (
     WebhookAttempt,
     WebhookDelivery,
 )
+from kiln.wire import task_json
 
 if TYPE_CHECKING:
     from kiln.app import App
@@ -178,8 +179,6 @@ def wants(webhook: JSON | None, event: TaskEvent) -> bool:
 
 def payload(event: TaskEvent, task: Task) -> str:
     """The body: the event as the SSE stream sends it, plus the task as the API shows it."""
-    from kiln.api.schemas import task_json  # the API package imports the engine: import late
-
     body = {**event.to_json(), "task": task_json(task, queue_position=None)}
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 

@@ -18,17 +18,10 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, inputs, webhooks
+from kiln import canonical, inputs, webhooks, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
-from kiln.api.schemas import (
-    ReviewRequest,
-    StatsOut,
-    SubmitRequest,
-    TaskList,
-    TaskOut,
-    task_json,
-)
+from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
 from kiln.api.state import ApiState, api_state
 from kiln.api.uploads import read_upload
 from kiln.breakers import breakers_json
@@ -41,6 +34,7 @@ from kiln.errors import (
 )
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
 from kiln.states import Status
+from kiln.wire import task_json
 
 log = logging.getLogger("kiln.api")
 
@@ -53,7 +47,7 @@ IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7e]+$"
 IdempotencyKey = Annotated[
     str | None,
     Header(
-        alias="Idempotency-Key",
+        alias=wire.IDEMPOTENCY_HEADER,
         min_length=1,
         max_length=255,
         pattern=IDEMPOTENCY_KEY_PATTERN,
@@ -161,9 +155,9 @@ async def task_response(
 
 def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
     if result.created:
-        return 201, {"Location": f"/v1/tasks/{result.task.id}"}
+        return 201, {"Location": wire.task_path(result.task.id)}
     if result.replayed:
-        return 200, {"Idempotent-Replayed": "true"}
+        return 200, {wire.REPLAYED_HEADER: "true"}
     return 200, {}
 
 
