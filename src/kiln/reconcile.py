@@ -27,16 +27,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kiln.engine import Engine, SupportsEngine, engine_of, failure, rerun_fields
 from kiln.errors import Conflict, LeaseLost, NotFound
 from kiln.models import JSON, StoredOutput, Task
 from kiln.states import FINAL, Event, Status
 from kiln.storage import MANIFEST, ObjectInfo, Storage, sha256_hex
 from kiln.store import LeaderToken
-
-if TYPE_CHECKING:
-    from kiln.app import App
 
 log = logging.getLogger("kiln.reconcile")
 
@@ -157,7 +155,7 @@ class Options:
 
 
 async def reconcile(
-    app: App,
+    owner: Engine | SupportsEngine,
     options: Options | None = None,
     *,
     leader: LeaderToken | None = None,
@@ -168,6 +166,7 @@ async def reconcile(
     ``leader``: the supervisor's token, so a repair of a lost result is refused once
     another supervisor leads (NotLeader ends the pass).
     """
+    app = engine_of(owner)
     options = options or Options()
     report = Report(
         repair=options.repair,
@@ -194,7 +193,7 @@ async def reconcile(
 
 
 async def _check_successes(
-    app: App, report: Report, options: Options, leader: LeaderToken | None
+    app: Engine, report: Report, options: Options, leader: LeaderToken | None
 ) -> None:
     slots = asyncio.Semaphore(VERIFY_CONCURRENCY)
     cursor: str | None = None
@@ -237,7 +236,7 @@ async def _check_output(storage: Storage, output: StoredOutput) -> str | None:
 
 
 async def _result_lost(
-    app: App,
+    app: Engine,
     task: Task,
     problems: list[Missing],
     report: Report,
@@ -275,7 +274,7 @@ async def _result_lost(
 
 
 async def lose_result(
-    app: App,
+    owner: Engine | SupportsEngine,
     task: Task,
     problems: list[Missing],
     policy: ResultLostPolicy,
@@ -284,22 +283,14 @@ async def lose_result(
 ) -> Task:
     """``lose`` a SUCCESS task's result at the epoch read: FAILED ``result_lost``, and
     under ``rerun`` straight on to RETRYING, due now, with one more attempt allowed."""
+    app = engine_of(owner)
     rerun = policy is ResultLostPolicy.RERUN
     what = ", ".join(f"{p.key} is {p.problem}" for p in problems[:3])
     error: JSON = {"code": RESULT_LOST, "message": f"the result was lost: {what}",
                    "retryable": rerun}  # fmt: skip
     fields: dict[str, Any] = {"result": None, "error": error}
     if rerun:
-        now = app.now()
-        fields.update(
-            max_attempts=max(task.max_attempts, task.attempt) + 1,
-            finished_at=None,
-            next_retry_at=now,
-            ready_at=now,
-            cancel_requested=False,
-            cancel_requested_at=None,
-            deadline_at=max(task.deadline_at, now + task.deadline_s),
-        )
+        fields.update(rerun_fields(task, app.now()))
     return await app.apply(
         task,
         Event.LOSE,
@@ -308,7 +299,7 @@ async def lose_result(
         error=error,
         bump_epoch=True,
         leader=leader,
-        counters=[("failures", f"{task.tenant}:{RESULT_LOST}")],
+        counters=[failure(task, RESULT_LOST)],
     )
 
 
@@ -320,7 +311,7 @@ def _outputs(task: Task) -> list[StoredOutput]:
 
 
 async def _check_objects(
-    app: App, report: Report, options: Options, clock: Callable[[], float]
+    app: Engine, report: Report, options: Options, clock: Callable[[], float]
 ) -> None:
     batch: list[ObjectInfo] = []
     async for info in app.storage.list(TASKS_PREFIX):
@@ -334,7 +325,7 @@ async def _check_objects(
 
 
 async def _check_batch(
-    app: App,
+    app: Engine,
     batch: list[ObjectInfo],
     report: Report,
     options: Options,
