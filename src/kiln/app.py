@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -36,8 +37,8 @@ from kiln.models import JSON, NewTask, StoredOutput, SubmitResult, Task, TaskEve
 from kiln.retry import RetryPolicy
 from kiln.states import RUNNING, Event, Status
 from kiln.storage import Storage, verify
-from kiln.store import LeaderToken, Store
-from kiln.store.pools import PoolWait
+from kiln.store import BreakerRecord, LeaderToken, Stats, Store
+from kiln.store.pools import PoolUsage, PoolWait
 from kiln.supervisor import Supervisor
 from kiln.worker import Worker
 
@@ -287,6 +288,42 @@ class App:
             self.engine.submitted()
         return result
 
+    def check_submission(
+        self,
+        kind: str,
+        params: Any,
+        *,
+        inputs: list[JSON] | None = None,
+        webhook_url: str | None = None,
+        webhook_events: Sequence[str] | None = None,
+    ) -> None:
+        """Refuse (InvalidRequest, UnknownKind) what :meth:`submit` would refuse, before
+        anything is stored: the kind, its params against its inputs, the webhook."""
+        task_kind = self.kind(kind)
+        task_kind.check_inputs(task_kind.validate(params), inputs or [])
+        webhooks.webhook_spec(
+            webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
+        )
+
+    async def check_rate(self, tenant: str, kind: str | None = None, params: Any = None) -> None:
+        """Refuse (RateLimited, 429) a submission over the tenant's rate limit; the refusal
+        is counted. When a limit applies and ``kind`` is given, the kind and ``params`` are
+        checked first, so a bad request is refused as such (422), not as rate limited."""
+        if self.settings.tenant_limit(tenant).rate is None:
+            return
+        if kind is not None:
+            self.kind(kind).validate(params)
+        await self.engine.check_rate(tenant)
+
+    async def coalesced(self, result: SubmitResult, *, replayed: bool) -> SubmitResult:
+        """The answer to a copy of a submission that an identical concurrent one in this
+        process answered (single-flight): what the store would have said, counted as the
+        store would have counted it (a replay of the key, or a content-dedup hit)."""
+        await self.engine.count_dedup_hit("idempotency" if replayed else "content")
+        return SubmitResult(
+            result.task, created=False, replayed=replayed, deduplicated=not replayed
+        )
+
     # reads
 
     async def get(self, task_id: str, tenant: str | None = None) -> Task:
@@ -300,6 +337,36 @@ class App:
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
         return await self.engine.pool_wait(task)
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]:
+        """A page of tasks, newest first, and the cursor of the next page (None: the last)."""
+        return await self.engine.list_tasks(
+            tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
+        )
+
+    async def stats(self, tenant: str | None = None) -> Stats:
+        """Counts, dwell times, failures and ghosts of a tenant's tasks (None: all)."""
+        return await self.engine.stats(tenant)
+
+    async def pools(self) -> list[PoolUsage]:
+        """The shared resource pools (KILN_POOLS): capacity, units held, tasks waiting."""
+        return await self.engine.pools()
+
+    async def shared_breakers(self) -> list[BreakerRecord]:
+        """The circuit breakers' states as every process shares them through the store."""
+        return await self.engine.shared_breakers()
+
+    async def ready(self) -> None:
+        """Raise unless the store answers and the storage takes a write and a delete."""
+        await self.engine.probe(f"_kiln/readyz-{uuid.uuid4().hex}")
 
     # user actions
 
