@@ -217,13 +217,7 @@ class Engine:
             counters=self._with_minutes(counted),
         )
         updated, events = await self.store.apply(change)
-        for e in events:
-            log.info(
-                "transition",
-                extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
-                       "from": e.from_status, "to": e.status, "event": str(e.event),
-                       "duration_s": e.dwell_s},
-            )  # fmt: skip
+        _log_transitions(events)
         self.written(events)
         return updated
 
@@ -374,6 +368,16 @@ class Engine:
         """Count a submission answered with an existing task (``idempotency`` or
         ``content``) without the store's insert-or-get having seen it."""
         await self.store.bump(DEDUP_HITS, how)
+
+
+def _log_transitions(events: Sequence[TaskEvent]) -> None:
+    for e in events:
+        log.info(
+            "transition",
+            extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
+                   "from": e.from_status, "to": e.status, "event": str(e.event),
+                   "duration_s": e.dwell_s},
+        )  # fmt: skip
 
 
 def rerun_fields(task: Task, now: float) -> dict[str, Any]:

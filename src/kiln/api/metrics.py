@@ -101,6 +101,14 @@ class StoreSnapshot:
     breakers: dict[str, str] = field(default_factory=dict)
 
 
+#: Counters without labels: (counter, metric, help).
+_PLAIN_COUNTERS = (
+    (STALE_WRITES, "kiln_stale_writes", "Worker writes refused by fencing"),
+    (LEASE_RENEWALS, "kiln_lease_renewals", "Worker heartbeats that extended a lease"),
+    (RECOVERED, "kiln_recovered", "Outputs recovered after a lost lease"),
+    (RATE_LIMITED, "kiln_rate_limited", "Submissions refused by a tenant's rate limit (429)"),
+)
+
 #: Outcomes of webhook delivery attempts (kiln.webhooks), each shown even at zero.
 WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
 
@@ -152,26 +160,8 @@ class StoreCollector:
         for kind in _DEDUP_TYPES:
             dedup.add_metric([kind], snap.counters.get((DEDUP_HITS, kind), 0))
         yield dedup
-        yield CounterMetricFamily(
-            "kiln_stale_writes",
-            "Worker writes refused by fencing",
-            value=snap.counters.get((STALE_WRITES, ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_lease_renewals",
-            "Worker heartbeats that extended a lease",
-            value=snap.counters.get((LEASE_RENEWALS, ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_recovered",
-            "Outputs recovered after a lost lease",
-            value=snap.counters.get((RECOVERED, ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_rate_limited",
-            "Submissions refused by a tenant's rate limit (429)",
-            value=snap.counters.get((RATE_LIMITED, ""), 0),
-        )
+        for counter, metric, doc in _PLAIN_COUNTERS:
+            yield CounterMetricFamily(metric, doc, value=snap.counters.get((counter, ""), 0))
         for field_name, doc in (
             ("capacity", "Slots of each shared resource pool"),
             ("held", "Slots of each shared pool held now"),
