@@ -189,7 +189,11 @@ class Engine:
         transaction unconditionally (``lose`` then ``schedule_retry``). An event the state
         table refuses raises IllegalTransition and is counted, never applied.
         """
-        to = await self._checked(task, event, target)
+        try:
+            to = check(task.status, event, target)
+        except IllegalTransition as exc:
+            await self._refused(task, event, exc)
+            raise
         steps = [(event, to)]
         if then is not None:
             steps.append((then, check(to, then)))
@@ -200,51 +204,40 @@ class Engine:
         if retry_error is not None:
             changes["error"] = retry_error
             counted.append(failure(task, str(retry_error["code"])))
-            due = await self._retry_due(task, retry_error, retry_after_s)
+            due = self._retry_due(task, retry_error, retry_after_s)
+            if due is not None and self.settings.retry_rate is not None:
+                due = await retry_slot(self.store, task, due, self.settings.retry_rate)
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)
         change = Change(
-            task_id=task.id,
-            expect_status=task.status,
+            task_id=task.id, expect_status=task.status,
             expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
-            steps=tuple(steps),
-            fields=changes,
-            error=error if error is not None else retry_error,
-            bump_epoch=bump_epoch,
-            fenced=fenced,
-            leader=leader,
+            steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
+            bump_epoch=bump_epoch, fenced=fenced, leader=leader,
             counters=self._with_minutes(counted),
-        )
+        )  # fmt: skip
         updated, events = await self.store.apply(change)
         _log_transitions(events)
         self.written(events)
         return updated
 
-    async def _checked(self, task: Task, event: Event, target: Status | None) -> Status:
-        """The status ``event`` takes ``task`` to; a refused one is counted and raised."""
-        try:
-            return check(task.status, event, target)
-        except IllegalTransition as exc:
-            self.illegal_transitions += 1
-            wanted = exc.target or "|".join(sorted(RULES[event].targets))
-            await self.store.bump(ILLEGAL_TRANSITIONS, f"{task.status}>{wanted}")
-            log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
-            raise
+    async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:
+        """Count an event the state table refused (here and in the store) and log it."""
+        self.illegal_transitions += 1
+        wanted = exc.target or "|".join(sorted(RULES[event].targets))
+        await self.store.bump(ILLEGAL_TRANSITIONS, f"{task.status}>{wanted}")
+        log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
 
-    async def _retry_due(
-        self, task: Task, error: JSON, retry_after_s: float | None
-    ) -> float | None:
-        """When the failed attempt's task retries, or None: a permanent error, a cancel
-        asked, no attempts or time left, or no retry slot before the deadline."""
+    def _retry_due(self, task: Task, error: JSON, retry_after_s: float | None) -> float | None:
+        """When the failed attempt's task retries by its kind's backoff, or None: a
+        permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
+        push it later: see :func:`kiln.retry.retry_slot`.)"""
         if not error.get("retryable") or task.cancel_requested:
             return None
         kind = self.kinds.get(task.kind)
         policy = (kind.retry if kind is not None else None) or self.retry_policy
-        due = policy.next_retry_at(task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0)
-        if due is not None and self.settings.retry_rate is not None:
-            due = await retry_slot(self.store, task, due, self.settings.retry_rate)
-        return due
+        return policy.next_retry_at(task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0)
 
     def _with_minutes(self, counted: list[Count]) -> tuple[Count, ...]:
         """The counters plus each failure's per-minute bucket."""
