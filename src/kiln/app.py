@@ -288,6 +288,23 @@ class App:
             self.engine.submitted()
         return result
 
+    def timeouts_of(
+        self,
+        kind: str,
+        *,
+        waiting_s: float | None = None,
+        generating_s: float | None = None,
+        uploading_s: float | None = None,
+    ) -> Timeouts:
+        """A task's per-state timeouts: those given, the kind's for the others (or the
+        defaults when the kind sets none)."""
+        base = self.kind(kind).timeouts or Timeouts()
+        return Timeouts(
+            waiting_s=base.waiting_s if waiting_s is None else waiting_s,
+            generating_s=base.generating_s if generating_s is None else generating_s,
+            uploading_s=base.uploading_s if uploading_s is None else uploading_s,
+        )
+
     def check_submission(
         self,
         kind: str,

@@ -161,13 +161,11 @@ def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
 def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
     if request.timeouts is None:
         return None
-    base = state.app.kind(request.kind).timeouts or Timeouts()
     given = request.timeouts
-    return Timeouts(
-        waiting_s=base.waiting_s if given.waiting_s is None else given.waiting_s,
-        generating_s=base.generating_s if given.generating_s is None else given.generating_s,
-        uploading_s=base.uploading_s if given.uploading_s is None else given.uploading_s,
-    )
+    return state.app.timeouts_of(
+        request.kind, waiting_s=given.waiting_s, generating_s=given.generating_s,
+        uploading_s=given.uploading_s,
+    )  # fmt: skip
 
 
 async def submit(
