@@ -1,9 +1,10 @@
 """kiln: a durable job engine for AI generation work."""
 
-from kiln.app import App, TaskKind
+from kiln.app import App
 from kiln.client import AsyncClient, Client
 from kiln.config import Settings
 from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError
+from kiln.kinds import TaskKind
 from kiln.models import Output, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
 from kiln.states import Event, Status

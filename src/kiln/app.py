@@ -1,53 +1,60 @@
-"""App: the task-kind registry, the wiring of store and storage, and the engine's policy.
+"""App: kiln as a library. The task-kind registry, submission, the user actions and the
+streams, on top of an :class:`~kiln.engine.Engine` that holds the wiring and the policy.
 
-Every status change goes through :meth:`App.apply`, which checks the state table first
-(an illegal transition is refused and counted, never applied) and then asks the store
-for one fenced compare-and-set with its event rows.
+Every status change goes through :meth:`Engine.apply <kiln.engine.Engine.apply>`, which
+checks the state table first (an illegal transition is refused and counted, never applied)
+and then asks the store for one fenced compare-and-set with its event rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 
 from kiln import canonical, webhooks
+from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
-from kiln.errors import (
-    AlreadyFinal,
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    NotInReview,
-    NotRetryable,
-    UnknownKind,
+from kiln.engine import Count, Engine, failure, rerun_fields
+from kiln.errors import AlreadyFinal, Conflict, InvalidRequest, NotInReview, NotRetryable
+from kiln.kinds import (
+    Handler,
+    HandlerResult,
+    InputCheck,
+    ReviewCheck,
+    TaskKind,
+    call_review,
+    find_kind,
 )
-from kiln.models import JSON, NewTask, Output, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
-from kiln.retry import RetryPolicy, retry_slot
-from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
-from kiln.storage import Storage, open_storage, verify
-from kiln.store import FAILURES_BY_MINUTE, Change, LeaderToken, Store, open_store
-from kiln.store.claims import claim_policy
-from kiln.store.pools import PoolWait
+from kiln.models import JSON, NewTask, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
+from kiln.retry import RetryPolicy
+from kiln.states import RUNNING, Event, Status
+from kiln.storage import Storage, verify
+from kiln.store import BreakerRecord, LeaderToken, Stats, Store
+from kiln.store.pools import PoolUsage, PoolWait
+from kiln.supervisor import Supervisor
+from kiln.worker import Worker
 
-if TYPE_CHECKING:
-    from kiln.breakers import Breakers
+__all__ = [
+    "DEFAULT_TENANT",
+    "App",
+    "Handler",
+    "HandlerResult",
+    "InputCheck",
+    "ReviewCheck",
+    "TaskKind",
+    "call_review",
+    "running",
+]
 
 log = logging.getLogger("kiln")
-
-HandlerResult = Output | Sequence[Output] | None
-Handler = Callable[..., Awaitable[HandlerResult]]
-ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
-#: ``check(params, inputs)``: raises InvalidRequest when the params do not fit the inputs.
-InputCheck = Callable[[Any, list[JSON]], None]
 
 DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
@@ -55,69 +62,13 @@ HISTORY_PAGE = 500
 STATUS_MEMORY = 10_000
 
 
-@dataclass(frozen=True, slots=True)
-class TaskKind:
-    """A registered kind of task: its handler and the policies the engine applies to it."""
-
-    name: str
-    handler: Handler
-    params: type[pydantic.BaseModel] | None = None
-    resources: dict[str, int] = field(default_factory=dict)
-    timeouts: Timeouts | None = None
-    retry: RetryPolicy | None = None
-    review: ReviewCheck | None = None
-    normalize: Callable[[JSON], JSON] | None = None
-    #: Names of the inputs a task of this kind is submitted with (uploaded files).
-    inputs: tuple[str, ...] = ()
-    check: InputCheck | None = None
-
-    def validate(self, params: Any) -> JSON:
-        """Validated, canonical params (defaults applied) as plain JSON."""
-        if self.params is None:
-            if not isinstance(params, dict):
-                raise InvalidRequest("params must be a JSON object")
-            return dict(params)
-        try:
-            model = self.params.model_validate(params)
-        except pydantic.ValidationError as exc:
-            details = [
-                {"loc": ["params", *map(str, err["loc"])], "msg": err["msg"], "type": err["type"]}
-                for err in exc.errors()
-            ]
-            raise InvalidRequest(f"invalid params for {self.name}", details=details) from None
-        data: JSON = model.model_dump(mode="json", exclude_none=True)
-        return self.normalize(data) if self.normalize else data
-
-    def parse(self, params: JSON) -> Any:
-        return params if self.params is None else self.params.model_validate(params)
-
-    def check_inputs(self, params: JSON, inputs: list[JSON]) -> None:
-        """Refuse (InvalidRequest) an input this kind does not take or got twice, a missing
-        one, and params that do not fit the inputs (``check``)."""
-        names = [str(i["name"]) for i in inputs]
-        for name in names:
-            if name not in self.inputs or names.count(name) > 1:
-                why = "twice" if name in self.inputs else f"but {self.name} does not take it"
-                detail = {"loc": [name], "msg": "unexpected input", "type": "input"}
-                raise InvalidRequest(f"the input {name!r} was sent {why}", details=[detail])
-        for name in self.inputs:
-            if name not in names:
-                detail = {"loc": [name], "msg": "missing input", "type": "input"}
-                raise InvalidRequest(
-                    f"{self.name} needs the input {name!r}: upload it as a file part of a "
-                    "multipart/form-data request",
-                    details=[detail],
-                )
-        if self.check is not None:
-            self.check(self.parse(params), inputs)
-
-
 class App:
     """kiln as a library: ``app = kiln.App(database=..., storage=...)``.
 
     Register kinds with :meth:`task`, then ``async with app:`` to open the store, and
     :meth:`submit`, :meth:`get`, :meth:`cancel`, :meth:`retry`, :meth:`watch`. Run
-    workers and the supervisor with :meth:`worker` and :meth:`supervisor`.
+    workers and the supervisor with :meth:`worker` and :meth:`supervisor`. The policy
+    they share is :attr:`engine`'s.
     """
 
     def __init__(
@@ -131,23 +82,14 @@ class App:
         store: Store | None = None,
         storage_backend: Storage | None = None,
     ) -> None:
-        self.settings = settings or Settings()
+        settings = settings or Settings()
         if database:
-            self.settings = self.settings.with_(database_url=database)
+            settings = settings.with_(database_url=database)
         if storage:
-            self.settings = self.settings.with_(storage_url=storage)
-        self.kinds: dict[str, TaskKind] = {}
-        self.clock = clock
-        self.rng = rng or random.Random()
-        self.retry_policy = RetryPolicy(self.settings.retry_base_s, self.settings.retry_max_s)
-        self._store = store
-        self._storage = storage_backend
-        self._hub: EventHub | None = None
-        self._wake: asyncio.Event | None = None
-        self.illegal_transitions = 0
-        #: Called with a task id when this process asks a running task to stop, so a
-        #: worker in the same process stops at once instead of at its next heartbeat.
-        self.cancel_listeners: list[Callable[[str], None]] = []
+            settings = settings.with_(storage_url=storage)
+        self.engine = Engine(
+            settings, {}, clock=clock, rng=rng, store=store, storage=storage_backend
+        )
         self._breakers: Breakers | None = None
 
     # registry
@@ -183,81 +125,86 @@ class App:
         return register
 
     def kind(self, name: str) -> TaskKind:
-        try:
-            return self.kinds[name]
-        except KeyError:
-            raise UnknownKind(f"no task kind {name!r} is registered") from None
+        """The registered kind ``name``, or UnknownKind."""
+        return find_kind(self.kinds, name)
 
-    # lifecycle
+    # the engine's parts, as attributes of the App
+
+    @property
+    def settings(self) -> Settings:
+        return self.engine.settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self.engine.settings = settings
+
+    @property
+    def kinds(self) -> dict[str, TaskKind]:
+        return self.engine.kinds
+
+    @property
+    def clock(self) -> Callable[[], float] | None:
+        return self.engine.clock
+
+    @property
+    def rng(self) -> random.Random:
+        return self.engine.rng
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return self.engine.retry_policy
+
+    @property
+    def illegal_transitions(self) -> int:
+        """Transitions the state table refused in this process."""
+        return self.engine.illegal_transitions
+
+    @property
+    def cancel_listeners(self) -> list[Callable[[str], None]]:
+        return self.engine.cancel_listeners
 
     @property
     def store(self) -> Store:
-        if self._store is None:
-            self._store = open_store(
-                self.settings.resolved_database_url,
-                clock=self.clock,
-                synchronous=self.settings.sqlite_synchronous,
-                pool_size=self.settings.db_pool_size,
-            )
-        return self._store
+        return self.engine.store
 
     @property
     def storage(self) -> Storage:
-        if self._storage is None:
-            self._storage = open_storage(self.settings.resolved_storage_url)
-        return self._storage
+        return self.engine.storage
 
     @property
     def hub(self) -> EventHub:
-        if self._hub is None:
-            self._hub = EventHub(self.store)
-        return self._hub
+        return self.engine.hub
+
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set when work became claimable; workers in this process wait on it."""
+        return self.engine.wake
 
     @property
     def breakers(self) -> Breakers:
         """This process's circuit breakers, shared with every process through the store
         (one set per process, whatever the number of workers in it)."""
         if self._breakers is None:
-            from kiln.breakers import Breakers
-
-            self._breakers = Breakers(self)
+            self._breakers = Breakers(self.engine)
         return self._breakers
 
-    @property
-    def wake(self) -> asyncio.Event:
-        """Set when work became claimable (here, or in another process where the store
-        can tell); workers in this process wait on it."""
-        if self._wake is None:
-            self._wake = asyncio.Event()
-            self.store.watch_ready(self._wake.set)  # and when another process did
-        return self._wake
-
     def now(self) -> float:
-        return self.store.clock()
+        return self.engine.now()
+
+    # lifecycle
 
     async def open(self) -> App:
-        _ = self.store, self.storage
+        self.engine.open()
         return self
 
     async def close(self) -> None:
-        if self._hub is not None:
-            await self._hub.close()
-        if self._store is not None:
-            await self._store.close()
+        await self.engine.close()
 
     async def __aenter__(self) -> App:
         return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def _written(self, events: Sequence[TaskEvent]) -> None:
-        if self._hub is not None and events:
-            self._hub.poke()
-        if any(e.status in CLAIMABLE for e in events):
-            self.wake.set()
-
-    # the one way a status changes
 
     async def apply(
         self,
@@ -271,74 +218,16 @@ class App:
         bump_epoch: bool = False,
         leader: LeaderToken | None = None,
         retry_error: JSON | None = None,
-        counters: Sequence[tuple[str, str]] = (),
+        counters: Sequence[Count] = (),
         retry_after_s: float | None = None,
         then: Event | None = None,
     ) -> Task:
-        """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
-        fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
-
-        With ``retry_error`` the failure may schedule the next attempt in the same
-        transaction (``fail``/``expire`` then ``schedule_retry``), no sooner than
-        ``retry_after_s`` from now when given. ``then`` chains one more event in the same
-        transaction unconditionally (``lose`` then ``schedule_retry``).
-        """
-        try:
-            to = check(task.status, event, target)
-        except IllegalTransition as exc:
-            self.illegal_transitions += 1
-            wanted = exc.target or "|".join(sorted(RULES[event].targets))
-            await self.store.bump("illegal_transitions", f"{task.status}>{wanted}")
-            log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
-            raise
-        steps = [(event, to)]
-        if then is not None:
-            steps.append((then, check(to, then)))
-        changes = dict(fields or {})
-        if to not in RUNNING:  # no worker holds the task any more
-            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
-        if retry_error is not None:
-            changes["error"] = retry_error
-            counters = [*counters, ("failures", f"{task.tenant}:{retry_error['code']}")]
-            due = None
-            if retry_error.get("retryable") and not task.cancel_requested:
-                policy = self.kinds[task.kind].retry if task.kind in self.kinds else None
-                due = (policy or self.retry_policy).next_retry_at(
-                    task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0
-                )
-            if due is not None and self.settings.retry_rate is not None:
-                due = await retry_slot(self.store, task, due, self.settings.retry_rate)
-            if due is not None:
-                steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
-                changes.update(next_retry_at=due, ready_at=due)
-        minute = int(self.now() // 60)
-        counters = [
-            *counters,
-            *((FAILURES_BY_MINUTE, f"{minute:010d}:{labels}") for name, labels in counters
-              if name == "failures"),
-        ]  # fmt: skip
-        change = Change(
-            task_id=task.id,
-            expect_status=task.status,
-            expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
-            steps=tuple(steps),
-            fields=changes,
-            error=error if error is not None else retry_error,
-            bump_epoch=bump_epoch,
-            fenced=fenced,
-            leader=leader,
-            counters=tuple(counters),
-        )
-        updated, events = await self.store.apply(change)
-        for e in events:
-            log.info(
-                "transition",
-                extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
-                       "from": e.from_status, "to": e.status, "event": str(e.event),
-                       "duration_s": e.dwell_s},
-            )  # fmt: skip
-        self._written(events)
-        return updated
+        """The one way a status changes: see :meth:`Engine.apply <kiln.engine.Engine.apply>`."""
+        return await self.engine.apply(
+            task, event, target, fields=fields, error=error, fenced=fenced,
+            bump_epoch=bump_epoch, leader=leader, retry_error=retry_error, counters=counters,
+            retry_after_s=retry_after_s, then=then,
+        )  # fmt: skip
 
     # submission
 
@@ -386,47 +275,115 @@ class App:
         if webhook is not None:  # only then: a body without one keeps its old fingerprint
             body["webhook"] = webhook
         new = NewTask(
-            id=canonical.new_task_id(),
-            tenant=tenant,
-            kind=kind,
-            params=clean,
-            fingerprint=canonical.digest(body),
-            idempotency_key=idempotency_key,
+            id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
+            fingerprint=canonical.digest(body), idempotency_key=idempotency_key,
             dedup_key=canonical.dedup_key(kind, clean, contents) if dedup else None,
-            priority=priority,
-            max_attempts=max_attempts,
-            deadline_s=deadline_s,
-            timeouts=timeouts,
-            metadata=metadata or {},
-            inputs=inputs,
-            webhook=webhook,
-        )
+            priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
+            timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
+        )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:
             log.info("transition", extra={"task_id": result.task.id, "event": "submit",
                                           "to": "PENDING", "attempt": 0})  # fmt: skip
-            if self._hub is not None:
-                self._hub.poke()
-            self.wake.set()
+            self.engine.submitted()
         return result
+
+    def timeouts_of(
+        self,
+        kind: str,
+        *,
+        waiting_s: float | None = None,
+        generating_s: float | None = None,
+        uploading_s: float | None = None,
+    ) -> Timeouts:
+        """A task's per-state timeouts: those given, the kind's for the others (or the
+        defaults when the kind sets none)."""
+        base = self.kind(kind).timeouts or Timeouts()
+        return Timeouts(
+            waiting_s=base.waiting_s if waiting_s is None else waiting_s,
+            generating_s=base.generating_s if generating_s is None else generating_s,
+            uploading_s=base.uploading_s if uploading_s is None else uploading_s,
+        )
+
+    def check_submission(
+        self,
+        kind: str,
+        params: Any,
+        *,
+        inputs: list[JSON] | None = None,
+        webhook_url: str | None = None,
+        webhook_events: Sequence[str] | None = None,
+    ) -> None:
+        """Refuse (InvalidRequest, UnknownKind) what :meth:`submit` would refuse, before
+        anything is stored: the kind, its params against its inputs, the webhook."""
+        task_kind = self.kind(kind)
+        task_kind.check_inputs(task_kind.validate(params), inputs or [])
+        webhooks.webhook_spec(
+            webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
+        )
+
+    async def check_rate(self, tenant: str, kind: str | None = None, params: Any = None) -> None:
+        """Refuse (RateLimited, 429) a submission over the tenant's rate limit; the refusal
+        is counted. When a limit applies and ``kind`` is given, the kind and ``params`` are
+        checked first, so a bad request is refused as such (422), not as rate limited."""
+        if self.settings.tenant_limit(tenant).rate is None:
+            return
+        if kind is not None:
+            self.kind(kind).validate(params)
+        await self.engine.check_rate(tenant)
+
+    async def coalesced(self, result: SubmitResult, *, replayed: bool) -> SubmitResult:
+        """The answer to a copy of a submission that an identical concurrent one in this
+        process answered (single-flight): what the store would have said, counted as the
+        store would have counted it (a replay of the key, or a content-dedup hit)."""
+        await self.engine.count_dedup_hit("idempotency" if replayed else "content")
+        return SubmitResult(
+            result.task, created=False, replayed=replayed, deduplicated=not replayed
+        )
 
     # reads
 
     async def get(self, task_id: str, tenant: str | None = None) -> Task:
         """The task, or NotFound, also when it belongs to another tenant."""
-        task = await self.store.get(task_id)
-        if task is None or (tenant is not None and task.tenant != tenant):
-            raise NotFound(f"no task {task_id!r}")
-        return task
+        return await self.engine.get(task_id, tenant)
 
     async def queue_position(self, task: Task) -> int | None:
-        return await self.store.queue_position(task, claim_policy(self.settings))
+        """1 for the next task a worker of its kind would claim, while it is ready."""
+        return await self.engine.queue_position(task)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
-        if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:
-            return None
-        return await self.store.pool_wait(task.id)
+        return await self.engine.pool_wait(task)
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]:
+        """A page of tasks, newest first, and the cursor of the next page (None: the last)."""
+        return await self.engine.list_tasks(
+            tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
+        )
+
+    async def stats(self, tenant: str | None = None) -> Stats:
+        """Counts, dwell times, failures and ghosts of a tenant's tasks (None: all)."""
+        return await self.engine.stats(tenant)
+
+    async def pools(self) -> list[PoolUsage]:
+        """The shared resource pools (KILN_POOLS): capacity, units held, tasks waiting."""
+        return await self.engine.pools()
+
+    async def shared_breakers(self) -> list[BreakerRecord]:
+        """The circuit breakers' states as every process shares them through the store."""
+        return await self.engine.shared_breakers()
+
+    async def ready(self) -> None:
+        """Raise unless the store answers and the storage takes a write and a delete."""
+        await self.engine.probe(f"_kiln/readyz-{uuid.uuid4().hex}")
 
     # user actions
 
@@ -438,12 +395,8 @@ class App:
                 raise AlreadyFinal(f"task {task_id} is already {task.status}")
             try:
                 if task.status in RUNNING:
-                    if not task.cancel_requested:
-                        task = await self.store.request_cancel(task.id)
-                    for listener in self.cancel_listeners:
-                        listener(task.id)
-                    return task
-                return await self.apply(task, Event.CANCEL)
+                    return await self.engine.request_cancel(task)
+                return await self.engine.apply(task, Event.CANCEL)
             except Conflict:
                 continue
         raise Conflict(f"task {task_id} keeps changing; try again")
@@ -455,18 +408,9 @@ class App:
             if task.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
                 raise NotRetryable(f"task {task_id} is {task.status}; only final FAILED, "
                                    "TIMEOUT or CANCELLED tasks can be retried")  # fmt: skip
-            now = self.now()
-            fields = {
-                "max_attempts": max(task.max_attempts, task.attempt) + 1,
-                "finished_at": None,
-                "next_retry_at": now,
-                "ready_at": now,
-                "cancel_requested": False,
-                "cancel_requested_at": None,
-                "deadline_at": max(task.deadline_at, now + task.deadline_s),
-            }
+            fields = rerun_fields(task, self.now())
             try:
-                return await self.apply(task, Event.RETRY, fields=fields)
+                return await self.engine.apply(task, Event.RETRY, fields=fields)
             except Conflict:
                 continue
         raise Conflict(f"task {task_id} keeps changing; try again")
@@ -482,15 +426,15 @@ class App:
         try:
             if decision == "approve":
                 if all([await verify(self.storage, o) for o in outputs]) and outputs:
-                    return await self.apply(task, Event.APPROVE, fields={"error": None})
+                    return await self.engine.apply(task, Event.APPROVE, fields={"error": None})
                 error = {"code": "result_lost", "message": "outputs are missing or corrupt",
                          "retryable": False}  # fmt: skip
             else:
                 message = reason or "rejected by a moderator"
                 error = {"code": "content_rejected", "message": message, "retryable": False}
-            updated = await self.apply(
+            updated = await self.engine.apply(
                 task, Event.REJECT, error=error, fields={"error": error},
-                counters=[("failures", f"{task.tenant}:{error['code']}")],
+                counters=[failure(task, str(error["code"]))],
             )  # fmt: skip
         except Conflict:
             raise NotInReview(f"task {task_id} left NEEDS_REVIEW") from None
@@ -544,7 +488,7 @@ class App:
         """Whether a task stream is done after its replay: its latest event was final."""
         if replayed:
             return final_seen
-        task = await self.store.get(task_id)
+        task = await self.engine.store.get(task_id)
         return task is not None and task.final
 
     async def _next(
@@ -565,7 +509,7 @@ class App:
     ) -> AsyncIterator[TaskEvent]:
         """The persisted events after ``after`` (up to ``upto``), read page by page."""
         while True:
-            page = await self.store.events(
+            page = await self.engine.events(
                 task_id=task_id, tenant=tenant, after=after, limit=HISTORY_PAGE
             )
             for event in page:
@@ -587,27 +531,41 @@ class App:
         return await asyncio.wait_for(follow(), timeout_s)
 
     def publish_progress(self, event: ProgressEvent) -> None:
-        if self._hub is not None:
-            self._hub.publish(event)
+        """Live progress to this process's streams."""
+        self.engine.publish_progress(event)
 
     # processes
 
-    def worker(self, **options: Any) -> Any:
-        from kiln.worker import Worker
+    def worker(
+        self,
+        *,
+        concurrency: int = 4,
+        kinds: Sequence[str] | None = None,
+        resources: dict[str, int] | None = None,
+        worker_id: str | None = None,
+        lease_ttl_s: float | None = None,
+        idle_poll_s: tuple[float, float] = (0.05, 1.0),
+    ) -> Worker:
+        """A worker of this process (see :class:`kiln.worker.Worker`); every worker of
+        the App shares its circuit breakers."""
+        return Worker(
+            self.engine, breakers=self.breakers, concurrency=concurrency, kinds=kinds,
+            resources=resources, worker_id=worker_id, lease_ttl_s=lease_ttl_s,
+            idle_poll_s=idle_poll_s,
+        )  # fmt: skip
 
-        return Worker(self, **options)
-
-    def supervisor(self, **options: Any) -> Any:
-        from kiln.supervisor import Supervisor
-
-        return Supervisor(self, **options)
-
-
-async def call_review(check_fn: ReviewCheck, params: Any, outputs: list[Output]) -> bool:
-    verdict = check_fn(params, outputs)
-    if inspect.isawaitable(verdict):
-        verdict = await verdict
-    return bool(verdict)
+    def supervisor(
+        self,
+        *,
+        interval_s: float | None = None,
+        owner: str | None = None,
+        batch: int = 500,
+        leader_ttl_s: float | None = None,
+    ) -> Supervisor:
+        """A supervisor (see :class:`kiln.supervisor.Supervisor`)."""
+        return Supervisor(
+            self.engine, interval_s=interval_s, owner=owner, batch=batch, leader_ttl_s=leader_ttl_s
+        )
 
 
 @contextlib.asynccontextmanager

@@ -32,7 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln.backends.breaker import CircuitBreaker, Permit, State
+from kiln.circuit import CircuitBreaker, Permit, State
+from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import StorageError, StoreUnavailable, TaskError
 from kiln.models import iso
 from kiln.store import BreakerRecord
@@ -40,7 +41,7 @@ from kiln.store import BreakerRecord
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from kiln.app import App, TaskKind
+    from kiln.kinds import TaskKind
     from kiln.models import JSON, Task
 
 log = logging.getLogger("kiln.breakers")
@@ -117,10 +118,10 @@ class Breakers:
     state, the kinds' policies, and a Prometheus collector (``kiln_breaker_state``,
     ``kiln_breaker_transitions_total``). ``owner`` is what the store's ``by`` says."""
 
-    def __init__(self, app: App, owner: str | None = None) -> None:
-        self.app = app
+    def __init__(self, engine: Engine | SupportsEngine, owner: str | None = None) -> None:
+        self.engine = engine = engine_of(engine)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
-        self.settings = app.settings
+        self.settings = engine.settings
         self.breakers: dict[str, _Shared] = {}
         self._dependencies: dict[str, tuple[str, ...]] = {}
         #: Transitions this process decided, by (breaker, to).
@@ -129,14 +130,14 @@ class Breakers:
         self._read_at = float("-inf")
         self._syncing = False
         self._add(STORAGE, None)
-        for name in app.kinds:
+        for name in engine.kinds:
             self.dependencies(name)
 
     def dependencies(self, kind: str) -> tuple[str, ...]:
         """The names of the breakers a kind depends on: its generator's, then storage."""
         found = self._dependencies.get(kind)
         if found is None:
-            generator, fed = generator_of(self.app.kinds[kind])
+            generator, fed = generator_of(self.engine.kinds[kind])
             self._add(generator, fed)
             found = self._dependencies[kind] = (generator, STORAGE)
         return found
@@ -144,7 +145,7 @@ class Breakers:
     def _add(self, name: str, fed: CircuitBreaker | None) -> None:
         if name in self.breakers:
             return
-        breaker = fed or CircuitBreaker.from_settings(self.settings, clock=self.app.now)
+        breaker = fed or CircuitBreaker.from_settings(self.settings, clock=self.engine.now)
         breaker.listeners.append(lambda state: self._decided(name, state))
         self.breakers[name] = _Shared(breaker, fed_by_worker=fed is None)
 
@@ -159,7 +160,7 @@ class Breakers:
 
     def _decided(self, name: str, state: State) -> None:
         """A transition this process decided: written to the store at the next sync."""
-        now = self.app.now()
+        now = self.engine.now()
         shared = self.breakers[name]
         until = now + shared.breaker.retry_after_s() if state == "open" else None
         record = BreakerRecord(name, state, until, now, self.owner)
@@ -185,14 +186,14 @@ class Breakers:
     async def _sync(self) -> None:
         try:
             while self._pending:
-                await self.app.store.save_breaker(self._pending[0])
+                await self.engine.store.save_breaker(self._pending[0])
                 self._pending.pop(0)
-            now = self.app.now()
+            now = self.engine.now()
             if now - self._read_at < READ_EVERY_S:
                 return
             self._read_at = now
             changes = {name: shared.changes for name, shared in self.breakers.items()}
-            rows = await self.app.store.breakers()
+            rows = await self.engine.store.breakers()
         except StoreUnavailable as exc:
             log.warning("breaker_sync_failed", extra={"error": exc.message})
             return
@@ -215,7 +216,7 @@ class Breakers:
     async def take_probe(self, name: str) -> bool:
         """Whether this process holds (or now took) the half-open probe of ``name``."""
         shared = self.breakers[name]
-        now = self.app.now()
+        now = self.engine.now()
         if shared.probe_until is not None and shared.probe_until > now:
             return True
         if shared.breaker.state == "closed" or shared.breaker.retry_after_s() > 0:
@@ -226,7 +227,7 @@ class Breakers:
         until = now + self.settings.breaker_open_s
         record = BreakerRecord(name, "half_open", until, now, self.owner)
         try:
-            won = await self.app.store.save_breaker(record, only_if_due=True)
+            won = await self.engine.store.save_breaker(record, only_if_due=True)
         except StoreUnavailable:
             return False
         if not won:

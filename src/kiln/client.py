@@ -19,11 +19,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 
-from kiln import errors
+from kiln import errors, wire
 from kiln.errors import KilnError
 
 JSON = dict[str, Any]
@@ -133,7 +132,7 @@ def read_submitted(response: httpx.Response) -> JSON:
     """The task, plus whether this request created it, replayed a key or hit a duplicate."""
     task: JSON = read_json(response)
     task["created"] = response.status_code == 201
-    task["replayed"] = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+    task["replayed"] = response.headers.get(wire.REPLAYED_HEADER, "").lower() == "true"
     task["deduplicated"] = bool(task.get("deduplicated", False))
     return task
 
@@ -154,10 +153,6 @@ class Call:
     files: dict[str, Any] | None = None
 
 
-def _task_path(task_id: str, *rest: str) -> str:
-    return "/".join(["/v1/tasks", quote(task_id, safe=""), *(quote(p, safe="") for p in rest)])
-
-
 def submit_call(
     kind: str,
     params: Mapping[str, Any] | None,
@@ -166,22 +161,22 @@ def submit_call(
     files: Mapping[str, Any] | None = None,
 ) -> Call:
     body = {"kind": kind, "params": dict(params or {}), **fields}
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
+    headers = {wire.IDEMPOTENCY_HEADER: idempotency_key} if idempotency_key is not None else {}
     if files:
         parts: dict[str, Any] = {"request": (None, json.dumps(body), "application/json")}
         parts.update(files)
-        return Call("POST", "/v1/tasks", read_submitted, headers=headers, files=parts)
-    return Call("POST", "/v1/tasks", read_submitted, body=body, headers=headers)
+        return Call("POST", wire.TASKS_PATH, read_submitted, headers=headers, files=parts)
+    return Call("POST", wire.TASKS_PATH, read_submitted, body=body, headers=headers)
 
 
 def list_call(status: str | None, kind: str | None, limit: int, cursor: str | None) -> Call:
     query = {"status": status, "kind": kind, "limit": limit, "cursor": cursor}
-    return Call("GET", "/v1/tasks", params={k: v for k, v in query.items() if v is not None})
+    return Call("GET", wire.TASKS_PATH, params={k: v for k, v in query.items() if v is not None})
 
 
 def review_call(task_id: str, decision: str, reason: str | None) -> Call:
     body = {"decision": decision} | ({"reason": reason} if reason is not None else {})
-    return Call("POST", _task_path(task_id, "review"), body=body)
+    return Call("POST", wire.task_path(task_id, "review"), body=body)
 
 
 # event streams
@@ -245,7 +240,7 @@ class Follow:
         headers = {"Accept": "text/event-stream"}
         if self.last_id is not None:
             headers["Last-Event-ID"] = self.last_id
-        return Call("GET", _task_path(self.task_id, "events"), headers=headers)
+        return Call("GET", wire.task_path(self.task_id, "events"), headers=headers)
 
     def read_timeout_s(self) -> float:
         if self.deadline is None:
@@ -383,15 +378,15 @@ class Client(_Base):
         return result
 
     def get(self, task_id: str) -> JSON:
-        result: JSON = self.call(Call("GET", _task_path(task_id)))
+        result: JSON = self.call(Call("GET", wire.task_path(task_id)))
         return result
 
     def cancel(self, task_id: str) -> JSON:
-        result: JSON = self.call(Call("POST", _task_path(task_id, "cancel")))
+        result: JSON = self.call(Call("POST", wire.task_path(task_id, "cancel")))
         return result
 
     def retry(self, task_id: str) -> JSON:
-        result: JSON = self.call(Call("POST", _task_path(task_id, "retry")))
+        result: JSON = self.call(Call("POST", wire.task_path(task_id, "retry")))
         return result
 
     def review(self, task_id: str, decision: str, reason: str | None = None) -> JSON:
@@ -399,7 +394,7 @@ class Client(_Base):
         return result
 
     def download(self, task_id: str, name: str) -> bytes:
-        result: bytes = self.call(Call("GET", _task_path(task_id, "outputs", name), read_bytes))
+        result: bytes = self.call(Call("GET", wire.task_path(task_id, "outputs", name), read_bytes))
         return result
 
     def stats(self) -> JSON:
@@ -507,15 +502,15 @@ class AsyncClient(_Base):
         return result
 
     async def get(self, task_id: str) -> JSON:
-        result: JSON = await self.call(Call("GET", _task_path(task_id)))
+        result: JSON = await self.call(Call("GET", wire.task_path(task_id)))
         return result
 
     async def cancel(self, task_id: str) -> JSON:
-        result: JSON = await self.call(Call("POST", _task_path(task_id, "cancel")))
+        result: JSON = await self.call(Call("POST", wire.task_path(task_id, "cancel")))
         return result
 
     async def retry(self, task_id: str) -> JSON:
-        result: JSON = await self.call(Call("POST", _task_path(task_id, "retry")))
+        result: JSON = await self.call(Call("POST", wire.task_path(task_id, "retry")))
         return result
 
     async def review(self, task_id: str, decision: str, reason: str | None = None) -> JSON:
@@ -523,7 +518,7 @@ class AsyncClient(_Base):
         return result
 
     async def download(self, task_id: str, name: str) -> bytes:
-        call = Call("GET", _task_path(task_id, "outputs", name), read_bytes)
+        call = Call("GET", wire.task_path(task_id, "outputs", name), read_bytes)
         result: bytes = await self.call(call)
         return result
 

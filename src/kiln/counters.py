@@ -23,6 +23,8 @@ FAILURES = "failures"
 #: so a time range is a key range. Buckets older than a day are dropped.
 FAILURES_BY_MINUTE = "failures_by_minute"
 FAILURE_BUCKETS_KEPT_MIN = 24 * 60
+#: Tasks whose outputs the supervisor found complete after a lost lease (no labels).
+RECOVERED = "recovered"
 #: Final tasks deleted by retention (no labels).
 PURGED = "purged"
 #: Submissions refused by a tenant's rate limit (no labels).

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.app import App
 from kiln.errors import Permanent, Retryable
+from kiln.kinds import Registry
 from kiln.models import Output
 from kiln.paint import encode, preview, render
 
@@ -147,7 +147,7 @@ def flagged_for_review(params: GenerateParams, outputs: list[Output]) -> bool:
     return bool(params.simulate and params.simulate.review)
 
 
-def register(app: App, *, resources: dict[str, int] | None = None) -> None:
+def register(app: Registry, *, resources: dict[str, int] | None = None) -> None:
     """Register `image.generate` on ``app``; it needs one `gpu` slot by default."""
     app.task(
         KIND,

@@ -27,16 +27,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kiln.engine import Engine, SupportsEngine, engine_of, failure, rerun_fields
 from kiln.errors import Conflict, LeaseLost, NotFound
 from kiln.models import JSON, StoredOutput, Task
 from kiln.states import FINAL, Event, Status
 from kiln.storage import MANIFEST, ObjectInfo, Storage, sha256_hex
 from kiln.store import LeaderToken
-
-if TYPE_CHECKING:
-    from kiln.app import App
 
 log = logging.getLogger("kiln.reconcile")
 
@@ -157,17 +155,19 @@ class Options:
 
 
 async def reconcile(
-    app: App,
+    owner: Engine | SupportsEngine,
     options: Options | None = None,
     *,
     leader: LeaderToken | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Report:
-    """One pass over every SUCCESS task's outputs and every object under ``tasks/``.
+    """One pass over every SUCCESS task's outputs and every object under ``tasks/``, on
+    ``owner``'s engine (an Engine, or an App).
 
     ``leader``: the supervisor's token, so a repair of a lost result is refused once
     another supervisor leads (NotLeader ends the pass).
     """
+    engine = engine_of(owner)
     options = options or Options()
     report = Report(
         repair=options.repair,
@@ -177,8 +177,8 @@ async def reconcile(
         started_at=clock(),
     )
     started = time.perf_counter()
-    await _check_successes(app, report, options, leader)
-    await _check_objects(app, report, options, clock)
+    await _check_successes(engine, report, options, leader)
+    await _check_objects(engine, report, options, clock)
     report.duration_s = time.perf_counter() - started
     log.info(
         "reconciled",
@@ -194,20 +194,20 @@ async def reconcile(
 
 
 async def _check_successes(
-    app: App, report: Report, options: Options, leader: LeaderToken | None
+    engine: Engine, report: Report, options: Options, leader: LeaderToken | None
 ) -> None:
     slots = asyncio.Semaphore(VERIFY_CONCURRENCY)
     cursor: str | None = None
     while True:
-        page, cursor = await app.store.list_tasks(
+        page, cursor = await engine.store.list_tasks(
             tenant=None, status=Status.SUCCESS, limit=options.page_size, cursor=cursor
         )
-        found = await asyncio.gather(*(_check_task(app.storage, task, slots) for task in page))
+        found = await asyncio.gather(*(_check_task(engine.storage, task, slots) for task in page))
         for task, problems in zip(page, found, strict=True):
             report.tasks_checked += 1
             report.outputs_checked += len(_outputs(task))
             if problems:
-                await _result_lost(app, task, problems, report, options, leader)
+                await _result_lost(engine, task, problems, report, options, leader)
         if cursor is None:
             return
 
@@ -237,7 +237,7 @@ async def _check_output(storage: Storage, output: StoredOutput) -> str | None:
 
 
 async def _result_lost(
-    app: App,
+    engine: Engine,
     task: Task,
     problems: list[Missing],
     report: Report,
@@ -258,7 +258,7 @@ async def _result_lost(
     if not options.repair:
         return
     try:
-        await lose_result(app, task, problems, options.result_lost, leader=leader)
+        await lose_result(engine, task, problems, options.result_lost, leader=leader)
     except (Conflict, LeaseLost, NotFound):
         report.conflicts += 1  # it moved on (or was purged) since it was read
         return
@@ -271,11 +271,11 @@ async def _result_lost(
     # What is left of the lost result is no one's any more (a rerun writes a new attempt's
     # location): delete it now, as a rejected review does, rather than leave orphans.
     for key in sorted(_referenced([task])):
-        await app.storage.delete(key)
+        await engine.storage.delete(key)
 
 
 async def lose_result(
-    app: App,
+    owner: Engine | SupportsEngine,
     task: Task,
     problems: list[Missing],
     policy: ResultLostPolicy,
@@ -284,23 +284,15 @@ async def lose_result(
 ) -> Task:
     """``lose`` a SUCCESS task's result at the epoch read: FAILED ``result_lost``, and
     under ``rerun`` straight on to RETRYING, due now, with one more attempt allowed."""
+    engine = engine_of(owner)
     rerun = policy is ResultLostPolicy.RERUN
     what = ", ".join(f"{p.key} is {p.problem}" for p in problems[:3])
     error: JSON = {"code": RESULT_LOST, "message": f"the result was lost: {what}",
                    "retryable": rerun}  # fmt: skip
     fields: dict[str, Any] = {"result": None, "error": error}
     if rerun:
-        now = app.now()
-        fields.update(
-            max_attempts=max(task.max_attempts, task.attempt) + 1,
-            finished_at=None,
-            next_retry_at=now,
-            ready_at=now,
-            cancel_requested=False,
-            cancel_requested_at=None,
-            deadline_at=max(task.deadline_at, now + task.deadline_s),
-        )
-    return await app.apply(
+        fields.update(rerun_fields(task, engine.now()))
+    return await engine.apply(
         task,
         Event.LOSE,
         then=Event.SCHEDULE_RETRY if rerun else None,
@@ -308,7 +300,7 @@ async def lose_result(
         error=error,
         bump_epoch=True,
         leader=leader,
-        counters=[("failures", f"{task.tenant}:{RESULT_LOST}")],
+        counters=[failure(task, RESULT_LOST)],
     )
 
 
@@ -320,28 +312,28 @@ def _outputs(task: Task) -> list[StoredOutput]:
 
 
 async def _check_objects(
-    app: App, report: Report, options: Options, clock: Callable[[], float]
+    engine: Engine, report: Report, options: Options, clock: Callable[[], float]
 ) -> None:
     batch: list[ObjectInfo] = []
-    async for info in app.storage.list(TASKS_PREFIX):
+    async for info in engine.storage.list(TASKS_PREFIX):
         report.objects_checked += 1
         batch.append(info)
         if len(batch) >= options.page_size:
-            await _check_batch(app, batch, report, options, clock)
+            await _check_batch(engine, batch, report, options, clock)
             batch.clear()
     if batch:
-        await _check_batch(app, batch, report, options, clock)
+        await _check_batch(engine, batch, report, options, clock)
 
 
 async def _check_batch(
-    app: App,
+    engine: Engine,
     batch: list[ObjectInfo],
     report: Report,
     options: Options,
     clock: Callable[[], float],
 ) -> None:
     ids = {task_id for info in batch if (task_id := _task_id(info.key)) is not None}
-    tasks = await app.store.get_many(sorted(ids))
+    tasks = await engine.store.get_many(sorted(ids))
     referenced = _referenced(tasks.values())
     for info in batch:
         task_id = _task_id(info.key)
@@ -359,7 +351,7 @@ async def _check_batch(
         report.orphan_bytes += info.size
         report.note(report.orphans, orphan)
         if options.repair:
-            await _repair(app.storage, orphan, report)
+            await _repair(engine.storage, orphan, report)
 
 
 def _referenced(tasks: Iterable[Task]) -> set[str]:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kiln import canonical, reconcile, retention, webhooks
-from kiln.app import App
+from kiln import canonical, counters, reconcile, retention, webhooks
+from kiln.engine import Engine, SupportsEngine, engine_of, failure, ghost_after_s
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
 from kiln.states import CLAIMABLE, Event, Status
@@ -47,17 +47,21 @@ Action = Callable[[Task, "SweepReport"], Awaitable[None]]
 
 
 class Supervisor:
+    """The periodic sweep (see the module docstring), the webhook outbox beside it, and
+    the retention and reconciliation passes it starts. Takes the process's Engine (or an
+    App, for its engine)."""
+
     def __init__(
         self,
-        app: App,
+        engine: Engine | SupportsEngine,
         *,
         interval_s: float | None = None,
         owner: str | None = None,
         batch: int = 500,
         leader_ttl_s: float | None = None,
     ) -> None:
-        self.app = app
-        self.interval_s = interval_s or app.settings.supervisor_interval_s
+        self.engine = engine = engine_of(engine)
+        self.interval_s = interval_s or engine.settings.supervisor_interval_s
         self.owner = (
             owner or f"{socket.gethostname()}:{os.getpid()}:" + (canonical.new_id("s")[-8:])
         )
@@ -67,18 +71,18 @@ class Supervisor:
         self.last: SweepReport = SweepReport()
         self.sweeps = 0
         self.retention = retention.RetentionPolicy(
-            app.settings.retention_s, dict(app.settings.retention_tenants)
+            engine.settings.retention_s, dict(engine.settings.retention_tenants)
         )
         self._retention_due = 0.0
         self.reconciling: asyncio.Task[None] | None = None
         self.reconciles = ReconcileTotals()
         self._reconcile_due: float | None = None
-        self.webhooks = webhooks.Dispatcher(app, owner=self.owner, interval_s=self.interval_s)
+        self.webhooks = webhooks.Dispatcher(engine, owner=self.owner, interval_s=self.interval_s)
 
     @property
     def ghost_after_s(self) -> float:
         """A running task whose lease lapsed this long ago should have been swept."""
-        return self.app.settings.lease_ttl_s + 2 * self.interval_s
+        return ghost_after_s(self.engine.settings.lease_ttl_s, self.interval_s)
 
     async def run(self) -> None:
         # The webhook outbox, beside the sweep: delivering never waits for a sweep.
@@ -101,13 +105,13 @@ class Supervisor:
     async def sweep(self) -> SweepReport:
         started = time.perf_counter()
         report = SweepReport()
-        self.token = await self.app.store.lead(LEADER, self.owner, self.leader_ttl_s)
+        self.token = await self.engine.store.lead(LEADER, self.owner, self.leader_ttl_s)
         self.sweeps += 1
         if self.token is None:
             return report
         report.leading = True
-        store = self.app.store
-        due = await store.due(limit=self.batch, cancel_grace_s=self.app.settings.cancel_grace_s)
+        store = self.engine.store
+        due = await store.due(limit=self.batch, cancel_grace_s=self.engine.settings.cancel_grace_s)
         seen: set[str] = set()
         with contextlib.suppress(NotLeader):
             for task in due.cancel_overdue:
@@ -125,13 +129,13 @@ class Supervisor:
         return report
 
     async def _retention_pass(self, report: SweepReport) -> None:
-        now = self.app.now()
+        now = self.engine.now()
         if not self.retention.enabled or now < self._retention_due:
             return
         self._retention_due = now + retention.PASS_EVERY_S
         try:
             report.purged = (
-                await retention.purge(self.app.store, self.app.storage, self.retention, now)
+                await retention.purge(self.engine.store, self.engine.storage, self.retention, now)
             ).tasks
         except Exception:
             log.exception("retention_failed")
@@ -139,8 +143,8 @@ class Supervisor:
     def _start_reconcile_pass(self) -> None:
         """Start a reconciliation pass when one is due, as its own task: it reads the whole
         bucket, so the sweep never waits for it, and one runs at a time."""
-        every_s = self.app.settings.reconcile_interval_s
-        now = self.app.now()
+        every_s = self.engine.settings.reconcile_interval_s
+        now = self.engine.now()
         if every_s <= 0 or (self.reconciling is not None and not self.reconciling.done()):
             return
         if self._reconcile_due is None:  # the first pass comes one interval after start
@@ -151,14 +155,14 @@ class Supervisor:
         self.reconciling = asyncio.create_task(self._reconcile_pass(self.token))
 
     async def _reconcile_pass(self, token: LeaderToken) -> None:
-        settings = self.app.settings
+        settings = self.engine.settings
         options = reconcile.Options(
             repair=settings.reconcile_repair,
             grace_s=settings.reconcile_grace_s,
             result_lost=reconcile.ResultLostPolicy(settings.result_lost_policy),
         )
         try:
-            found = await reconcile.reconcile(self.app, options, leader=token)
+            found = await reconcile.reconcile(self.engine, options, leader=token)
         except NotLeader:
             log.info("reconcile_stopped", extra={"reason": "no longer leading"})
             return
@@ -190,16 +194,16 @@ class Supervisor:
     # actions
 
     async def _force_cancel(self, task: Task, report: SweepReport) -> None:
-        await self.app.apply(task, Event.FORCE_CANCEL, leader=self.token, bump_epoch=True)
+        await self.engine.apply(task, Event.FORCE_CANCEL, leader=self.token, bump_epoch=True)
         report.force_cancelled += 1
         log.info("force_cancelled", extra={"task_id": task.id, "epoch": task.epoch})
 
     async def _deadline(self, task: Task, report: SweepReport) -> None:
         error = _error("deadline_exceeded", "the task's deadline passed", retryable=False)
         if task.status in CLAIMABLE:
-            await self.app.apply(
+            await self.engine.apply(
                 task, Event.DEADLINE, leader=self.token, fields={"error": error}, error=error,
-                counters=[("failures", f"{task.tenant}:deadline_exceeded")],
+                counters=[failure(task, "deadline_exceeded")],
             )  # fmt: skip
             report.deadlined += 1
             return
@@ -216,18 +220,18 @@ class Supervisor:
 
     async def _recover_or_expire(self, task: Task, report: SweepReport, error: JSON) -> None:
         if task.status in (Status.GENERATING, Status.UPLOADING) and task.result_prefix:
-            outputs = await read_complete_manifest(self.app.storage, task.result_prefix)
+            outputs = await read_complete_manifest(self.engine.storage, task.result_prefix)
             if outputs is not None:
-                await self.app.apply(
+                await self.engine.apply(
                     task, Event.RECOVER, leader=self.token, bump_epoch=True,
                     fields={"result": {"outputs": [o.to_json() for o in outputs]},
                             "error": None, "stage": None},
-                    counters=[("recovered", "")],
+                    counters=[(counters.RECOVERED, "")],
                 )  # fmt: skip
                 report.recovered += 1
                 log.info("recovered", extra={"task_id": task.id, "attempt": task.attempt})
                 return
-        await self.app.apply(
+        await self.engine.apply(
             task, Event.EXPIRE, leader=self.token, bump_epoch=True, retry_error=error
         )
         report.expired += 1

@@ -16,9 +16,9 @@ from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln import inputs
-from kiln.app import App, Handler
 from kiln.demo import OUTPUT_NAMES
 from kiln.errors import InvalidRequest, KilnError, Permanent
+from kiln.kinds import Handler, Registry
 from kiln.models import JSON, Output
 from kiln.paint import encode
 
@@ -129,7 +129,7 @@ def encoded(image: Image.Image, fmt: str) -> bytes:
     return encode(image, fmt)
 
 
-def make_handler(app: App) -> Handler:
+def make_handler(app: Registry) -> Handler:
     """The handler, reading inputs from ``app``'s storage under its pixel limit."""
 
     async def transform(ctx: Context, params: TransformParams) -> Output:
@@ -159,6 +159,6 @@ def make_handler(app: App) -> Handler:
     return transform
 
 
-def register(app: App) -> None:
+def register(app: Registry) -> None:
     """Register `image.transform` on ``app``: one input, ``image``; no resource slot."""
     app.task(KIND, params=TransformParams, inputs=(INPUT,), check=check_box)(make_handler(app))

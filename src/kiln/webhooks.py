@@ -31,10 +31,11 @@ import re
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import InvalidRequest
 from kiln.models import JSON, Task, TaskEvent
 from kiln.states import Event
@@ -46,9 +47,7 @@ from kiln.store.outbox import (
     WebhookAttempt,
     WebhookDelivery,
 )
-
-if TYPE_CHECKING:
-    from kiln.app import App
+from kiln.wire import task_json
 
 log = logging.getLogger("kiln.webhooks")
 
@@ -178,8 +177,6 @@ def wants(webhook: JSON | None, event: TaskEvent) -> bool:
 
 def payload(event: TaskEvent, task: Task) -> str:
     """The body: the event as the SSE stream sends it, plus the task as the API shows it."""
-    from kiln.api.schemas import task_json  # the API package imports the engine: import late
-
     body = {**event.to_json(), "task": task_json(task, queue_position=None)}
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
@@ -273,17 +270,17 @@ class Dispatcher:
 
     def __init__(
         self,
-        app: App,
+        engine: Engine | SupportsEngine,
         *,
         owner: str,
         interval_s: float | None = None,
         leader_ttl_s: float | None = None,
         resolve: Resolver | None = None,
     ) -> None:
-        self.app = app
-        self.settings = app.settings
+        self.engine = engine = engine_of(engine)
+        self.settings = engine.settings
         self.owner = owner
-        self.interval_s = interval_s or app.settings.supervisor_interval_s
+        self.interval_s = interval_s or engine.settings.supervisor_interval_s
         self.leader_ttl_s = leader_ttl_s or max(3 * self.interval_s, 3.0)
         self.resolve = resolve or system_resolver
         self.token: LeaderToken | None = None
@@ -350,18 +347,18 @@ class Dispatcher:
 
     async def lead(self) -> bool:
         """Take or renew the ``webhooks`` lease; whether this dispatcher holds it."""
-        now = self.app.now()
+        now = self.engine.now()
         if self.token is None or now > self.token.expires_at - self.leader_ttl_s / 2:
-            self.token = await self.app.store.lead(LEADER, self.owner, self.leader_ttl_s)
+            self.token = await self.engine.store.lead(LEADER, self.owner, self.leader_ttl_s)
         return self.token is not None
 
     async def enqueue(self) -> bool:
         """One page of the log into the outbox; True when the page was full."""
-        store = self.app.store
+        store = self.engine.store
         scan = await store.webhook_scan(limit=SCAN_PAGE)
         if scan.last <= scan.cursor:
             return False
-        now = self.app.now()
+        now = self.engine.now()
         deliveries = [
             WebhookDelivery(
                 event_id=event.id, seq=event.seq, task_id=task.id, tenant=task.tenant,
@@ -382,7 +379,7 @@ class Dispatcher:
         free = self.settings.webhook_concurrency - len(self.inflight)
         if free <= 0:
             return 0
-        due = await self.app.store.webhook_due(limit=free + len(self.inflight))
+        due = await self.engine.store.webhook_due(limit=free + len(self.inflight))
         started = 0
         for delivery in due:
             if started == free:
@@ -395,7 +392,7 @@ class Dispatcher:
     async def _deliver(self, delivery: WebhookDelivery) -> None:
         try:
             attempt = await self.attempt(delivery)
-            await self.app.store.webhook_record(attempt)
+            await self.engine.store.webhook_record(attempt)
             self.outcomes[attempt.outcome] += 1
             _log_attempt(delivery, attempt)
         except asyncio.CancelledError:
@@ -430,7 +427,7 @@ class Dispatcher:
 
     async def _post(self, delivery: WebhookDelivery) -> tuple[int, float | None]:
         body = delivery.payload.encode("utf-8")
-        sent_at = int(self.app.now())
+        sent_at = int(self.engine.now())
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "kiln-webhooks",
@@ -462,12 +459,12 @@ class Dispatcher:
             )
         delay_s = retry_delay_s(
             attempts, settings.webhook_retry_base_s, settings.webhook_retry_max_s,
-            self.app.rng.uniform(0.5, 1.0),
+            self.engine.rng.uniform(0.5, 1.0),
         )  # fmt: skip
         if retry_after is not None:
             delay_s = max(delay_s, min(retry_after, settings.webhook_retry_max_s))
         return WebhookAttempt(
-            delivery.event_id, PENDING, "retrying", next_attempt_at=self.app.now() + delay_s,
+            delivery.event_id, PENDING, "retrying", next_attempt_at=self.engine.now() + delay_s,
             error=why, response_status=status,
         )  # fmt: skip
 

@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln import canonical
-from kiln.app import App, HandlerResult, TaskKind, call_review
-from kiln.breakers import UNAVAILABLE
+from kiln.breakers import UNAVAILABLE, Breakers
 from kiln.bus import ProgressEvent
+from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
+from kiln.kinds import HandlerResult, TaskKind, call_review
 from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.retry import classify
 from kiln.states import Event, Status
 from kiln.storage import sha256_hex, verify, write_manifest
 from kiln.store import Progress
-from kiln.store.claims import claim_policy
 from kiln.store.pools import PoolWait, units_needed
 
 log = logging.getLogger("kiln.worker")
@@ -141,10 +141,18 @@ class Context:
 
 
 class Worker:
+    """Claims tasks of its kinds and runs up to ``concurrency`` of them at once.
+
+    It takes the process's :class:`~kiln.engine.Engine` (or an App, for its engine) and
+    the process's circuit breakers: workers of one process share one :class:`Breakers`
+    (``App.worker`` passes the App's); without one the worker keeps its own.
+    """
+
     def __init__(
         self,
-        app: App,
+        engine: Engine | SupportsEngine,
         *,
+        breakers: Breakers | None = None,
         concurrency: int = 4,
         kinds: Sequence[str] | None = None,
         resources: dict[str, int] | None = None,
@@ -152,17 +160,17 @@ class Worker:
         lease_ttl_s: float | None = None,
         idle_poll_s: tuple[float, float] = (0.05, 1.0),
     ) -> None:
-        self.app = app
+        self.engine = engine = engine_of(engine)
         self.concurrency = concurrency
-        self.kinds = list(kinds) if kinds else list(app.kinds)
-        unknown = [k for k in self.kinds if k not in app.kinds]
+        self.kinds = list(kinds) if kinds else list(engine.kinds)
+        unknown = [k for k in self.kinds if k not in engine.kinds]
         if unknown:
             raise ValueError(f"no handler registered for kinds {unknown}")
         self.pool = ResourcePool(resources if resources is not None else {})
         self.worker_id = (
             worker_id or f"{socket.gethostname()}:{os.getpid()}:" + (canonical.new_id("w")[-8:])
         )
-        self.lease_ttl_s = lease_ttl_s or app.settings.lease_ttl_s
+        self.lease_ttl_s = lease_ttl_s or engine.settings.lease_ttl_s
         self.idle_poll_s = idle_poll_s
         self.attempts: dict[str, Attempt] = {}
         self.completed = 0
@@ -171,13 +179,13 @@ class Worker:
         self._pool_waiters: list[Attempt] = []
         #: What each kind takes: its code's resources with KILN_KIND_RESOURCES on top.
         self.needs = {
-            name: app.settings.kind_needs(name, kind.resources) for name, kind in app.kinds.items()
+            name: engine.settings.kind_needs(name, kind.resources)
+            for name, kind in engine.kinds.items()
         }
-        self.claim_policy = claim_policy(app.settings)
         self._stopping = False
         self._rng = random.Random()
         #: The circuit breakers of this worker's kinds, shared through the store.
-        self.breakers = app.breakers
+        self.breakers = breakers if breakers is not None else Breakers(engine)
 
     # the claim loop
 
@@ -189,19 +197,19 @@ class Worker:
     async def run(self) -> None:
         """Claim and run tasks until cancelled; then stop the running attempts."""
         idle_s = self.idle_poll_s[0]
-        self.app.cancel_listeners.append(self._cancel_requested)
+        self.engine.cancel_listeners.append(self._cancel_requested)
         try:
             while not self._stopping:
                 free = self.concurrency - len(self.attempts)
                 if free > 0:
-                    self.app.wake.clear()
+                    self.engine.wake.clear()
                     claimed: list[Task] = []
                     try:
                         kinds, probes = await self.breakers.claimable(self.kinds)
                         kinds, limit = self._pool_room(kinds, free)
-                        claimed = await self.app.store.claim(
+                        claimed = await self.engine.claim(
                             worker_id=self.worker_id, kinds=kinds, limit=limit,
-                            lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
+                            lease_ttl_s=self.lease_ttl_s,
                         ) if kinds else []  # fmt: skip
                         for task in claimed:  # claimed is committed: run it, whatever follows
                             self._start(task)
@@ -222,14 +230,14 @@ class Worker:
                 await self._idle(idle_s, free > 0)
                 idle_s = min(idle_s * 2, self.idle_poll_s[1])
         finally:
-            self.app.cancel_listeners.remove(self._cancel_requested)
+            self.engine.cancel_listeners.remove(self._cancel_requested)
             await self.stop()
 
     def _pool_room(self, kinds: list[str], free: int) -> tuple[list[str], int]:
         """The kinds to claim and how many: this process keeps at most a shared pool's
         capacity of attempts before that pool (claimed, waiting or holding a slot), so a
         busy pool leaves its tasks PENDING, in the queue, instead of waiting here."""
-        capacities = self.app.settings.pools
+        capacities = self.engine.settings.pools
         if not capacities:
             return kinds, free
         before = collections.Counter(
@@ -250,7 +258,7 @@ class Worker:
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
         waiters = [asyncio.ensure_future(self._slot_free.wait())]
         if may_claim:
-            waiters.append(asyncio.ensure_future(self.app.wake.wait()))
+            waiters.append(asyncio.ensure_future(self.engine.wake.wait()))
         jitter = self._rng.uniform(0.5, 1.0)
         try:
             await asyncio.wait(waiters, timeout=idle_s * jitter, return_when="FIRST_COMPLETED")
@@ -270,7 +278,7 @@ class Worker:
                 await task
 
     def _start(self, task: Task) -> None:
-        attempt = Attempt(task, self.app.kinds[task.kind])
+        attempt = Attempt(task, self.engine.kinds[task.kind])
         self.attempts[task.id] = attempt
         attempt.runner = asyncio.create_task(self._execute(attempt), name=f"kiln-{task.id}")
 
@@ -283,9 +291,9 @@ class Worker:
         left = list(kinds)
         try:
             while left:
-                found = await self.app.store.claim(
+                found = await self.engine.claim(
                     worker_id=self.worker_id, kinds=[left[0]], limit=1,
-                    lease_ttl_s=self.lease_ttl_s, policy=self.claim_policy,
+                    lease_ttl_s=self.lease_ttl_s,
                 ) if len(claimed) < free else []  # fmt: skip
                 self.breakers.probing(left.pop(0), found[0].id if found else None)
                 for task in found:
@@ -326,7 +334,7 @@ class Worker:
             attempt.ended = True
             heartbeat.cancel()
             await asyncio.wait([heartbeat], timeout=1.0)
-            self.app.hub.local_progress.discard(attempt.task.id)
+            self.engine.hub.local_progress.discard(attempt.task.id)
             self.attempts.pop(attempt.task.id, None)
             self.completed += 1
             self._slot_free.set()
@@ -372,7 +380,7 @@ class Worker:
             )
             params = kind.parse(attempt.task.params)
             ctx = Context(self, attempt, params)
-            self.app.hub.local_progress.add(attempt.task.id)
+            self.engine.hub.local_progress.add(attempt.task.id)
             produced = _as_outputs(await kind.handler(ctx, params))
         await self._transition(
             attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
@@ -384,7 +392,7 @@ class Worker:
         assert attempt.task.result_prefix is not None
         if stored:  # the manifest lets recovery find this upload; nothing to find without outputs
             await write_manifest(
-                self.app.storage, attempt.task.result_prefix, stored, flagged=flagged
+                self.engine.storage, attempt.task.result_prefix, stored, flagged=flagged
             )
         result = {"outputs": [o.to_json() for o in stored]}
         await self._transition(
@@ -397,7 +405,7 @@ class Worker:
     async def _acquire_shared(self, attempt: Attempt, needs: dict[str, int]) -> None:
         """Wait in line for the task's slots of the shared pools (KILN_POOLS); the store
         keeps the line, so every worker on every machine shares it."""
-        capacities = self.app.settings.pools
+        capacities = self.engine.settings.pools
         if not units_needed(needs, capacities):
             return
         delay = POOL_POLL_S[0]
@@ -408,7 +416,7 @@ class Worker:
                 task = attempt.task
                 in_line = attempt.pool_wait is not None
                 try:
-                    wait = await self.app.store.acquire_slots(
+                    wait = await self.engine.store.acquire_slots(
                         task.id, task.epoch, needs, capacities, in_line=in_line
                     )
                 except StoreUnavailable as exc:  # keep the place; the lease decides how long
@@ -440,7 +448,7 @@ class Worker:
         more of the pool's tasks."""
         if self._pool_waiters:
             self._pool_waiters[0].pool_wake.set()
-        if self.app.settings.pools:
+        if self.engine.settings.pools:
             self._slot_free.set()
 
     async def _upload(self, attempt: Attempt, produced: list[Output]) -> list[StoredOutput]:
@@ -455,8 +463,8 @@ class Worker:
                 size=len(output.data),
                 sha256=sha256_hex(output.data),
             )
-            await self.app.storage.put(record.key, output.data)
-            if not await verify(self.app.storage, record):
+            await self.engine.storage.put(record.key, output.data)
+            if not await verify(self.engine.storage, record):
                 raise Retryable(f"output {output.name} did not verify in storage",
                                 code="storage_verify_failed")  # fmt: skip
             stored.append(record)
@@ -475,14 +483,14 @@ class Worker:
     ) -> None:
         changes = dict(fields or {})
         if state_timeout is not None:
-            changes["state_deadline_at"] = self.app.now() + state_timeout
+            changes["state_deadline_at"] = self.engine.now() + state_timeout
         if attempt.progress_dirty and attempt.progress is not None and event is Event.GENERATED:
             changes.update(stage=attempt.progress.stage, progress_step=attempt.progress.step,
                            progress_total=attempt.progress.total)  # fmt: skip
         delay = STORE_RETRY_S[0]
         while True:
             try:
-                write = asyncio.ensure_future(self.app.apply(
+                write = asyncio.ensure_future(self.engine.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s,
                 ))  # fmt: skip
@@ -499,7 +507,7 @@ class Worker:
                 # Try again while the lease holds; after that the supervisor owns the task
                 # (and finds a complete upload through its manifest).
                 expires = attempt.task.lease_expires_at or 0.0
-                if self.app.now() + delay >= expires:
+                if self.engine.now() + delay >= expires:
                     raise LeaseLost(
                         f"could not record {event} for {attempt.task.id} before its lease"
                         f" ran out: {exc.message}"
@@ -523,9 +531,9 @@ class Worker:
         (a paused process, a store that did not answer) another task may hold the slot,
         so an attempt before or in a pool stops instead of renewing the lease."""
         if attempt.past_pools or not units_needed(self.needs[attempt.kind.name],
-                                                   self.app.settings.pools):  # fmt: skip
+                                                   self.engine.settings.pools):  # fmt: skip
             return False
-        return self.app.now() >= (attempt.task.lease_expires_at or 0.0)
+        return self.engine.now() >= (attempt.task.lease_expires_at or 0.0)
 
     async def _beat(self, attempt: Attempt, *, with_progress: bool) -> None:
         if self._pool_lease_lapsed(attempt):
@@ -534,7 +542,7 @@ class Worker:
             return
         progress = attempt.progress if with_progress else None
         try:
-            task = await self.app.store.heartbeat(
+            task = await self.engine.store.heartbeat(
                 attempt.task.id, attempt.task.epoch, self.lease_ttl_s, progress
             )
         except LeaseLost:
@@ -545,7 +553,7 @@ class Worker:
             return
         if progress is not None:
             attempt.progress_dirty = False
-            attempt.progress_saved_at = self.app.now()
+            attempt.progress_saved_at = self.engine.now()
         attempt.task = task
         if task.cancel_requested:
             self._halt(attempt, "cancel")
@@ -562,12 +570,12 @@ class Worker:
         attempt.progress = progress
         attempt.progress_dirty = True
         task = attempt.task
-        self.app.publish_progress(
+        self.engine.publish_progress(
             ProgressEvent(task.id, task.tenant, str(Status.GENERATING), progress.stage,
                           _progress_json(progress), preview)
         )  # fmt: skip
-        if self.app.now() - attempt.progress_saved_at >= PROGRESS_PERSIST_S:
-            attempt.progress_saved_at = self.app.now()
+        if self.engine.now() - attempt.progress_saved_at >= PROGRESS_PERSIST_S:
+            attempt.progress_saved_at = self.engine.now()
             await self._beat(attempt, with_progress=True)
         if attempt.stop_reason is not None:
             raise asyncio.CancelledError

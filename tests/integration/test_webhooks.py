@@ -235,7 +235,7 @@ async def drain(dispatcher: Dispatcher) -> None:
     async def settled() -> bool:
         await dispatcher.step()
         await asyncio.gather(*dispatcher.inflight.values())
-        return await dispatcher.app.store.webhook_pending() == 0
+        return await dispatcher.engine.store.webhook_pending() == 0
 
     await wait_until(settled, timeout_s=30, what="an empty outbox")
 

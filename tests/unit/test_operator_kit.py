@@ -42,7 +42,7 @@ async def test_alert_rules_and_dashboard_use_exported_metric_names(settings: Set
     async with app:
         await app.submit("image.generate", {"prompt": "a fox"})
         exported = ApiMetrics().render
-        text = (await exported(app.store, settings)).decode()
+        text = (await exported(app.engine)).decode()
     api_names = {_base(m) for m in METRIC.findall(text)}
     process_names = set(METRIC.findall((ROOT / "src/kiln/process_metrics.py").read_text()))
 

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -133,13 +132,6 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def _probe(app: App) -> None:
-    await app.store.last_seq()
-    key = f"_kiln/readyz-{uuid.uuid4().hex}"
-    await app.storage.put(key, b"ok")
-    await app.storage.delete(key)
-
-
 @ops.get(
     "/readyz",
     summary="The store and the storage answer",
@@ -148,7 +140,7 @@ async def _probe(app: App) -> None:
 )
 async def readyz(request: Request) -> Response:
     try:
-        await asyncio.wait_for(_probe(api_state(request).app), READY_TIMEOUT_S)
+        await asyncio.wait_for(api_state(request).app.ready(), READY_TIMEOUT_S)
     except Exception as exc:  # any failure of either backend means "not ready"
         log.warning("not_ready", extra={"error": type(exc).__name__})
         return error_response("not_ready", "the store or the storage does not answer")
@@ -163,7 +155,7 @@ async def readyz(request: Request) -> Response:
 )
 async def metrics(request: Request) -> Response:
     state = api_state(request)
-    body = await state.metrics.render(state.app.store, state.settings)
+    body = await state.metrics.render(state.app.engine)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

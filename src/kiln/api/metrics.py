@@ -24,9 +24,20 @@ from prometheus_client.core import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.breakers import STATE_VALUES, shared_state
-from kiln.config import Settings
+from kiln.counters import (
+    BREAKER_TRANSITIONS,
+    DEDUP_HITS,
+    FAILURES,
+    ILLEGAL_TRANSITIONS,
+    LEASE_RENEWALS,
+    RATE_LIMITED,
+    RECOVERED,
+    STALE_WRITES,
+    TRANSITIONS,
+    WEBHOOK_DELIVERIES,
+)
+from kiln.engine import Engine
 from kiln.states import Status
-from kiln.store import Store
 from kiln.store.pools import PoolUsage
 
 #: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
@@ -52,11 +63,11 @@ class DwellHistogram:
         counts[bisect.bisect_left(self.bounds, seconds)] += 1
         self.sums[status] = self.sums.get(status, 0.0) + seconds
 
-    async def catch_up(self, store: Store) -> None:
+    async def catch_up(self, engine: Engine) -> None:
         """Fold in every event written since the last call."""
         async with self._lock:
             while True:
-                page = await store.events(after=self.after, limit=_EVENT_PAGE)
+                page = await engine.events(after=self.after, limit=_EVENT_PAGE)
                 for event in page:
                     if event.from_status is not None and event.dwell_s is not None:
                         self.add(str(event.from_status), max(event.dwell_s, 0.0))
@@ -89,6 +100,14 @@ class StoreSnapshot:
     #: Circuit breakers' shared states (closed, open, half_open), by name.
     breakers: dict[str, str] = field(default_factory=dict)
 
+
+#: Counters without labels: (counter, metric, help).
+_PLAIN_COUNTERS = (
+    (STALE_WRITES, "kiln_stale_writes", "Worker writes refused by fencing"),
+    (LEASE_RENEWALS, "kiln_lease_renewals", "Worker heartbeats that extended a lease"),
+    (RECOVERED, "kiln_recovered", "Outputs recovered after a lost lease"),
+    (RATE_LIMITED, "kiln_rate_limited", "Submissions refused by a tenant's rate limit (429)"),
+)
 
 #: Outcomes of webhook delivery attempts (kiln.webhooks), each shown even at zero.
 WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
@@ -123,9 +142,9 @@ class StoreCollector:
             "How long the oldest ready (PENDING or due RETRYING) task has waited; 0 when none",
             value=snap.oldest_ready_age_s,
         )
-        yield self._pairs("transitions", "kiln_transitions", "Status transitions")
+        yield self._pairs(TRANSITIONS, "kiln_transitions", "Status transitions")
         yield self._pairs(
-            "illegal_transitions",
+            ILLEGAL_TRANSITIONS,
             "kiln_illegal_transitions",
             "Transitions the state table forbids that reached the engine",
         )
@@ -139,28 +158,10 @@ class StoreCollector:
             "kiln_dedup_hits", "Submissions answered with an existing task", labels=["type"]
         )
         for kind in _DEDUP_TYPES:
-            dedup.add_metric([kind], snap.counters.get(("dedup_hits", kind), 0))
+            dedup.add_metric([kind], snap.counters.get((DEDUP_HITS, kind), 0))
         yield dedup
-        yield CounterMetricFamily(
-            "kiln_stale_writes",
-            "Worker writes refused by fencing",
-            value=snap.counters.get(("stale_writes", ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_lease_renewals",
-            "Worker heartbeats that extended a lease",
-            value=snap.counters.get(("lease_renewals", ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_recovered",
-            "Outputs recovered after a lost lease",
-            value=snap.counters.get(("recovered", ""), 0),
-        )
-        yield CounterMetricFamily(
-            "kiln_rate_limited",
-            "Submissions refused by a tenant's rate limit (429)",
-            value=snap.counters.get(("rate_limited", ""), 0),
-        )
+        for counter, metric, doc in _PLAIN_COUNTERS:
+            yield CounterMetricFamily(metric, doc, value=snap.counters.get((counter, ""), 0))
         for field_name, doc in (
             ("capacity", "Slots of each shared resource pool"),
             ("held", "Slots of each shared pool held now"),
@@ -189,7 +190,7 @@ class StoreCollector:
             labels=["breaker", "to"],
         )
         for (counter, labels), n in sorted(self.snapshot.counters.items()):
-            if counter == "breaker_transitions":
+            if counter == BREAKER_TRANSITIONS:
                 name, _, to = labels.rpartition(">")
                 transitions.add_metric([name, to], n)
         yield transitions
@@ -203,7 +204,7 @@ class StoreCollector:
         )
         counters = self.snapshot.counters
         for outcome in WEBHOOK_OUTCOMES:
-            attempts.add_metric([outcome], counters.get(("webhook_deliveries", outcome), 0))
+            attempts.add_metric([outcome], counters.get((WEBHOOK_DELIVERIES, outcome), 0))
         yield attempts
         yield GaugeMetricFamily(
             "kiln_webhook_pending",
@@ -221,7 +222,7 @@ class StoreCollector:
     def _failures(self) -> dict[str, int]:
         found: dict[str, int] = {}
         for (counter, labels), n in self.snapshot.counters.items():
-            if counter == "failures":
+            if counter == FAILURES:
                 code = labels.partition(":")[2] or labels
                 found[code] = found.get(code, 0) + n
         return found
@@ -255,20 +256,20 @@ class ApiMetrics:
             registry=self.registry,
         )
 
-    async def render(self, store: Store, settings: Settings) -> bytes:
-        ghost_after_s = settings.lease_ttl_s + 2 * settings.supervisor_interval_s
-        stats = await store.stats(tenant=None, ghost_after_s=ghost_after_s)
-        counters = await store.counters()
-        await self.histogram.catch_up(store)
+    async def render(self, engine: Engine) -> bytes:
+        """The registry's text, with the store-backed families read through ``engine``."""
+        stats = await engine.stats(None)
+        counters = await engine.counters()
+        await self.histogram.catch_up(engine)
         oldest = stats.oldest_ready_at
-        age_s = max(0.0, store.clock() - oldest) if oldest is not None else 0.0
+        age_s = max(0.0, engine.now() - oldest) if oldest is not None else 0.0
         self.store_collector.snapshot = StoreSnapshot(
-            dict(stats.counts), stats.ghosts, counters, age_s, await store.pools(),
-            await store.webhook_pending(),
+            dict(stats.counts), stats.ghosts, counters, age_s, await engine.pools(),
+            await engine.webhook_pending(),
         )  # fmt: skip
-        now = store.clock()
+        now = engine.now()
         self.store_collector.snapshot.breakers = {
-            record.name: shared_state(record, now) for record in await store.breakers()
+            record.name: shared_state(record, now) for record in await engine.shared_breakers()
         }
         return generate_latest(self.registry)
 

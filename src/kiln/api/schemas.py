@@ -1,8 +1,8 @@
 """Request and response bodies of the HTTP API (API.md), as pydantic models.
 
 The request models validate what clients send; the response models document what the
-API answers (OpenAPI) and let tests check every answer against them. ``task_json`` is the
-one place a task becomes its public JSON: the storage key of an output stays inside.
+API answers (OpenAPI) and let tests check every answer against them. The task's JSON
+itself is built in one place, :func:`kiln.wire.task_json`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 from pydantic.config import JsonDict
 
 from kiln import webhooks
-from kiln.models import JSON, Task, iso
 from kiln.states import Status
-from kiln.store.pools import PoolWait
 
 JSONObject = dict[str, Any]
 #: The shape of a webhook URL the OpenAPI document promises is taken: http(s) and a host
@@ -244,78 +242,3 @@ class ErrorEnvelope(_Out):
     """Every error answer: ``{"error": {"code", "message", "details"}}``."""
 
     error: ErrorBody
-
-
-# The task's public JSON -----------------------------------------------------------------
-
-
-def output_url(task_id: str, name: str) -> str:
-    return f"/v1/tasks/{task_id}/outputs/{name}"
-
-
-def _error_json(error: JSON | None) -> JSON | None:
-    if error is None:
-        return None
-    return {
-        "code": str(error.get("code", "internal_error")),
-        "message": str(error.get("message", "")),
-        "retryable": bool(error.get("retryable", False)),
-    }
-
-
-def _result_json(task: Task) -> JSON | None:
-    if task.status is not Status.SUCCESS or task.result is None:
-        return None
-    outputs = [
-        {
-            "name": o["name"],
-            "content_type": o["content_type"],
-            "size": o["size"],
-            "sha256": o["sha256"],
-            "url": output_url(task.id, o["name"]),
-        }
-        for o in task.result.get("outputs", [])
-    ]
-    return {"outputs": outputs}
-
-
-def _input_json(raw: JSON) -> JSON:
-    return {key: raw.get(key) for key in ("name", "content_type", "size", "sha256")}
-
-
-def task_json(
-    task: Task,
-    *,
-    queue_position: int | None,
-    deduplicated: bool = False,
-    resource_wait: PoolWait | None = None,
-) -> JSON:
-    """The task exactly as API.md shows it, plus ``resource_wait`` (its place in a shared
-    pool's line while WAITING_FOR_RESOURCE, else null)."""
-    return {
-        "id": task.id,
-        "kind": task.kind,
-        "status": str(task.status),
-        "final": task.final,
-        "stage": task.stage,
-        "progress": task.progress(),
-        "queue_position": queue_position,
-        "resource_wait": None if resource_wait is None else resource_wait.to_json(),
-        "attempt": task.attempt,
-        "max_attempts": task.max_attempts,
-        "priority": task.priority,
-        "params": task.params,
-        "metadata": task.metadata,
-        "inputs": [_input_json(i) for i in task.inputs],
-        "idempotency_key": task.idempotency_key,
-        "deduplicated": deduplicated,
-        "cancel_requested": task.cancel_requested,
-        "next_retry_at": iso(task.next_retry_at),
-        "error": None if task.status is Status.SUCCESS else _error_json(task.error),
-        "result": _result_json(task),
-        "created_at": iso(task.created_at),
-        "updated_at": iso(task.updated_at),
-        "started_at": iso(task.started_at),
-        "finished_at": iso(task.finished_at),
-        "webhook": task.webhook,
-    }

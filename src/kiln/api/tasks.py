@@ -18,29 +18,17 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, inputs, webhooks
+from kiln import canonical, inputs, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
-from kiln.api.schemas import (
-    ReviewRequest,
-    StatsOut,
-    SubmitRequest,
-    TaskList,
-    TaskOut,
-    task_json,
-)
+from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
 from kiln.api.state import ApiState, api_state
 from kiln.api.uploads import read_upload
 from kiln.breakers import breakers_json
-from kiln.errors import (
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-    RateLimited,
-    UnsupportedMediaType,
-)
+from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
 from kiln.states import Status
+from kiln.wire import task_json
 
 log = logging.getLogger("kiln.api")
 
@@ -53,7 +41,7 @@ IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7e]+$"
 IdempotencyKey = Annotated[
     str | None,
     Header(
-        alias="Idempotency-Key",
+        alias=wire.IDEMPOTENCY_HEADER,
         min_length=1,
         max_length=255,
         pattern=IDEMPOTENCY_KEY_PATTERN,
@@ -161,9 +149,9 @@ async def task_response(
 
 def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
     if result.created:
-        return 201, {"Location": f"/v1/tasks/{result.task.id}"}
+        return 201, {"Location": wire.task_path(result.task.id)}
     if result.replayed:
-        return 200, {"Idempotent-Replayed": "true"}
+        return 200, {wire.REPLAYED_HEADER: "true"}
     return 200, {}
 
 
@@ -173,13 +161,11 @@ def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
 def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
     if request.timeouts is None:
         return None
-    base = state.app.kind(request.kind).timeouts or Timeouts()
     given = request.timeouts
-    return Timeouts(
-        waiting_s=base.waiting_s if given.waiting_s is None else given.waiting_s,
-        generating_s=base.generating_s if given.generating_s is None else given.generating_s,
-        uploading_s=base.uploading_s if given.uploading_s is None else given.uploading_s,
-    )
+    return state.app.timeouts_of(
+        request.kind, waiting_s=given.waiting_s, generating_s=given.generating_s,
+        uploading_s=given.uploading_s,
+    )  # fmt: skip
 
 
 async def submit(
@@ -220,26 +206,7 @@ async def submit(
     # The store would have answered this copy the same way: a replay of the key, or the
     # content-dedup hit on the task the first copy made.
     state.metrics.coalesced.inc()
-    await app.store.bump("dedup_hits", "idempotency" if key is not None else "content")
-    return SubmitResult(
-        result.task, created=False, replayed=key is not None, deduplicated=key is None
-    )
-
-
-async def check_rate(state: ApiState, principal: Principal) -> None:
-    """Take a token from the tenant's submission bucket (in the store, so the limit holds
-    across API nodes), or refuse with 429 ``rate_limited`` and Retry-After."""
-    rate = state.settings.tenant_limit(principal.tenant).rate
-    if rate is None:
-        return
-    wait_s = await state.app.store.take_token(f"submit:{principal.tenant}", rate)
-    if wait_s > 0:
-        await state.app.store.bump("rate_limited")
-        raise RateLimited(
-            f"tenant {principal.tenant!r} may submit {rate.per_s:g} tasks a second"
-            f" (bursts of {rate.burst:g}); try again in {wait_s:.1f} s",
-            retry_after_s=wait_s,
-        )
+    return await app.coalesced(result, replayed=key is not None)
 
 
 async def submit_upload(
@@ -256,13 +223,11 @@ async def submit_upload(
     upload = await read_upload(request, state.settings)
     body = validated(SubmitRequest, parse_json(upload.request, "request"), "request")
     uploaded = [f.record() for f in upload.files]
-    kind = state.app.kind(body.kind)
-    kind.check_inputs(kind.validate(body.params), uploaded)
-    webhooks.webhook_spec(  # refused before any input is stored
-        body.webhook_url, body.webhook_events,
-        allow_private=state.app.settings.webhook_allow_private,
+    state.app.check_submission(  # refused before any input is stored
+        body.kind, body.params, inputs=uploaded, webhook_url=body.webhook_url,
+        webhook_events=body.webhook_events,
     )  # fmt: skip
-    await check_rate(state, principal)
+    await state.app.check_rate(principal.tenant)
     storage = state.app.storage
     written: list[str] = []
     try:
@@ -315,9 +280,7 @@ async def submit_task(
         result = await submit_upload(request, state, principal, idempotency_key)
     else:
         body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
-        if state.settings.tenant_limit(principal.tenant).rate is not None:
-            state.app.kind(body.kind).validate(body.params)  # a bad request is 422, not 429
-            await check_rate(state, principal)
+        await state.app.check_rate(principal.tenant, body.kind, body.params)
         result = await submit(state, principal, body, idempotency_key)
     status_code, headers = _submit_answer(result)
     return await task_response(
@@ -362,7 +325,7 @@ async def list_tasks(
     ] = None,
 ) -> Response:
     state = api_state(request)
-    tasks, next_cursor = await state.app.store.list_tasks(
+    tasks, next_cursor = await state.app.list_tasks(
         tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
     )
     positions = await asyncio.gather(*(state.app.queue_position(t) for t in tasks))
@@ -381,12 +344,8 @@ async def list_tasks(
     responses=error_responses(401, 422),
 )
 async def stats(request: Request, principal: Caller) -> Response:
-    state = api_state(request)
-    settings = state.settings
-    found = await state.app.store.stats(
-        tenant=principal.scope,
-        ghost_after_s=settings.lease_ttl_s + 2 * settings.supervisor_interval_s,
-    )
+    app = api_state(request).app
+    found = await app.stats(principal.scope)
     return JSONResponse(
         {
             "counts": found.counts,
@@ -394,8 +353,8 @@ async def stats(request: Request, principal: Caller) -> Response:
             "failures": found.failures,
             "failures_last_hour": found.failures_last_hour,
             "ghosts": found.ghosts,
-            "pools": {p.name: p.to_json() for p in await state.app.store.pools()},
-            "breakers": breakers_json(await state.app.store.breakers(), state.app.now()),
+            "pools": {p.name: p.to_json() for p in await app.pools()},
+            "breakers": breakers_json(await app.shared_breakers(), app.now()),
         }
     )
 

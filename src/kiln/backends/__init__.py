@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Protocol
 from PIL import Image
 
 from kiln import demo
-from kiln.app import App
 from kiln.backends.upstream import BAD_RESPONSE, UpstreamMetrics, sniff
 from kiln.config import Settings
 from kiln.demo import OUTPUT_NAMES, GenerateParams
 from kiln.errors import InvalidRequest, Retryable
+from kiln.kinds import Registry
 from kiln.models import Output
 from kiln.paint import encode
 
@@ -159,7 +159,7 @@ def as_output(data: bytes, fmt: str) -> Output:
 
 
 def register(
-    app: App,
+    app: Registry,
     *,
     backend: Backend | None = None,
     metrics: UpstreamMetrics | None = None,
@@ -183,7 +183,7 @@ def register(
     return handler
 
 
-def collectors(app: App) -> list[UpstreamMetrics]:
+def collectors(app: Registry) -> list[UpstreamMetrics]:
     """The Prometheus collectors of the backends registered on ``app``."""
     return [
         kind.handler.metrics

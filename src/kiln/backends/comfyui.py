@@ -59,7 +59,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from PIL import Image
 
-from kiln.backends.breaker import CircuitBreaker
 from kiln.backends.upstream import (
     BAD_RESPONSE,
     REJECTED,
@@ -69,6 +68,7 @@ from kiln.backends.upstream import (
     check_response,
     require_image,
 )
+from kiln.circuit import CircuitBreaker
 from kiln.config import Settings
 from kiln.demo import GenerateParams
 from kiln.errors import InvalidRequest, Permanent, Retryable

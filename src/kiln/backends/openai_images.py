@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from kiln.backends.breaker import CircuitBreaker
 from kiln.backends.upstream import (
     BAD_RESPONSE,
     Upstream,
@@ -50,6 +49,7 @@ from kiln.backends.upstream import (
     check_response,
     require_image,
 )
+from kiln.circuit import CircuitBreaker
 from kiln.config import Settings
 from kiln.demo import GenerateParams
 from kiln.errors import Retryable

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 import httpx
 
-from kiln.backends.breaker import CircuitBreaker
+from kiln.circuit import CircuitBreaker
 from kiln.errors import Permanent, Retryable, TaskError
 
 if TYPE_CHECKING:

@@ -1,0 +1,404 @@
+"""Engine: the policy every process shares, below the App.
+
+Workers, supervisors, the webhook dispatcher, the circuit breakers and the reconciler all
+take one :class:`Engine`; :class:`kiln.App` owns one and adds the registry, submission,
+the user actions and the streams on top. The engine holds:
+
+- the wiring: the store and the storage (opened lazily), the event hub, the clock;
+- the one way a status changes (:meth:`Engine.apply`): the state table's check, the retry
+  rules and the failure counters, then one fenced compare-and-set in the store;
+- the claim policy, the submission rate limit, and the reads the faces need (a task, its
+  queue position, the stats with the ghost rule), so no face reads the store itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from kiln.bus import EventHub, ProgressEvent
+from kiln.config import Settings
+from kiln.counters import (
+    DEDUP_HITS,
+    FAILURES,
+    FAILURES_BY_MINUTE,
+    ILLEGAL_TRANSITIONS,
+    RATE_LIMITED,
+)
+from kiln.errors import NotFound, RateLimited
+from kiln.kinds import TaskKind
+from kiln.models import JSON, Task, TaskEvent
+from kiln.retry import RetryPolicy, retry_slot
+from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
+from kiln.storage import Storage, open_storage
+from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, open_store
+from kiln.store.claims import claim_policy
+from kiln.store.pools import PoolUsage, PoolWait
+
+log = logging.getLogger("kiln")
+
+#: A counter to add to in the transaction of a change: ``(name, labels)``.
+Count = tuple[str, str]
+
+
+def ghost_after_s(lease_ttl_s: float, interval_s: float) -> float:
+    """How long ago a running task's lease may have lapsed before it is a ghost: one lease
+    plus two sweeps, by which time a supervisor should have moved it."""
+    return lease_ttl_s + 2 * interval_s
+
+
+class Engine:
+    """The store, the storage and the policy on top of them, for one process.
+
+    ``kinds`` is the registry the engine reads the kinds' retry policies from (the App
+    shares its own); ``clock`` stands in for the store's clock in tests.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        kinds: dict[str, TaskKind] | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
+        store: Store | None = None,
+        storage: Storage | None = None,
+    ) -> None:
+        self.settings = settings
+        self.kinds: dict[str, TaskKind] = kinds if kinds is not None else {}
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.retry_policy = RetryPolicy(settings.retry_base_s, settings.retry_max_s)
+        self._store = store
+        self._storage = storage
+        self._hub: EventHub | None = None
+        self._wake: asyncio.Event | None = None
+        self.illegal_transitions = 0
+        #: Called with a task id when this process asks a running task to stop, so a
+        #: worker in the same process stops at once instead of at its next heartbeat.
+        self.cancel_listeners: list[Callable[[str], None]] = []
+
+    # wiring
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
+        self.claim_policy = claim_policy(settings)
+
+    @property
+    def store(self) -> Store:
+        """The store, opened on first use from ``settings.database_url``."""
+        if self._store is None:
+            self._store = open_store(
+                self.settings.resolved_database_url,
+                clock=self.clock,
+                synchronous=self.settings.sqlite_synchronous,
+                pool_size=self.settings.db_pool_size,
+            )
+        return self._store
+
+    @property
+    def storage(self) -> Storage:
+        """The object storage, opened on first use from ``settings.storage_url``."""
+        if self._storage is None:
+            self._storage = open_storage(self.settings.resolved_storage_url)
+        return self._storage
+
+    @property
+    def hub(self) -> EventHub:
+        """This process's fan-out of the event log to streams."""
+        if self._hub is None:
+            self._hub = EventHub(self.store)
+        return self._hub
+
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set when work became claimable (here, or in another process where the store
+        can tell); workers in this process wait on it."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self.store.watch_ready(self._wake.set)  # and when another process did
+        return self._wake
+
+    def now(self) -> float:
+        """The store's clock: the time every lease, deadline and retry is measured in."""
+        return self.store.clock()
+
+    def open(self) -> None:
+        """Open the store and the storage now (a bad URL fails here, not later)."""
+        _ = self.store, self.storage
+
+    async def close(self) -> None:
+        """Stop the event hub and close the store."""
+        if self._hub is not None:
+            await self._hub.close()
+        if self._store is not None:
+            await self._store.close()
+
+    # publishing
+
+    def written(self, events: Sequence[TaskEvent]) -> None:
+        """Events this process wrote: streams read them now, workers claim what is ready."""
+        if self._hub is not None and events:
+            self._hub.poke()
+        if any(e.status in CLAIMABLE for e in events):
+            self.wake.set()
+
+    def submitted(self) -> None:
+        """A task was created: streams read the log now, and a worker may claim it."""
+        if self._hub is not None:
+            self._hub.poke()
+        self.wake.set()
+
+    def publish_progress(self, event: ProgressEvent) -> None:
+        """Live progress to this process's streams (never persisted here)."""
+        if self._hub is not None:
+            self._hub.publish(event)
+
+    # the one way a status changes
+
+    async def apply(
+        self,
+        task: Task,
+        event: Event,
+        target: Status | None = None,
+        *,
+        fields: dict[str, Any] | None = None,
+        error: JSON | None = None,
+        fenced: bool = False,
+        bump_epoch: bool = False,
+        leader: LeaderToken | None = None,
+        retry_error: JSON | None = None,
+        counters: Sequence[Count] = (),
+        retry_after_s: float | None = None,
+        then: Event | None = None,
+    ) -> Task:
+        """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
+        fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
+
+        With ``retry_error`` the failure may schedule the next attempt in the same
+        transaction (``fail``/``expire`` then ``schedule_retry``), no sooner than
+        ``retry_after_s`` from now when given. ``then`` chains one more event in the same
+        transaction unconditionally (``lose`` then ``schedule_retry``). An event the state
+        table refuses raises IllegalTransition and is counted, never applied.
+        """
+        try:
+            to = check(task.status, event, target)
+        except IllegalTransition as exc:
+            await self._refused(task, event, exc)
+            raise
+        steps = [(event, to)]
+        if then is not None:
+            steps.append((then, check(to, then)))
+        changes = dict(fields or {})
+        if to not in RUNNING:  # no worker holds the task any more
+            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
+        counted = list(counters)
+        if retry_error is not None:
+            changes["error"] = retry_error
+            counted.append(failure(task, str(retry_error["code"])))
+            due = self._retry_due(task, retry_error, retry_after_s)
+            if due is not None and self.settings.retry_rate is not None:
+                due = await retry_slot(self.store, task, due, self.settings.retry_rate)
+            if due is not None:
+                steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
+                changes.update(next_retry_at=due, ready_at=due)
+        change = Change(
+            task_id=task.id, expect_status=task.status,
+            expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
+            steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
+            bump_epoch=bump_epoch, fenced=fenced, leader=leader,
+            counters=self._with_minutes(counted),
+        )  # fmt: skip
+        updated, events = await self.store.apply(change)
+        _log_transitions(events)
+        self.written(events)
+        return updated
+
+    async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:
+        """Count an event the state table refused (here and in the store) and log it."""
+        self.illegal_transitions += 1
+        wanted = exc.target or "|".join(sorted(RULES[event].targets))
+        await self.store.bump(ILLEGAL_TRANSITIONS, f"{task.status}>{wanted}")
+        log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
+
+    def _retry_due(self, task: Task, error: JSON, retry_after_s: float | None) -> float | None:
+        """When the failed attempt's task retries by its kind's backoff, or None: a
+        permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
+        push it later: see :func:`kiln.retry.retry_slot`.)"""
+        if not error.get("retryable") or task.cancel_requested:
+            return None
+        kind = self.kinds.get(task.kind)
+        policy = (kind.retry if kind is not None else None) or self.retry_policy
+        return policy.next_retry_at(task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0)
+
+    def _with_minutes(self, counted: list[Count]) -> tuple[Count, ...]:
+        """The counters plus each failure's per-minute bucket."""
+        minute = int(self.now() // 60)
+        buckets = [
+            (FAILURES_BY_MINUTE, f"{minute:010d}:{labels}")
+            for name, labels in counted
+            if name == FAILURES
+        ]
+        return (*counted, *buckets)
+
+    # claims
+
+    def claim(
+        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+    ) -> Awaitable[list[Task]]:
+        """Claim up to ``limit`` ready tasks of ``kinds`` under the claim policy
+        (KILN_CLAIM_*: aging, fair turns, running caps)."""
+        return self.store.claim(
+            worker_id=worker_id, kinds=kinds, limit=limit, lease_ttl_s=lease_ttl_s,
+            policy=self.claim_policy,
+        )  # fmt: skip
+
+    async def request_cancel(self, task: Task) -> Task:
+        """Ask the worker running ``task`` to stop; a worker of this process hears at once."""
+        if not task.cancel_requested:
+            task = await self.store.request_cancel(task.id)
+        for listener in self.cancel_listeners:
+            listener(task.id)
+        return task
+
+    # reads
+
+    async def get(self, task_id: str, tenant: str | None = None) -> Task:
+        """The task, or NotFound, also when it belongs to another tenant."""
+        task = await self.store.get(task_id)
+        if task is None or (tenant is not None and task.tenant != tenant):
+            raise NotFound(f"no task {task_id!r}")
+        return task
+
+    async def queue_position(self, task: Task) -> int | None:
+        """1 for the next task a worker of its kind would claim, while it is ready."""
+        return await self.store.queue_position(task, self.claim_policy)
+
+    async def pool_wait(self, task: Task) -> PoolWait | None:
+        """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
+        if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:
+            return None
+        return await self.store.pool_wait(task.id)
+
+    async def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        status: Status | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Task], str | None]:
+        """A page of tasks, newest first, and the cursor of the next page (None: the last)."""
+        return await self.store.list_tasks(
+            tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
+        )
+
+    async def events(
+        self, *, task_id: str | None = None, tenant: str | None = None, after: int = 0,
+        limit: int = 500,
+    ) -> list[TaskEvent]:  # fmt: skip
+        """Persisted status events after ``after``, in seq order."""
+        return await self.store.events(task_id=task_id, tenant=tenant, after=after, limit=limit)
+
+    @property
+    def ghost_after_s(self) -> float:
+        """The ghost rule (:func:`ghost_after_s`) under the settings' lease and sweep."""
+        return ghost_after_s(self.settings.lease_ttl_s, self.settings.supervisor_interval_s)
+
+    async def stats(self, tenant: str | None) -> Stats:
+        """Counts, dwell times, failures and ghosts of a tenant's tasks (None: all)."""
+        return await self.store.stats(tenant=tenant, ghost_after_s=self.ghost_after_s)
+
+    async def counters(self) -> dict[tuple[str, str], int]:
+        """Every counter the store keeps (names in :mod:`kiln.counters`), by (name, labels)."""
+        return await self.store.counters()
+
+    async def pools(self) -> list[PoolUsage]:
+        """The shared resource pools: capacity, units held, tasks waiting."""
+        return await self.store.pools()
+
+    async def shared_breakers(self) -> list[BreakerRecord]:
+        """The circuit breakers' states as every process shares them."""
+        return await self.store.breakers()
+
+    async def webhook_pending(self) -> int:
+        """Webhook deliveries not yet delivered or given up."""
+        return await self.store.webhook_pending()
+
+    async def probe(self, key: str) -> None:
+        """Raise unless the store answers and the storage takes and drops ``key``."""
+        await self.store.last_seq()
+        await self.storage.put(key, b"ok")
+        await self.storage.delete(key)
+
+    # submission policy
+
+    async def check_rate(self, tenant: str) -> None:
+        """Take a token from the tenant's submission bucket (in the store, so the limit
+        holds across API nodes), or count the refusal and raise RateLimited."""
+        rate = self.settings.tenant_limit(tenant).rate
+        if rate is None:
+            return
+        wait_s = await self.store.take_token(f"submit:{tenant}", rate)
+        if wait_s > 0:
+            await self.store.bump(RATE_LIMITED)
+            raise RateLimited(
+                f"tenant {tenant!r} may submit {rate.per_s:g} tasks a second"
+                f" (bursts of {rate.burst:g}); try again in {wait_s:.1f} s",
+                retry_after_s=wait_s,
+            )
+
+    async def count_dedup_hit(self, how: str) -> None:
+        """Count a submission answered with an existing task (``idempotency`` or
+        ``content``) without the store's insert-or-get having seen it."""
+        await self.store.bump(DEDUP_HITS, how)
+
+
+def _log_transitions(events: Sequence[TaskEvent]) -> None:
+    for e in events:
+        log.info(
+            "transition",
+            extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
+                   "from": e.from_status, "to": e.status, "event": str(e.event),
+                   "duration_s": e.dwell_s},
+        )  # fmt: skip
+
+
+def rerun_fields(task: Task, now: float) -> dict[str, Any]:
+    """What a task run again by hand (a manual retry, a lost result's rerun) changes: due
+    now, one more attempt allowed, no cancel asked, and a deadline that leaves it time."""
+    return {
+        "max_attempts": max(task.max_attempts, task.attempt) + 1,
+        "finished_at": None,
+        "next_retry_at": now,
+        "ready_at": now,
+        "cancel_requested": False,
+        "cancel_requested_at": None,
+        "deadline_at": max(task.deadline_at, now + task.deadline_s),
+    }
+
+
+def failure(task: Task, code: str) -> Count:
+    """The ``failures`` counter of a failed attempt of ``task`` with ``code``."""
+    return (FAILURES, f"{task.tenant}:{code}")
+
+
+class SupportsEngine(Protocol):
+    """Anything that runs on an engine (:class:`kiln.App`)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+
+def engine_of(owner: Engine | SupportsEngine) -> Engine:
+    """``owner`` if it is an Engine, else its engine: the processes take either."""
+    return owner if isinstance(owner, Engine) else owner.engine

@@ -1,0 +1,103 @@
+"""The task's wire form: the one place a task becomes the JSON API.md shows, and the
+paths and headers that go with it.
+
+The HTTP API answers with :func:`task_json`, webhooks send it, and
+:mod:`kiln.client` reads it back and builds its request paths here. An output's storage
+key never leaves: a client gets its URL under ``/v1/tasks/<id>/outputs/``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from kiln.models import JSON, Task, iso
+from kiln.states import Status
+
+if TYPE_CHECKING:
+    from kiln.store.pools import PoolWait
+
+#: Where tasks live in the HTTP API.
+TASKS_PATH = "/v1/tasks"
+#: The header that marks a replay of an earlier request's Idempotency-Key.
+REPLAYED_HEADER = "Idempotent-Replayed"
+#: The request header that names a submission's idempotency key.
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def task_path(task_id: str, *rest: str) -> str:
+    """``/v1/tasks/<id>[/<rest>...]``, each part quoted."""
+    return "/".join([TASKS_PATH, quote(task_id, safe=""), *(quote(p, safe="") for p in rest)])
+
+
+def output_url(task_id: str, name: str) -> str:
+    """The URL path an output is downloaded from."""
+    return f"{TASKS_PATH}/{task_id}/outputs/{name}"
+
+
+def _error_json(error: JSON | None) -> JSON | None:
+    if error is None:
+        return None
+    return {
+        "code": str(error.get("code", "internal_error")),
+        "message": str(error.get("message", "")),
+        "retryable": bool(error.get("retryable", False)),
+    }
+
+
+def _result_json(task: Task) -> JSON | None:
+    if task.status is not Status.SUCCESS or task.result is None:
+        return None
+    outputs = [
+        {
+            "name": o["name"],
+            "content_type": o["content_type"],
+            "size": o["size"],
+            "sha256": o["sha256"],
+            "url": output_url(task.id, o["name"]),
+        }
+        for o in task.result.get("outputs", [])
+    ]
+    return {"outputs": outputs}
+
+
+def _input_json(raw: JSON) -> JSON:
+    return {key: raw.get(key) for key in ("name", "content_type", "size", "sha256")}
+
+
+def task_json(
+    task: Task,
+    *,
+    queue_position: int | None,
+    deduplicated: bool = False,
+    resource_wait: PoolWait | None = None,
+) -> JSON:
+    """The task exactly as API.md shows it, plus ``resource_wait`` (its place in a shared
+    pool's line while WAITING_FOR_RESOURCE, else null)."""
+    return {
+        "id": task.id,
+        "kind": task.kind,
+        "status": str(task.status),
+        "final": task.final,
+        "stage": task.stage,
+        "progress": task.progress(),
+        "queue_position": queue_position,
+        "resource_wait": None if resource_wait is None else resource_wait.to_json(),
+        "attempt": task.attempt,
+        "max_attempts": task.max_attempts,
+        "priority": task.priority,
+        "params": task.params,
+        "metadata": task.metadata,
+        "inputs": [_input_json(i) for i in task.inputs],
+        "idempotency_key": task.idempotency_key,
+        "deduplicated": deduplicated,
+        "cancel_requested": task.cancel_requested,
+        "next_retry_at": iso(task.next_retry_at),
+        "error": None if task.status is Status.SUCCESS else _error_json(task.error),
+        "result": _result_json(task),
+        "created_at": iso(task.created_at),
+        "updated_at": iso(task.updated_at),
+        "started_at": iso(task.started_at),
+        "finished_at": iso(task.finished_at),
+        "webhook": task.webhook,
+    }
