@@ -74,6 +74,7 @@ class Settings:
     db_pool_size: int = 10
     retention_s: float | None = None
     retention_tenants: dict[str, float] = field(default_factory=dict)
+    idempotency_ttl_s: float | None = None
     reconcile_interval_s: float = 86400.0
     reconcile_grace_s: float = 3600.0
     reconcile_repair: bool = False
@@ -392,6 +393,9 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_RETENTION_TENANTS", "retention_tenants", values.structured(
        "tenant:seconds pairs, comma-separated", parse_retention), "per-tenant retention, "
        "`tenant:seconds,...` (`0`: forever)", group=RETENTION),
+    _v("KILN_IDEMPOTENCY_TTL_S", "idempotency_ttl_s", SECONDS, "an Idempotency-Key answers "
+       "with its task this long; then the same key makes a new task", group=RETENTION,
+       unit="s", shown="unset (as long as its task)"),
     _v("KILN_RECONCILE_INTERVAL_S", "reconcile_interval_s", SECONDS_OR_OFF, "period of the "
        "leading supervisor's reconciliation pass (`0`: none)", group=RETENTION, unit="s"),
     _v("KILN_RECONCILE_GRACE_S", "reconcile_grace_s", SECONDS_OR_ZERO, "an orphan object "

@@ -11,7 +11,9 @@ without ever being expanded.
 
 from __future__ import annotations
 
+import asyncio
 import io
+import logging
 import struct
 import warnings
 from collections.abc import Sequence
@@ -19,11 +21,17 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from kiln.errors import PayloadTooLarge, Permanent, UnsupportedMediaType
+from kiln.errors import PayloadTooLarge, Permanent, StoreUnavailable, UnsupportedMediaType
 from kiln.models import JSON
 from kiln.storage import Storage, sha256_hex
+from kiln.store import Deletion, Store
+
+log = logging.getLogger("kiln.inputs")
 
 INPUTS_PREFIX = "inputs/"
+#: How long an upload waits for a deletion of the same content to end.
+HOLD_WAIT_S = 10.0
+HOLD_POLL_S = 0.2
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
 #: Pillow's format names → the content type; camera JPEGs open as MPO.
 PILLOW_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp"}
@@ -180,3 +188,63 @@ def named(inputs: Sequence[JSON], name: str) -> JSON:
         if item.get("name") == name:
             return item
     raise Permanent(f"the task has no input {name!r}", code="input_missing")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Inputs an upload holds (pinned in the store), and those it wrote itself."""
+
+    sha256s: tuple[str, ...]
+    written: tuple[str, ...]
+
+
+async def hold(store: Store, storage: Storage, files: Sequence[tuple[str, bytes]]) -> Held:
+    """Pin each input (by sha256) in the store, then make sure its object is there: written
+    when the store did not know it, when its object is missing, or after a deletion of the
+    same content ended. Retention never deletes a pinned input; release with
+    :func:`release` once the task is submitted (or refused)."""
+    data = dict(files)
+    pending = sorted(data)
+    pinned: list[str] = []
+    written: list[str] = []
+    deadline = asyncio.get_running_loop().time() + HOLD_WAIT_S
+    while pending:
+        pins = await store.pin_inputs(pending)
+        for sha256 in (s for s in pending if s not in pins.busy):
+            pinned.append(sha256)
+            if sha256 in pins.write:
+                await storage.put(input_key(sha256), data[sha256])
+                written.append(sha256)
+            elif await keep(storage, data[sha256], sha256):
+                written.append(sha256)
+        pending = sorted(pins.busy)
+        if pending and asyncio.get_running_loop().time() > deadline:
+            await release(store, storage, Held(tuple(pinned), tuple(written)), drop=True)
+            raise StoreUnavailable("an input of this request is being deleted; try again")
+        if pending:
+            await asyncio.sleep(HOLD_POLL_S)  # a deletion takes one object delete
+    return Held(tuple(pinned), tuple(written))
+
+
+async def release(store: Store, storage: Storage, held: Held, *, drop: bool = False) -> None:
+    """Unpin what :func:`hold` pinned. ``drop``: the request was refused, so the inputs it
+    wrote go again at once, unless a task or another upload uses them by now."""
+    await store.unpin_inputs(held.sha256s)
+    if drop and held.written:
+        deletion = await store.claim_unused_inputs(used_before=0.0, among=held.written)
+        await delete(store, storage, deletion)
+
+
+async def delete(store: Store, storage: Storage, deletion: Deletion) -> int:
+    """Delete the objects of inputs the store marked for deletion, then forget them; an
+    object that will not go keeps its mark, and a later pass takes it over."""
+    gone: list[str] = []
+    for sha256 in deletion.sha256s:
+        try:
+            await storage.delete(input_key(sha256))
+        except Exception:
+            log.warning("input_delete_failed", extra={"sha256": sha256}, exc_info=True)
+            continue
+        gone.append(sha256)
+    await store.forget_inputs(deletion, gone)
+    return len(gone)

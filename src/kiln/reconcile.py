@@ -1,10 +1,12 @@
 """Reconciler: compare storage with the store, report, and repair only when asked.
 
 Two kinds of problem: a SUCCESS task whose output is missing or no longer matches its
-recorded size and sha256 (``missing``, ``corrupt``), and an object under ``tasks/`` that
-no SUCCESS task refers to (``orphan``: a stale attempt's upload, a crashed upload, or a
-task that is gone). Objects of tasks still in flight or in review are in use, never
-orphans.
+recorded size and sha256 (``missing``, ``corrupt``), and an object that nothing accounts
+for (``orphan``): under ``tasks/``, one no SUCCESS task refers to (a stale attempt's
+upload, a crashed upload, or a task that is gone); under ``inputs/``, an uploaded input
+the store does not know and no task refers to (an upload that never became a task, or one
+written before inputs were tracked). Objects of tasks still in flight or in review are in
+use, never orphans; inputs the store knows are retention's (kiln/retention.py).
 
 A pass streams: it pages through SUCCESS tasks to verify their outputs, then through
 the storage listing, looking up the tasks of each page of objects in one query. Memory
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kiln import inputs
 from kiln.engine import Engine, SupportsEngine, engine_of, failure, rerun_fields
 from kiln.errors import Conflict, LeaseLost, NotFound
 from kiln.models import JSON, StoredOutput, Task
@@ -39,6 +42,7 @@ from kiln.store import LeaderToken
 log = logging.getLogger("kiln.reconcile")
 
 TASKS_PREFIX = "tasks/"
+INPUTS_PREFIX = inputs.INPUTS_PREFIX
 DEFAULT_GRACE_S = 3600.0
 #: Items of each list a report keeps; its counts stay exact.
 DEFAULT_EXAMPLES = 1000
@@ -314,15 +318,32 @@ def _outputs(task: Task) -> list[StoredOutput]:
 async def _check_objects(
     engine: Engine, report: Report, options: Options, clock: Callable[[], float]
 ) -> None:
-    batch: list[ObjectInfo] = []
-    async for info in engine.storage.list(TASKS_PREFIX):
-        report.objects_checked += 1
-        batch.append(info)
-        if len(batch) >= options.page_size:
-            await _check_batch(engine, batch, report, options, clock)
-            batch.clear()
-    if batch:
-        await _check_batch(engine, batch, report, options, clock)
+    for prefix, check in ((TASKS_PREFIX, _check_batch), (INPUTS_PREFIX, _check_inputs)):
+        batch: list[ObjectInfo] = []
+        async for info in engine.storage.list(prefix):
+            report.objects_checked += 1
+            batch.append(info)
+            if len(batch) >= options.page_size:
+                await check(engine, batch, report, options, clock)
+                batch.clear()
+        if batch:
+            await check(engine, batch, report, options, clock)
+
+
+async def _check_inputs(
+    engine: Engine,
+    batch: list[ObjectInfo],
+    report: Report,
+    options: Options,
+    clock: Callable[[], float],
+) -> None:
+    """Inputs the store does not know and no task refers to are orphans."""
+    names = {info.key: info.key.rsplit("/", 1)[-1] for info in batch}
+    known = await engine.store.known_inputs(sorted(set(names.values())))
+    for info in batch:
+        if names[info.key] not in known:
+            await _found_orphan(engine, Orphan(info.key, info.size, None, None,
+                                         _age_s(info, None, clock)), report, options)  # fmt: skip
 
 
 async def _check_batch(
@@ -340,18 +361,17 @@ async def _check_batch(
         task = tasks.get(task_id) if task_id is not None else None
         if info.key in referenced or (task is not None and task.status not in FINAL):
             continue  # a SUCCESS task's output, or in use by a task in flight or in review
-        orphan = Orphan(
-            key=info.key,
-            size=info.size,
-            task_id=task_id,
-            task_status=None if task is None else str(task.status),
-            age_s=_age_s(info, task, clock),
-        )
-        report.orphan_count += 1
-        report.orphan_bytes += info.size
-        report.note(report.orphans, orphan)
-        if options.repair:
-            await _repair(engine.storage, orphan, report)
+        status = None if task is None else str(task.status)
+        orphan = Orphan(info.key, info.size, task_id, status, _age_s(info, task, clock))
+        await _found_orphan(engine, orphan, report, options)
+
+
+async def _found_orphan(engine: Engine, orphan: Orphan, report: Report, options: Options) -> None:
+    report.orphan_count += 1
+    report.orphan_bytes += orphan.size
+    report.note(report.orphans, orphan)
+    if options.repair:
+        await _repair(engine.storage, orphan, report)
 
 
 def _referenced(tasks: Iterable[Task]) -> set[str]:

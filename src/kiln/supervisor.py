@@ -70,9 +70,7 @@ class Supervisor:
         self.token: LeaderToken | None = None
         self.last: SweepReport = SweepReport()
         self.sweeps = 0
-        self.retention = retention.RetentionPolicy(
-            engine.settings.retention_s, dict(engine.settings.retention_tenants)
-        )
+        self.retention = retention.RetentionPolicy.of(engine.settings)
         self._retention_due = 0.0
         self.reconciling: asyncio.Task[None] | None = None
         self.reconciles = ReconcileTotals()

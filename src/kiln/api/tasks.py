@@ -218,7 +218,8 @@ async def submit_upload(
     its params against the inputs); then each input is stored once by sha256, and the
     task submitted as a JSON one would be. When the submission is still refused (an
     Idempotency-Key reused with other content, an outage), the inputs this request wrote
-    are removed again, so a refused request leaves nothing behind.
+    are removed again, so a refused request leaves nothing behind; while the request
+    runs its inputs are pinned, so retention leaves them be.
     """
     upload = await read_upload(request, state.settings)
     body = validated(SubmitRequest, parse_json(upload.request, "request"), "request")
@@ -228,20 +229,17 @@ async def submit_upload(
         webhook_events=body.webhook_events,
     )  # fmt: skip
     await state.app.check_rate(principal.tenant)
-    storage = state.app.storage
-    written: list[str] = []
+    store, storage = state.app.store, state.app.storage
+    # Pinned while the task goes in, so retention never deletes them under this request.
+    held = await inputs.hold(store, storage, [(f.sha256, f.data) for f in upload.files])
     try:
-        for item in upload.files:
-            if await inputs.keep(storage, item.data, item.sha256):
-                written.append(item.sha256)
-        return await submit(state, principal, body, key, uploaded)
+        result = await submit(state, principal, body, key, uploaded)
     except BaseException:
-        # Only what this request wrote: an input found already stored belongs to others.
-        # (A submission running at the same moment may have found this request's write
-        # and used it; its task then fails with input_missing, and uploading again heals it.)
-        for sha256 in written:
-            await storage.delete(inputs.input_key(sha256))
+        # What this request wrote goes again, unless a task or another upload uses it.
+        await inputs.release(store, storage, held, drop=True)
         raise
+    await inputs.release(store, storage, held)
+    return result
 
 
 _SUBMIT_HEADERS = {

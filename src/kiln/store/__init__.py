@@ -12,6 +12,7 @@ the PostgreSQL driver is imported only then (``kiln[postgres]``).
 from __future__ import annotations
 
 from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
+from kiln.store.inputs import Deletion, InputPins
 from kiln.store.records import (
     BreakerRecord,
     Change,
@@ -48,7 +49,9 @@ __all__ = [
     "BreakerRecord",
     "Change",
     "Clock",
+    "Deletion",
     "Due",
+    "InputPins",
     "LeaderToken",
     "Progress",
     "Stats",

@@ -22,6 +22,7 @@ from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, Not
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import CLAIMABLE, FINAL, Event, Status
 from kiln.store.claims import ClaimOps
+from kiln.store.inputs import InputOps
 from kiln.store.outbox import OutboxOps
 from kiln.store.pools import PoolOps
 from kiln.store.queries import Queries
@@ -59,6 +60,11 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
         new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
         dumps(timeouts), now, now, now, dumps(new.webhook),
     ]  # fmt: skip
+
+
+def input_rows(new: NewTask) -> list[tuple[str, str]]:
+    """The ``task_inputs`` rows of a new task: its inputs by sha256."""
+    return sorted({(str(item["sha256"]), new.id) for item in new.inputs if "sha256" in item})
 
 
 def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
@@ -151,6 +157,8 @@ class TaskOps(Ops):
         await tx.insert_events(
             [EventRow(task, 1, Event.SUBMIT, None, Status.PENDING, None, now, None)]
         )
+        if new.inputs:
+            await tx.many(self.q.add_task_input, input_rows(new))
         tx.count_status(new.tenant, Status.PENDING, 1)
         await tx.notify_ready()
         return task
@@ -428,7 +436,7 @@ class TaskOps(Ops):
                 return []
             ids = [task.id for task in tasks]
             for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
-                          self.q.purge_tasks):  # fmt: skip
+                          self.q.drop_task_inputs, self.q.purge_tasks):  # fmt: skip
                 await tx.run(query, (ids,))
             for task in tasks:
                 tx.count_status(task.tenant, task.status, -1)
@@ -456,7 +464,7 @@ def purge_candidates(
     return sql, args
 
 
-class Store(TaskOps, ClaimOps, PoolOps, OutboxOps):
+class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
     Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and

@@ -449,3 +449,64 @@ RETURNING name
 INSERT INTO retry_clock AS c (name, next_at) VALUES ('retries', ? + ?)
 ON CONFLICT (name) DO UPDATE SET next_at = {GREATEST}(c.next_at, excluded.next_at - ?) + ?
 RETURNING next_at - ?
+
+-- uploaded inputs and idempotency keys (kiln/store/inputs.py) -------------------------------
+
+-- add_task_input --
+-- (sha256, task_id).
+INSERT INTO task_inputs (sha256, task_id) VALUES (?, ?) ON CONFLICT DO NOTHING
+
+-- drop_task_inputs --
+-- ([task ids]).
+DELETE FROM task_inputs WHERE task_id {IN_LIST}
+
+-- lock_input --
+-- (sha256).
+SELECT pins, deleting_at FROM inputs WHERE sha256 = ? {FOR_UPDATE}
+
+-- new_input --
+-- An input pinned once: (sha256, used_at).
+INSERT INTO inputs (sha256, pins, used_at) VALUES (?, 1, ?)
+
+-- pin_input --
+-- (used_at, sha256).
+UPDATE inputs SET pins = pins + 1, used_at = ?, deleting_at = NULL WHERE sha256 = ?
+
+-- unpin_input --
+-- (used_at, sha256).
+UPDATE inputs SET pins = pins - 1, used_at = ? WHERE sha256 = ? AND pins > 0
+
+-- unused_inputs --
+-- Inputs no task refers to and nobody holds (or whose holder vanished long ago), last used
+-- before a time, whose deletion is not under way (or was left long ago), oldest first:
+-- (used before, pins stale before, deletion stale before, limit).
+SELECT sha256 FROM inputs WHERE used_at < ? AND (pins = 0 OR used_at < ?)
+    AND (deleting_at IS NULL OR deleting_at < ?)
+    AND NOT EXISTS (SELECT 1 FROM task_inputs t WHERE t.sha256 = inputs.sha256)
+ORDER BY used_at LIMIT ? {SKIP_LOCKED}
+
+-- unused_among --
+-- The same among some inputs, whatever their last use: (pins stale before, deletion stale
+-- before, [sha256s]).
+SELECT sha256 FROM inputs WHERE (pins = 0 OR used_at < ?)
+    AND (deleting_at IS NULL OR deleting_at < ?)
+    AND NOT EXISTS (SELECT 1 FROM task_inputs t WHERE t.sha256 = inputs.sha256)
+    AND sha256 {IN_LIST} {SKIP_LOCKED}
+
+-- mark_deleting --
+-- (deleting_at, [sha256s]).
+UPDATE inputs SET deleting_at = ? WHERE sha256 {IN_LIST}
+
+-- forget_input --
+-- Its object is gone: (sha256, deleting_at).
+DELETE FROM inputs WHERE sha256 = ? AND deleting_at = ?
+
+-- known_inputs --
+-- Which of some inputs the store knows, or a task refers to: ([sha256s], [sha256s]).
+SELECT sha256 FROM inputs WHERE sha256 {IN_LIST}
+UNION SELECT sha256 FROM task_inputs WHERE sha256 {IN_LIST}
+
+-- expire_keys --
+-- Idempotency keys created before a time, oldest first: (created before, limit).
+DELETE FROM idempotency_keys WHERE (tenant, key) IN (SELECT tenant, key
+    FROM idempotency_keys WHERE created_at < ? ORDER BY created_at LIMIT ?)

@@ -1,0 +1,33 @@
+-- kiln schema v9: retention of uploaded inputs and of idempotency keys on their own.
+-- An input (inputs/<sha256>) is kept once per content. A row per input says how many
+-- uploads hold it right now (pins, between storing it and submitting its task), when it
+-- was last used, and whether its deletion is under way; task_inputs says which tasks
+-- refer to it. Retention deletes an input that no task refers to, nobody holds, and that
+-- was last used before the retention period (kiln/store/inputs.py).
+CREATE TABLE inputs (
+    sha256      TEXT PRIMARY KEY,
+    pins        INTEGER NOT NULL DEFAULT 0,
+    used_at     REAL NOT NULL,
+    deleting_at REAL
+) WITHOUT ROWID;
+CREATE INDEX inputs_used ON inputs (used_at);
+
+CREATE TABLE task_inputs (
+    sha256  TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    PRIMARY KEY (sha256, task_id)
+) WITHOUT ROWID;
+CREATE INDEX task_inputs_task ON task_inputs (task_id);
+
+-- The inputs of the tasks that exist now; their last use is the newest task's creation.
+INSERT OR IGNORE INTO task_inputs (sha256, task_id)
+    SELECT json_extract(item.value, '$.sha256'), tasks.id
+    FROM tasks, json_each(tasks.inputs) AS item
+    WHERE json_extract(item.value, '$.sha256') IS NOT NULL;
+INSERT INTO inputs (sha256, pins, used_at)
+    SELECT task_inputs.sha256, 0, max(tasks.created_at)
+    FROM task_inputs JOIN tasks ON tasks.id = task_inputs.task_id
+    GROUP BY task_inputs.sha256;
+
+-- KILN_IDEMPOTENCY_TTL_S: keys older than the TTL go, whatever became of their task.
+CREATE INDEX idempotency_keys_created ON idempotency_keys (created_at);
