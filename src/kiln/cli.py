@@ -59,6 +59,8 @@ USAGE_CODES = frozenset(
     {
         "config_error",
         "connection_failed",
+        "store_unavailable",
+        "storage_error",
         "unauthorized",
         "forbidden",
         "invalid_request",

@@ -67,7 +67,7 @@ class Settings:
     max_upload_bytes: int = 20_971_520
     max_image_pixels: int = 40_000_000
     metrics_port: int | None = None
-    sqlite_synchronous: str = "NORMAL"
+    sqlite_synchronous: str = "FULL"
     log_format: str = "text"
     log_level: str = "INFO"
     output_urls: str = "proxy"
@@ -288,7 +288,8 @@ VARIABLES: tuple[Variable, ...] = (
        "keeps at most (plus one for LISTEN)", group=DATA, unit="connections"),
     _v("KILN_SQLITE_SYNCHRONOUS", "sqlite_synchronous",
        values.choice("OFF", "NORMAL", "FULL", "EXTRA", upper=True), "SQLite durability: "
-       "`NORMAL` (WAL-safe, may lose the last commits on power loss) or `FULL`", group=DATA),
+       "`FULL` (an answered submission survives a power loss; group commit hides the fsync)"
+       " or `NORMAL` (WAL-safe, may lose the last commits on power loss)", group=DATA),
     _v("KILN_HOST", "host", TEXT, "address `kiln serve` listens on (`--host`)",
        group=PROCESSES),
     _v("KILN_PORT", "port", PORT, "port `kiln serve` listens on (`--port`)",

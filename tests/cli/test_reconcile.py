@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -243,3 +245,22 @@ async def _run_existing(data_dir: Path, ids: list[str]) -> list[Task]:
     demo.register(app)
     async with app, running(app.worker(concurrency=2, resources={"gpu": 2}).run()):
         return [await app.wait(task_id, timeout_s=30) for task_id in ids]
+
+
+def test_reconcile_of_a_damaged_database_exits_2_with_one_line(tmp_path: Path) -> None:
+    # Given a data dir whose database file is not a SQLite database
+    (tmp_path / "kiln.db").write_bytes(b"not a database\n" * 500)
+    # When `kiln reconcile` runs as a real process
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln", "reconcile", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    # Then it exits 2 with one line naming the file and what to do, and no traceback
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "kiln.db" in lines[0] and "KILN_DATABASE_URL" in lines[0]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}

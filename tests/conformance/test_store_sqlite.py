@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kiln.errors import StoreUnavailable
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlite import SqliteStore, connect, migrate
 from kiln.store.sqlstore import purge_candidates
@@ -259,3 +260,16 @@ async def test_reopening_a_store_keeps_its_tasks(tmp_path: Path) -> None:
         assert (await second.submit(make_new_task())).task.id == submitted.id
     finally:
         await second.close()
+
+
+async def test_a_damaged_database_file_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    # Given a file that is not a SQLite database where the store's database should be
+    path = tmp_path / "kiln.db"
+    path.write_bytes(b"this is not a database, it is a shopping list\n" * 200)
+    # When the store opens it, then it says which file and what to do, as kiln's own error
+    with pytest.raises(StoreUnavailable) as refused:
+        SqliteStore(str(path), clock=lambda: NOW)
+    message = str(refused.value)
+    assert str(path) in message and "KILN_DATABASE_URL" in message
+    assert "file is not a database" in message
+    assert refused.value.__cause__ is None  # no sqlite3 error chained behind it

@@ -26,7 +26,7 @@ from kiln.store.sqlstore import Store
 
 
 def open_store(
-    url: str, *, clock: Clock | None = None, synchronous: str = "NORMAL", pool_size: int = 10
+    url: str, *, clock: Clock | None = None, synchronous: str = "FULL", pool_size: int = 10
 ) -> Store:
     """Open the store a URL names: ``sqlite:///relative.db``, ``sqlite:////abs.db``,
     ``postgresql://user:password@host:5432/database``."""

@@ -64,7 +64,7 @@ def sqlite_path(url: str) -> str:
     return path
 
 
-def connect(path: str, *, synchronous: str = "NORMAL") -> sqlite3.Connection:
+def connect(path: str, *, synchronous: str = "FULL") -> sqlite3.Connection:
     conn = sqlite3.connect(
         path, isolation_level=None, check_same_thread=False, timeout=30.0, factory=Connection
     )
@@ -312,7 +312,11 @@ def _params(sql: str, args: Sequence[Any]) -> Sequence[Any]:
     return [json.dumps(a) if type(a) is list else a for a in args]
 
 
-def _violation(exc: sqlite3.IntegrityError) -> IntegrityViolation:
+def _translated(exc: sqlite3.DatabaseError) -> Exception:
+    """SQLite's error as the store's: a constraint, or a database that failed (locked past
+    ``busy_timeout``, damaged, out of disk)."""
+    if not isinstance(exc, sqlite3.IntegrityError):
+        return StoreUnavailable(f"the SQLite database failed: {exc}")
     if getattr(exc, "sqlite_errorname", "") == "SQLITE_CONSTRAINT_UNIQUE":
         return UniqueViolation(str(exc))
     return IntegrityViolation(str(exc))
@@ -331,8 +335,8 @@ class SqliteTx:
     def _execute(self, sql: str, args: Sequence[Any]) -> sqlite3.Cursor:
         try:
             return self.conn.execute(sql, _params(sql, args))
-        except sqlite3.IntegrityError as exc:
-            raise _violation(exc) from None
+        except sqlite3.DatabaseError as exc:
+            raise _translated(exc) from None
 
     async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self._execute(sql, args).fetchone()
@@ -347,8 +351,8 @@ class SqliteTx:
     async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
         try:
             return self.conn.executemany(sql, [_params(sql, r) for r in rows]).rowcount
-        except sqlite3.IntegrityError as exc:
-            raise _violation(exc) from None
+        except sqlite3.DatabaseError as exc:
+            raise _translated(exc) from None
 
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
@@ -393,7 +397,7 @@ class SqliteTx:
 class SqliteStore(Store):
     """The embedded default store. See the module docstring for its threading model."""
 
-    def __init__(self, path: str, *, clock: Clock, synchronous: str = "NORMAL") -> None:
+    def __init__(self, path: str, *, clock: Clock, synchronous: str = "FULL") -> None:
         super().__init__(queries("sqlite"), clock)
         synchronous = synchronous.upper()
         if synchronous not in SYNCHRONOUS_LEVELS:
@@ -402,12 +406,18 @@ class SqliteStore(Store):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.synchronous = synchronous
-        setup = connect(path, synchronous=synchronous)
         try:
-            migrate(setup)
-            check_task_columns(setup)
-        finally:
-            setup.close()
+            setup = connect(path, synchronous=synchronous)
+            try:
+                migrate(setup)
+                check_task_columns(setup)
+            finally:
+                setup.close()
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnavailable(
+                f"cannot open the SQLite database {path}: {exc} (restore it from a backup,"
+                " or point KILN_DATABASE_URL at another file)"
+            ) from None
         self._writer = _DbThread(
             "kiln-sqlite-writer", lambda: connect(path, synchronous=synchronous), writer=True
         )
