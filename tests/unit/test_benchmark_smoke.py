@@ -98,3 +98,15 @@ def test_postgres_run_counts_transactions_and_compares_with_pgbench(
     )
     # And each lifecycle wrote in at least one transaction of its own (the submit)
     assert summary["tx_per_lifecycle"] >= 1
+
+
+def test_the_store_operations_benchmark_ends_with_its_json_line(tmp_path: Path) -> None:
+    script = BENCHMARK.parent / "store_ops.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--tasks", "50", "--concurrency", "8"],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert summary["database"] == "sqlite (FULL)" and summary["tasks"] == 50
+    assert_positive(summary, ("submit_us", "claim_us_per_task", "acquire_us", "heartbeat_us"))
