@@ -22,7 +22,6 @@ retried when nothing can have been committed; otherwise the call raises
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import random
@@ -36,22 +35,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.states import CLAIMABLE, FINAL, Event
 from kiln.store.claims import ADVISORY_CAPS
 from kiln.store.queries import migrations, queries
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
 from kiln.store.sqlstore import NOT_LIVE, Store, insert_args, update_sql
-from kiln.store.tx import (
-    EventRow,
-    IntegrityViolation,
-    Op,
-    Refused,
-    Row,
-    Tx,
-    UniqueViolation,
-    buckets_below,
-)
+from kiln.store.tx import Counting, EventRow, Op, Refused, Row, Tally, Tx, alone, violation
 
 log = logging.getLogger("kiln.store")
 
@@ -94,7 +84,11 @@ async def migrate(conn: Conn) -> int:
     return applied
 
 
-class PostgresTx:
+def _translated(exc: psycopg.errors.IntegrityError) -> Exception:
+    return violation(str(exc), unique=isinstance(exc, psycopg.errors.UniqueViolation))
+
+
+class PostgresTx(Counting):
     """A :class:`~kiln.store.tx.Tx` on one connection, with the counter deltas it adds to
     one random shard at commit."""
 
@@ -103,15 +97,13 @@ class PostgresTx:
     def __init__(self, conn: Conn, notify: Callable[[], bool] = lambda: False) -> None:
         self.conn = conn
         self.notify = notify
-        self.tally: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.tally = Tally()
 
     async def _execute(self, sql: str, args: Sequence[Any]) -> psycopg.AsyncCursor[Row]:
         try:
             return await self.conn.execute(sql, args)
-        except psycopg.errors.UniqueViolation as exc:
-            raise UniqueViolation(str(exc)) from None
         except psycopg.errors.IntegrityError as exc:
-            raise IntegrityViolation(str(exc)) from None
+            raise _translated(exc) from None
 
     async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
         return await (await self._execute(sql, args)).fetchone()
@@ -157,21 +149,15 @@ class PostgresTx:
         if self.notify():
             await self.conn.execute(f"NOTIFY {READY_CHANNEL}")
 
-    def count_status(self, tenant: str, status: Status, delta: int) -> None:
-        self.tally[("task_counts", tenant, str(status))] += delta
-
-    def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
-        self.tally[("counters", name, labels)] += delta
-
     async def flush(self) -> None:
         """Add the deltas to one random shard, rows in a fixed order (no deadlocks)."""
         shard = random.randrange(COUNTER_SHARDS)
         for table, sql in (("task_counts", Q.add_status_counts), ("counters", Q.add_counters)):
-            rows = sorted((a, b, n) for (t, a, b), n in self.tally.items() if t == table and n)
+            rows = self.tally.rows(table)
             if rows:
                 a, b, n = zip(*rows, strict=True)
                 await self.conn.execute(sql, (shard, list(a), list(b), list(n)))
-        below = buckets_below(self.tally)
+        below = self.tally.stale_buckets()
         if below is not None:
             await self.conn.execute(Q.prune_counter, (FAILURES_BY_MINUTE, below))
 
@@ -342,19 +328,7 @@ class PostgresStore(Store):
         refuses leaves the others to commit."""
 
         async def batch(tx: Tx) -> list[T | Exception]:
-            assert isinstance(tx, PostgresTx)
-            found: list[T | Exception] = []
-            for op in ops:
-                tally = tx.tally.copy()
-                try:
-                    async with tx.savepoint():
-                        result = await op(tx)
-                except IntegrityViolation as exc:
-                    tx.tally = tally
-                    found.append(exc)
-                    continue
-                found.append(result.error if isinstance(result, Refused) else result)
-            return found
+            return [await alone(tx, op) for op in ops]
 
         return await self._write(batch) if ops else []
 
@@ -454,7 +428,7 @@ class PostgresStore(Store):
                 if attempt == 3:
                     raise
             except psycopg.errors.IntegrityError as exc:
-                raise IntegrityViolation(str(exc)) from None
+                raise _translated(exc) from None
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 await self._drop_broken()
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc

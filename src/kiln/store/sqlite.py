@@ -15,7 +15,6 @@ since a :class:`SqliteTx`'s awaits never suspend.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -31,22 +30,11 @@ from typing import Any, TypeVar
 from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
 from kiln.models import TaskEvent
-from kiln.states import Status
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
 from kiln.store.sqlstore import Store
-from kiln.store.tx import (
-    EventRow,
-    IntegrityViolation,
-    Op,
-    Refused,
-    Row,
-    Tx,
-    UniqueViolation,
-    buckets_below,
-    run_sync,
-)
+from kiln.store.tx import Counting, EventRow, Op, Refused, Row, Tally, Tx, run_sync, violation
 
 log = logging.getLogger("kiln.store")
 
@@ -239,7 +227,7 @@ class _DbThread(threading.Thread):
         except sqlite3.Error as exc:
             return [(job, None, exc) for job in batch]
         tally = _tally(conn)
-        committed: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        committed = Tally()
         for job in batch:
             conn.execute("SAVEPOINT op")
             tally.clear()
@@ -282,22 +270,22 @@ class Connection(sqlite3.Connection):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.tally: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.tally = Tally()
 
 
-def _tally(conn: sqlite3.Connection) -> collections.Counter[tuple[str, str, str]]:
+def _tally(conn: sqlite3.Connection) -> Tally:
     assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
     return conn.tally
 
 
-def flush_tally(conn: sqlite3.Connection, tally: collections.Counter[tuple[str, str, str]]) -> None:
+def flush_tally(conn: sqlite3.Connection, tally: Tally) -> None:
     """Write the summed counter deltas, one UPSERT per distinct row."""
     q = queries("sqlite")
     for table, sql in (("task_counts", q.add_status_count), ("counters", q.add_counter)):
-        rows = [(a, b, n) for (t, a, b), n in tally.items() if t == table and n]
+        rows = tally.rows(table)
         if rows:
             conn.executemany(sql, rows)
-    below = buckets_below(tally)
+    below = tally.stale_buckets()
     if below is not None:
         conn.execute(q.prune_counter, (FAILURES_BY_MINUTE, below))
 
@@ -317,12 +305,11 @@ def _translated(exc: sqlite3.DatabaseError) -> Exception:
     ``busy_timeout``, damaged, out of disk)."""
     if not isinstance(exc, sqlite3.IntegrityError):
         return StoreUnavailable(f"the SQLite database failed: {exc}")
-    if getattr(exc, "sqlite_errorname", "") == "SQLITE_CONSTRAINT_UNIQUE":
-        return UniqueViolation(str(exc))
-    return IntegrityViolation(str(exc))
+    unique = getattr(exc, "sqlite_errorname", "") == "SQLITE_CONSTRAINT_UNIQUE"
+    return violation(str(exc), unique=unique)
 
 
-class SqliteTx:
+class SqliteTx(Counting):
     """A :class:`~kiln.store.tx.Tx` on the connection of the thread running it."""
 
     __slots__ = ("conn", "q", "tally")
@@ -383,12 +370,6 @@ class SqliteTx:
 
     async def notify_ready(self) -> None:
         """Workers in other processes on the same file find new work by polling."""
-
-    def count_status(self, tenant: str, status: Status, delta: int) -> None:
-        self.tally[("task_counts", tenant, str(status))] += delta
-
-    def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
-        self.tally[("counters", name, labels)] += delta
 
 
 # The store ------------------------------------------------------------------------------

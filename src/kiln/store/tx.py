@@ -9,8 +9,9 @@ counter) commits, and the driver raises the error after.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -21,6 +22,43 @@ from kiln.store.queries import Queries
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+
+class Tally(collections.Counter[tuple[str, str, str]]):
+    """Counter deltas a transaction adds at commit, summed per row: ``("task_counts",
+    tenant, status)`` and ``("counters", name, labels)``. A driver writes each distinct row
+    once per commit, so counts stay off the hot path and never drift from what they count."""
+
+    def rows(self, table: str) -> list[tuple[str, str, int]]:
+        """The non-zero deltas of ``table``, in a fixed order (no deadlocks)."""
+        return sorted((a, b, n) for (t, a, b), n in self.items() if t == table and n)
+
+    def stale_buckets(self) -> str | None:
+        """When this commit adds to a per-minute failure bucket: the label below which
+        buckets are older than a day and are dropped (``prune_counter``), else None."""
+        buckets = [b for (t, a, b) in self if t == "counters" and a == FAILURES_BY_MINUTE]
+        if not buckets:
+            return None
+        newest = int(max(buckets).split(":", 1)[0])
+        return f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"
+
+
+class Counting:
+    """``count_status`` and ``bump`` of a :class:`Tx` that adds its deltas to ``tally``."""
+
+    __slots__ = ()
+    tally: Tally
+
+    def count_status(self, tenant: str, status: Status, delta: int) -> None:
+        self.tally[("task_counts", tenant, str(status))] += delta
+
+    def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
+        self.tally[("counters", name, labels)] += delta
+
+
+def violation(message: str, *, unique: bool) -> IntegrityViolation:
+    """A driver's constraint error as the store's."""
+    return UniqueViolation(message) if unique else IntegrityViolation(message)
 
 
 class IntegrityViolation(Exception):
@@ -90,6 +128,8 @@ class Tx(Protocol):
         """Tell idle workers elsewhere that work became claimable."""
         ...
 
+    tally: Tally
+
     def count_status(self, tenant: str, status: Status, delta: int) -> None: ...
 
     def bump(self, name: str, labels: str = "", delta: int = 1) -> None: ...
@@ -133,6 +173,19 @@ class Ops:
         return await self._read(read)
 
 
+async def alone(tx: Tx, op: Op[T]) -> T | Exception:
+    """Run ``op`` in a savepoint of ``tx``: a constraint it breaks rolls back its writes and
+    its counts alone and comes back as the error, as does what it refused."""
+    tally = Tally(tx.tally)
+    try:
+        async with tx.savepoint():
+            result = await op(tx)
+    except IntegrityViolation as exc:
+        tx.tally = tally
+        return exc
+    return result.error if isinstance(result, Refused) else result
+
+
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     """Run an operation whose awaits never suspend (a serial driver's Tx) to its end."""
     try:
@@ -141,13 +194,3 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return done.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("a store operation suspended inside a synchronous transaction")
-
-
-def buckets_below(tally: Mapping[tuple[str, str, str], int]) -> str | None:
-    """When a commit adds to a per-minute failure bucket: the label below which buckets
-    are older than a day and are dropped (``prune_counter``), else None."""
-    buckets = [b for (t, a, b) in tally if t == "counters" and a == FAILURES_BY_MINUTE]
-    if not buckets:
-        return None
-    newest = int(max(buckets).split(":", 1)[0])
-    return f"{newest - FAILURE_BUCKETS_KEPT_MIN:010d}:"
