@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
 import kiln
 from kiln import backends, config, logs, transform
+from kiln import cli_tasks as tasks
 from kiln.client import Client
 from kiln.config import Settings
 from kiln.errors import ConfigError, InvalidRequest, KilnError
@@ -94,7 +94,8 @@ def _handled(func: Callable[P, R]) -> Callable[P, R]:
         try:
             return func(*args, **kwargs)
         except KilnError as exc:
-            typer.echo(f"kiln: {exc.message}", err=True)
+            for line in tasks.error_lines(exc):
+                typer.echo(line, err=True)
             raise typer.Exit(_exit_code(exc)) from None
 
     return wrapper
@@ -378,10 +379,26 @@ def _simulate(step_ms: int | None, raw: str | None) -> JSON | None:
     return simulate or None
 
 
-@cli.command()
+@cli.command(context_settings={"help_option_names": ["-h", "--help"]})
 @_handled
 def submit(
-    prompt: Annotated[str, typer.Argument(help="what to paint")],
+    what: Annotated[
+        str,
+        typer.Argument(
+            metavar="PROMPT|KIND",
+            help="a prompt for image.generate, or a kind (image.transform) with --param",
+        ),
+    ],
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", help="key=value (JSON when it parses: 20, true, [1,2])"),
+    ] = None,
+    params_file: Annotated[
+        Path | None, typer.Option("--params-file", help="a JSON object of params")
+    ] = None,
+    input_file: Annotated[
+        list[str] | None, typer.Option("--input", "-i", help="name=@path: upload an input")
+    ] = None,
     width: Annotated[int | None, typer.Option(help="64-2048, multiple of 8")] = None,
     height: Annotated[int | None, typer.Option(help="64-2048, multiple of 8")] = None,
     steps: Annotated[int | None, typer.Option(help="1-150")] = None,
@@ -396,116 +413,67 @@ def submit(
     max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
     wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
+    review_wait: Annotated[
+        bool,
+        typer.Option(
+            "--review-wait/--no-review-wait",
+            help="with --wait: keep waiting when the task is held for review, or exit 1",
+        ),
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print the task as JSON")] = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Submit an image.generate task and print its id."""
-    params = {
-        "prompt": prompt,
-        "width": width,
-        "height": height,
-        "steps": steps,
-        "seed": seed,
-        "negative_prompt": negative_prompt,
-        "format": image_format,
-        "simulate": _simulate(step_ms, simulate),
-    }
-    fields: JSON = {"priority": priority, "max_attempts": max_attempts}
+    """Submit a task and print its id: `kiln submit "a red fox" --steps 20`, or any kind,
+    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`."""
+    kind = what if tasks.is_kind(what) else "image.generate"
+    params = tasks.params_from(param or [], params_file)
+    if kind == "image.generate":
+        shaped = {"prompt": what, "width": width, "height": height, "steps": steps,
+                  "seed": seed, "negative_prompt": negative_prompt, "format": image_format,
+                  "simulate": _simulate(step_ms, simulate)}  # fmt: skip
+        params = {**{k: v for k, v in shaped.items() if v is not None}, **params}
+    files = [tasks.InputFile.parse(spec) for spec in input_file or []]
+    fields = {"priority": priority, "max_attempts": max_attempts}
     with _client(server, api_key) as client:
-        task = client.submit(
-            "image.generate",
-            {k: v for k, v in params.items() if v is not None},
-            idempotency_key=idempotency_key,
+        task = tasks.submit_with_progress(
+            client, kind, params, files, idempotency_key=idempotency_key,
             **{k: v for k, v in fields.items() if v is not None},
-        )
-        typer.echo(task["id"])
+        )  # fmt: skip
         if task["deduplicated"] or task["replayed"]:
             how = "an identical task" if task["deduplicated"] else "the same idempotency key"
             typer.echo(f"kiln: {task['id']} already existed ({how})", err=True)
         if wait:
-            raise typer.Exit(_follow(client, task))
+            if not as_json:
+                typer.echo(task["id"])
+            raise typer.Exit(tasks.follow(client, task, review_wait=review_wait, as_json=as_json))
+        if as_json:
+            tasks.print_json(task)
+        else:
+            typer.echo(task["id"])
 
 
 @cli.command()
 @_handled
 def watch(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
+    review_wait: Annotated[
+        bool,
+        typer.Option(
+            "--review-wait/--no-review-wait",
+            help="keep waiting when the task is held for review, or exit 1",
+        ),
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print each event, then the task, as JSON")
+    ] = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Follow a task with a live progress bar; exit 0 when it ends SUCCESS."""
     with _client(server, api_key) as client:
-        raise typer.Exit(_follow(client, client.get(task_id)))
-
-
-class _ProgressView:
-    """One task's live bar: status, stage, step n/m and attempt n/m."""
-
-    def __init__(self, progress: Progress, task: JSON) -> None:
-        self.progress = progress
-        self.max_attempts = int(task["max_attempts"])
-        self.bar = progress.add_task(
-            task["id"], total=None, status=task["status"], stage="", steps="", attempt=""
-        )
-        self.status(task["status"], int(task["attempt"]))
-        if task.get("progress"):
-            self.step(task.get("stage"), task["progress"])
-
-    def show(self, message: JSON, refresh: Callable[[], JSON]) -> None:
-        if message.get("type") == "status":
-            if message.get("event") == "retry":
-                self.max_attempts = int(refresh()["max_attempts"])
-            line = f"{message.get('from') or '-'} → {message['status']} ({message['event']})"
-            if message.get("error"):
-                line += f": {message['error'].get('code')}"
-            self.progress.console.print(line, highlight=False)
-            self.status(message["status"], int(message.get("attempt") or 0))
-        elif message.get("type") == "progress" and message.get("progress"):
-            self.step(message.get("stage"), message["progress"])
-
-    def status(self, status: str, attempt: int) -> None:
-        shown = f"attempt {attempt}/{self.max_attempts}" if attempt else ""
-        self.progress.update(self.bar, status=status, attempt=shown)
-
-    def step(self, stage: str | None, progress: JSON) -> None:
-        step, total = int(progress["step"]), int(progress["total"])
-        self.progress.update(
-            self.bar, stage=stage or "", steps=f"step {step}/{total}", completed=step, total=total
-        )
-
-
-def _follow(client: Client, task: JSON) -> int:
-    """Show the task's events until it ends; the exit code its final status means."""
-    err = Console(stderr=True, highlight=False)
-    columns = (
-        SpinnerColumn(),
-        TextColumn("[bold]{task.fields[status]}"),
-        TextColumn("{task.fields[stage]}"),
-        BarColumn(),
-        TextColumn("{task.fields[steps]}"),
-        TextColumn("{task.fields[attempt]}"),
-        TimeElapsedColumn(),
-    )
-    try:
-        with Progress(*columns, console=err) as progress:
-            view = _ProgressView(progress, task)
-            for message in client.stream(task["id"]):
-                view.show(message, lambda: client.get(task["id"]))
-    except KeyboardInterrupt:
-        typer.echo(f"kiln: stopped watching; task {task['id']} goes on", err=True)
-        return 130
-    return _ended(client, client.get(task["id"]))
-
-
-def _ended(client: Client, task: JSON) -> int:
-    if task["status"] == "SUCCESS":
-        for output in (task.get("result") or {}).get("outputs", []):
-            typer.echo(client.output_url(output))
-        return 0
-    error = task.get("error") or {}
-    reason = f": {error.get('code')}: {error.get('message')}" if error else ""
-    typer.echo(f"kiln: task {task['id']} ended {task['status']}{reason}", err=True)
-    return 1
+        found = client.get(task_id)
+        raise typer.Exit(tasks.follow(client, found, review_wait=review_wait, as_json=as_json))
 
 
 @cli.command()
@@ -520,7 +488,7 @@ def status(
     with _client(server, api_key) as client:
         task = client.get(task_id)
         if as_json:
-            typer.echo(json.dumps(task, indent=2))
+            tasks.print_json(task)
             return
         for line in _describe(client, task):
             typer.echo(line)
@@ -538,6 +506,8 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
         yield "cancel requested"
     if task.get("next_retry_at") and task["status"] == "RETRYING":
         yield f"next retry at: {task['next_retry_at']}"
+    if task["status"] == "NEEDS_REVIEW":
+        yield tasks.review_hint(task["id"])
     if task.get("error"):
         yield f"error: {task['error'].get('code')}: {task['error'].get('message')}"
     for output in (task.get("result") or {}).get("outputs", []):
@@ -545,17 +515,23 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
     yield f"created: {task['created_at']}  updated: {task['updated_at']}"
 
 
+AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
+
+
 @cli.command()
 @_handled
 def cancel(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
+    as_json: AsJson = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Cancel a task (running tasks stop at their worker's next heartbeat)."""
     with _client(server, api_key) as client:
         task = client.cancel(task_id)
-    if task["status"] == "CANCELLED":
+    if as_json:
+        tasks.print_json(task)
+    elif task["status"] == "CANCELLED":
         typer.echo(f"{task['id']} CANCELLED")
     else:
         typer.echo(f"{task['id']} cancel requested ({task['status']})")
@@ -565,13 +541,17 @@ def cancel(
 @_handled
 def retry(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
+    as_json: AsJson = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Retry a final FAILED, TIMEOUT or CANCELLED task now."""
     with _client(server, api_key) as client:
         task = client.retry(task_id)
-    typer.echo(f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})")
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})")
 
 
 @cli.command()
@@ -580,13 +560,17 @@ def review(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
     decision: Annotated[str, typer.Argument(help="approve or reject")],
     reason: Annotated[str | None, typer.Option(help="why (shown on a reject)")] = None,
+    as_json: AsJson = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """Approve or reject a task in NEEDS_REVIEW (admin key)."""
     with _client(server, api_key) as client:
         task = client.review(task_id, decision, reason)
-    typer.echo(f"{task['id']} {task['status']}")
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(f"{task['id']} {task['status']}")
 
 
 @cli.command("list")
@@ -596,34 +580,21 @@ def list_tasks(
     kind: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1, max=200)] = 50,
     cursor: Annotated[str | None, typer.Option(help="next_cursor of a previous page")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the page as JSON (items, next_cursor)")
+    ] = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
     """List tasks, newest first."""
     with _client(server, api_key) as client:
         page = client.list(status=task_status, kind=kind, limit=limit, cursor=cursor)
-    Console(highlight=False).print(_task_table(page["items"]))
+    if as_json:
+        tasks.print_json(page)
+        return
+    Console(highlight=False).print(tasks.task_table(page["items"]))
     if page.get("next_cursor"):
         typer.echo(f"more: --cursor {page['next_cursor']}", err=True)
-
-
-def _task_table(tasks: list[JSON]) -> Table:
-    """Ids and statuses are never cut short, whatever the terminal's width."""
-    table = Table()
-    table.add_column("id", no_wrap=True, min_width=max((len(t["id"]) for t in tasks), default=2))
-    table.add_column("kind")
-    table.add_column(
-        "status", no_wrap=True, min_width=max((len(t["status"]) for t in tasks), default=6)
-    )
-    table.add_column("attempt", no_wrap=True)
-    table.add_column("progress", no_wrap=True)
-    table.add_column("created")
-    for task in tasks:
-        progress = task.get("progress")
-        shown = f"{progress['step']}/{progress['total']}" if progress else ""
-        attempt = f"{task['attempt']}/{task['max_attempts']}"
-        table.add_row(task["id"], task["kind"], task["status"], attempt, shown, task["created_at"])
-    return table
 
 
 # operator commands

@@ -86,7 +86,7 @@ def test_status_of_a_missing_task_exits_1(server: Server) -> None:
     result = kiln_cli(server, "status", "tsk_missing")
 
     assert result.exit_code == 1
-    assert result.stderr == "kiln: no task 'tsk_missing'\n"
+    assert result.stderr == "kiln: not_found: no task 'tsk_missing'\n"
 
 
 def test_cancel_of_a_final_task_exits_1(server: Server) -> None:
