@@ -693,12 +693,21 @@ def settings_command(
     as_markdown: Annotated[
         bool, typer.Option("--markdown", help="print the table as the docs show it")
     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ) -> None:
     """Print every KILN_* variable: its value here, its default and what it does."""
     if as_markdown:
         typer.echo(config.markdown(), nl=False)
         return
     current = Settings.from_env()
+    if as_json:
+        tasks.print_json([
+            {"variable": var.name, "value": var.shown_value(getattr(current, var.field)),
+             "default": var.default_text.replace("`", ""), "unit": var.unit,
+             "meaning": var.help.replace("`", "")}
+            for var in config.VARIABLES
+        ])  # fmt: skip
+        return
     table = Table(Column("variable", no_wrap=True), "value", "default", "unit", "meaning")
     for var in config.VARIABLES:
         cells = (
@@ -713,11 +722,27 @@ def settings_command(
 
 
 @cli.command()
-def states() -> None:
+def states(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the state table itself as JSON")
+    ] = False,
+) -> None:
     """Print the task state diagram (Mermaid), generated from the state table."""
-    from kiln.states import mermaid
+    from kiln.states import FINAL, TRANSITIONS, Status, mermaid
 
-    typer.echo(mermaid(), nl=False)
+    if not as_json:
+        typer.echo(mermaid(), nl=False)
+        return
+    table = {
+        "statuses": [{"status": str(s), "final": s in FINAL} for s in Status],
+        "transitions": [
+            {"event": str(rule.event), "from": sorted(str(s) for s in rule.sources),
+             "to": sorted(str(s) for s in rule.targets), "by": str(rule.actor),
+             "fenced": rule.fenced, "guard": rule.doc}
+            for rule in TRANSITIONS
+        ],
+    }  # fmt: skip
+    tasks.print_json(table)
 
 
 __all__ = ["cli", "main"]

@@ -131,3 +131,16 @@ def test_list_fits_80_columns_without_cutting_ids_or_kinds(server: Server) -> No
     page = httpx.get(f"{server.url}/v1/tasks", params={"limit": 5}).json()
     for task in page["items"]:
         assert task["id"] in result.stdout and task["kind"] in result.stdout
+
+
+def test_states_and_settings_print_json_too() -> None:
+    states = json.loads(runner.invoke(cli, ["states", "--json"]).stdout)
+    assert {"event": "claim", "to": ["WAITING_FOR_RESOURCE"]}.items() <= states["transitions"][
+        1
+    ].items()
+    assert {"status": "SUCCESS", "final": True} in states["statuses"]
+    settings = json.loads(
+        runner.invoke(cli, ["settings", "--json"], env={"KILN_PORT": "8123"}).stdout
+    )
+    port = next(row for row in settings if row["variable"] == "KILN_PORT")
+    assert port["value"] == "8123"
