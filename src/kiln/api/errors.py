@@ -26,6 +26,7 @@ log = logging.getLogger("kiln.api")
 #: API code → HTTP status (API.md's table, plus the engine's own codes).
 HTTP_STATUS: dict[str, int] = {
     "invalid_request": 422,
+    "invalid_cursor": 422,
     "unknown_kind": 422,
     "idempotency_key_reused": 422,
     "unauthorized": 401,
