@@ -10,8 +10,19 @@ import math
 from typing import Any
 
 import pytest
-from api_support import ADMIN_KEY, ApiUnderTest, assert_error, bearer, image_body
+from api_support import (
+    ADMIN_KEY,
+    ApiUnderTest,
+    assert_error,
+    bearer,
+    image_body,
+    live_server,
+    running_api,
+)
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from kiln.config import Settings
 from kiln.errors import InvalidRequest
 from kiln.models import NewTask, Timeouts
 
@@ -187,3 +198,40 @@ async def test_the_library_refuses_metadata_that_would_not_render(api: ApiUnderT
     with pytest.raises(InvalidRequest, match="params"):
         await api.kiln.submit("image.generate", {"prompt": "fox", "steps": math.nan})
     assert await api.task_count() == 0
+
+
+# Resume points ---------------------------------------------------------------------------
+
+TOO_BIG = [str(2**63), str(2**64), "9" * 40]
+
+
+@pytest.mark.parametrize("value", TOO_BIG)
+async def test_a_resume_point_past_64_bits_is_422_before_the_store(
+    api: ApiUnderTest, value: str
+) -> None:
+    task = (await api.submit()).json()
+    for url in (f"/v1/tasks/{task['id']}/events", "/v1/events"):
+        by_query = await api.client.get(url, params={"after": value})
+        by_header = await api.client.get(url, headers={"Last-Event-ID": value})
+        assert "after" in assert_error(by_query, 422, "invalid_request")["details"][0]["loc"]
+        assert "Last-Event-ID" in assert_error(by_header, 422, "invalid_request")["message"]
+    assert (await api.client.get("/healthz")).status_code == 200
+
+
+async def test_the_largest_resume_point_is_taken(api: ApiUnderTest) -> None:
+    task = (await api.submit()).json()
+    await api.client.post(f"/v1/tasks/{task['id']}/cancel")
+    response = await api.client.get(
+        f"/v1/tasks/{task['id']}/events", params={"after": str(2**63 - 1)}
+    )
+    assert response.status_code == 200
+
+
+async def test_a_websocket_resume_point_past_64_bits_is_closed_4422(settings: Settings) -> None:
+    async with running_api(settings) as api, live_server(api.http) as url:
+        task = (await api.submit()).json()
+        ws_url = url.replace("http", "ws") + f"/v1/tasks/{task['id']}/ws?after={2**64}"
+        async with connect(ws_url) as ws:
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            assert ws.close_code == 4422
