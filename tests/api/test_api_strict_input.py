@@ -235,3 +235,14 @@ async def test_a_websocket_resume_point_past_64_bits_is_closed_4422(settings: Se
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
             assert ws.close_code == 4422
+
+
+# Limits name their settings --------------------------------------------------------------
+
+
+async def test_a_body_over_the_limit_is_413_naming_the_setting(settings: Settings) -> None:
+    async with running_api(settings.with_(max_body_bytes=1000)) as api:
+        body = {**image_body(), "metadata": {"note": "x" * 2000}}
+        error = assert_error(await api.submit(body), 413, "payload_too_large")
+        assert "KILN_MAX_BODY_BYTES" in error["message"]
+        assert await api.task_count() == 0

@@ -100,13 +100,15 @@ def kiln_error_response(error: KilnError) -> JSONResponse:
         log.error("request_failed", extra={"code": error.code}, exc_info=error)
         return error_response("internal_error", "the server failed to answer this request")
     headers: dict[str, str] = {}
+    message = error.message
     if isinstance(error, RateLimited):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+        message += " (KILN_TENANT_LIMITS or KILN_TENANT_RATE_PER_S allows more)"
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     if status == 408:  # the rest of a slow body is never read: the connection must end
         headers["Connection"] = "close"
-    return error_response(error.code, error.message, error.details, headers=headers or None)
+    return error_response(error.code, message, error.details, headers=headers or None)
 
 
 def validation_details(errors: Sequence[Any]) -> list[dict[str, Any]]:
