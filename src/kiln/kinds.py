@@ -54,11 +54,11 @@ class TaskKind:
         number, no number for a string (an integral number such as ``30.0`` is the
         integer 30). A kind whose params model sets ``strict`` in its own config (and
         ``Field(strict=False)`` on a field) decides for itself."""
+        text = _plain_json(params)
         if self.params is None:
             if not isinstance(params, dict):
                 raise InvalidRequest("params must be a JSON object")
             return dict(params)
-        text = _plain_json(params)
         own = self.params.model_config.get("strict")
         try:
             model = self.params.model_validate_json(text, strict=True if own is None else None)

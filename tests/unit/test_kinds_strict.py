@@ -60,3 +60,10 @@ def test_params_that_are_not_plain_json_are_refused() -> None:
         kind(Plain).validate({"steps": float("nan")})
     with pytest.raises(InvalidRequest, match="plain JSON"):
         kind(Plain).validate({"steps": object()})
+
+
+def test_a_kind_without_a_model_still_takes_only_plain_json() -> None:
+    free = TaskKind("test.free", _handler)
+    assert free.validate({"a": [1, "x", None]}) == {"a": [1, "x", None]}
+    with pytest.raises(InvalidRequest, match="plain JSON"):
+        free.validate({"a": float("inf")})
