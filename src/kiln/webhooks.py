@@ -159,7 +159,7 @@ NAT64_PREFIXES = (
     ipaddress.IPv6Network("64:ff9b::/96"),
     ipaddress.IPv6Network("64:ff9b:1::/48"),
 )
-#: Where a 6to4 relay or NAT64 gateway would reach an address for us: "Allow it" hint.
+#: What a refusal at submission adds: the setting that would allow the address.
 ALLOW_HINT = "set KILN_WEBHOOK_ALLOW_PRIVATE=1 to allow it"
 
 
@@ -295,7 +295,7 @@ async def pinned_request(
     for address in addresses:
         reason = address_refusal(ipaddress.ip_address(address.split("%", 1)[0]))
         if reason is not None and not allow_private:
-            raise Refused(f"{host} resolves to {reason}; {ALLOW_HINT}")
+            raise Refused(f"{host} resolves to {reason}")
     target = parsed.copy_with(host=addresses[0].split("%", 1)[0])
     sni = {"sni_hostname": host} if parsed.scheme == "https" else {}
     headers = {**headers, "Host": parsed.netloc.decode("ascii")}
