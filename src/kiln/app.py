@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -23,7 +25,14 @@ from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
 from kiln.engine import Count, Engine, failure, rerun_fields
-from kiln.errors import AlreadyFinal, Conflict, InvalidRequest, NotInReview, NotRetryable
+from kiln.errors import (
+    AlreadyFinal,
+    Conflict,
+    InvalidCursor,
+    InvalidRequest,
+    NotInReview,
+    NotRetryable,
+)
 from kiln.kinds import (
     Handler,
     HandlerResult,
@@ -60,6 +69,29 @@ DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
 #: How many tasks' latest status a stream remembers to keep progress behind its status.
 STATUS_MEMORY = 10_000
+#: A list cursor is the id of the last task of the page before (kiln.canonical.new_task_id).
+CURSOR_PATTERN = re.compile(r"tsk_[0-9a-hjkmnp-tv-z]{26}")
+
+
+def check_cursor(cursor: str | None) -> None:
+    """Refuse (InvalidCursor) a cursor that is not a ``next_cursor`` kiln gave."""
+    if cursor is not None and CURSOR_PATTERN.fullmatch(cursor) is None:
+        raise InvalidCursor(
+            "the cursor is not one a page gave: pass next_cursor of the previous page as is",
+            details=[{"loc": ["query", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
+        )
+
+
+def check_metadata(metadata: JSON | None) -> None:
+    """Refuse (InvalidRequest) metadata that is not plain, finite JSON: what is stored
+    must always render."""
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidRequest(
+            "metadata must be plain JSON with finite numbers",
+            details=[{"loc": ["metadata"], "msg": "not plain JSON", "type": "json_invalid"}],
+        ) from None
 
 
 class App:
@@ -254,6 +286,7 @@ class App:
         (see :mod:`kiln.webhooks`)."""
         task_kind = self.kind(kind)
         clean = task_kind.validate(params)
+        check_metadata(metadata)
         webhook = webhooks.webhook_spec(
             webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
         )
@@ -364,7 +397,10 @@ class App:
         limit: int = 50,
         cursor: str | None = None,
     ) -> tuple[list[Task], str | None]:
-        """A page of tasks, newest first, and the cursor of the next page (None: the last)."""
+        """A page of tasks, newest first, and the cursor of the next page (None: the last).
+
+        A ``cursor`` that no page gave is refused (InvalidCursor) before the store is read."""
+        check_cursor(cursor)
         return await self.engine.list_tasks(
             tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
         )

@@ -202,6 +202,7 @@ def serve(
     import uvicorn
 
     from kiln.api.app import create_app, install_log_redaction
+    from kiln.api.server_limits import uvicorn_options
 
     app = _app(settings)
     try:
@@ -216,7 +217,11 @@ def serve(
         raise ConfigError(str(exc)) from None
     _opened(app)
     uvicorn_config = uvicorn.Config(
-        api, host=settings.host, port=settings.port, timeout_graceful_shutdown=5
+        api,
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=5,
+        **uvicorn_options(settings),  # head size, connections, head deadline: KILN_* settings
     )
     install_log_redaction()  # after uvicorn configured its loggers: no ?access_token= in logs
     _print_banner(settings)

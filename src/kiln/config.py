@@ -66,6 +66,10 @@ class Settings:
     max_body_bytes: int = 1_048_576
     max_upload_bytes: int = 20_971_520
     max_image_pixels: int = 40_000_000
+    max_header_bytes: int = 32_768
+    max_connections: int = 1000
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
     metrics_port: int | None = None
     sqlite_synchronous: str = "FULL"
     log_format: str = "text"
@@ -185,6 +189,8 @@ class Variable:
     shown: str | None = None
     #: Never printed: ``kiln settings`` shows whether it is set, errors hide the value.
     secret: bool = False
+    #: A value of blanks is unset (most variables), or refused by the parser (keys).
+    blank_unset: bool = True
 
     @property
     def default(self) -> object:
@@ -201,7 +207,7 @@ class Variable:
     def lookup(self, env: Mapping[str, str]) -> tuple[str, str] | None:
         """(the name it was found under, its text), or None when unset or empty."""
         raw = env.get(self.name)
-        if raw is not None and raw.strip():
+        if raw is not None and (raw.strip() or (raw and not self.blank_unset)):
             return self.name, raw
         if self.old is None:
             return None
@@ -260,6 +266,7 @@ COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
 PORT = values.number("a port number", least=0, most=65535, whole=True)
 TEXT = values.text()
 SECRET = values.text()
+KEY = values.key()
 PATH = values.path()
 FLAG = values.flag()
 
@@ -273,6 +280,7 @@ LIMITS = "Pools and tenants"
 RETENTION = "Retention and reconciliation"
 BACKENDS = "Backends"
 WEBHOOKS = "Webhooks"
+SERVER = "HTTP server"
 
 #: Every KILN_* variable kiln reads, grouped as the docs show them.
 VARIABLES: tuple[Variable, ...] = (
@@ -326,8 +334,8 @@ VARIABLES: tuple[Variable, ...] = (
        "tenant:key pairs, comma-separated, tenant not `admin`", parse_api_keys),
        "`tenant:key,tenant:key`; unset (and no admin key) means no auth and one tenant "
        "`default`", group=API, secret=True),
-    _v("KILN_ADMIN_KEY", "admin_key", SECRET, "key for admin endpoints; it may act on any "
-       "tenant's task", group=API, secret=True),
+    _v("KILN_ADMIN_KEY", "admin_key", KEY, "key for admin endpoints; it may act on any "
+       "tenant's task", group=API, secret=True, blank_unset=False),
     _v("KILN_MAX_BODY_BYTES", "max_body_bytes", COUNT, "largest JSON request body",
        group=API, unit="bytes"),
     _v("KILN_MAX_UPLOAD_BYTES", "max_upload_bytes", COUNT, "largest upload request",
@@ -340,6 +348,16 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_PRESIGN_TTL_S", "presign_ttl_s",
        values.number("a number of seconds", above=0, most=MAX_PRESIGN_TTL_S),
        "lifetime of a presigned output URL", group=API, unit="s"),
+    _v("KILN_MAX_HEADER_BYTES", "max_header_bytes", COUNT, "largest request head (request "
+       "line and headers) `kiln serve` reads; more is 431", group=SERVER, unit="bytes"),
+    _v("KILN_MAX_CONNECTIONS", "max_connections", COUNT, "connections `kiln serve` holds at "
+       "once (streams included); more are answered 503 and closed", group=SERVER,
+       unit="connections"),
+    _v("KILN_HEADER_TIMEOUT_S", "header_timeout_s", SECONDS, "time a client has to send a "
+       "request head, from the connection or its first byte; then 408 and closed",
+       group=SERVER, unit="s"),
+    _v("KILN_BODY_TIMEOUT_S", "body_timeout_s", SECONDS, "time a client has to send a "
+       "request body, from the end of its head; then 408", group=SERVER, unit="s"),
     _v("KILN_LEASE_TTL_S", "lease_ttl_s", SECONDS, "lease of a running attempt; workers "
        "renew it every min(TTL/3, 2 s)", group=RETRIES, unit="s", old="KILN_LEASE_TTL"),
     _v("KILN_SUPERVISOR_INTERVAL_S", "supervisor_interval_s", SECONDS, "sweep period of the "

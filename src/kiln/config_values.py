@@ -114,6 +114,31 @@ def text(*, lower: bool = False) -> Parser:
     return Parser("some text", lambda raw: raw.strip().lower() if lower else raw)
 
 
+def key_refusal(key: str) -> str | None:
+    """Why ``key`` cannot be an API key (blank, spaces, invisible characters), or None."""
+    if not key.strip():
+        return "it is blank"
+    if any(c.isspace() for c in key):
+        return "it holds a space"
+    if not key.isprintable():
+        return "it holds an invisible or control character"
+    return None
+
+
+def key() -> Parser:
+    """An API key: printable characters, no spaces (a blank one would let a blank token in).
+
+    Reasons never repeat the key: a refusal is printed."""
+
+    def convert(raw: str) -> str:
+        reason = key_refusal(raw)
+        if reason is not None:
+            raise ValueError(reason)
+        return raw
+
+    return Parser("a key of printable characters without spaces", convert)
+
+
 def path() -> Parser:
     return Parser("a path", Path)
 
@@ -181,6 +206,8 @@ def parse_api_keys(raw: str) -> dict[str, str]:
             continue
         if not sep or not tenant or not key:
             raise ValueError(f"entry {number_} is not tenant:key")
+        if key_refusal(key) is not None:
+            raise ValueError(f"the key of entry {number_} is not usable: {key_refusal(key)}")
         if tenant in RESERVED_TENANTS:
             raise ValueError(f"{tenant!r} is a reserved tenant")
         if key in keys:

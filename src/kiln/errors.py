@@ -9,6 +9,7 @@ answered ``500 internal_error`` without its message.
   - Refused requests (the API answers them with their own code)
 
     - ``InvalidRequest`` ``invalid_request`` (422): a malformed body or a bad field.
+    - ``InvalidCursor`` ``invalid_cursor`` (422): a list cursor no page gave.
     - ``UnknownKind`` ``unknown_kind`` (422): no task kind of that name is registered.
     - ``IdempotencyKeyReused`` ``idempotency_key_reused`` (422): same key, other body.
     - ``Unauthorized`` ``unauthorized`` (401): no valid API key.
@@ -64,6 +65,12 @@ class KilnError(Exception):
 
 class InvalidRequest(KilnError):
     code = "invalid_request"
+
+
+class InvalidCursor(InvalidRequest):
+    """A list cursor that no page of kiln ever gave (422 ``invalid_cursor``)."""
+
+    code = "invalid_cursor"
 
 
 class UnknownKind(KilnError):

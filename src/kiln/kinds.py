@@ -9,6 +9,7 @@ registry; code that adds kinds (:mod:`kiln.demo`, :mod:`kiln.transform`,
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,21 +48,34 @@ class TaskKind:
     check: InputCheck | None = None
 
     def validate(self, params: Any) -> JSON:
-        """Validated, canonical params (defaults applied) as plain JSON."""
+        """Validated, canonical params (defaults applied) as plain JSON.
+
+        Validation is strict, as JSON sees types: no bool for a number, no string for a
+        number, no number for a string (an integral number such as ``30.0`` is the
+        integer 30). A kind whose params model sets ``strict`` in its own config (and
+        ``Field(strict=False)`` on a field) decides for itself."""
+        text = _plain_json(params)
         if self.params is None:
             if not isinstance(params, dict):
                 raise InvalidRequest("params must be a JSON object")
             return dict(params)
+        own = self.params.model_config.get("strict")
         try:
-            model = self.params.model_validate(params)
+            model = self.params.model_validate_json(text, strict=True if own is None else None)
         except pydantic.ValidationError as exc:
-            details = [
-                {"loc": ["params", *map(str, err["loc"])], "msg": err["msg"], "type": err["type"]}
-                for err in exc.errors()
-            ]
-            raise InvalidRequest(f"invalid params for {self.name}", details=details) from None
+            raise self._refusal(exc) from None
         data: JSON = model.model_dump(mode="json", exclude_none=True)
         return self.normalize(data) if self.normalize else data
+
+    def _refusal(self, exc: pydantic.ValidationError) -> InvalidRequest:
+        """InvalidRequest naming each bad field (``params.steps: ...``)."""
+        details = [
+            {"loc": ["params", *map(str, err["loc"])], "msg": err["msg"], "type": err["type"]}
+            for err in exc.errors()
+        ]
+        named = "; ".join(f"{'.'.join(d['loc'])}: {d['msg']}" for d in details[:3])
+        more = f" (and {len(details) - 3} more)" if len(details) > 3 else ""
+        return InvalidRequest(f"invalid params for {self.name}: {named}{more}", details=details)
 
     def parse(self, params: JSON) -> Any:
         """The params as the handler takes them: the kind's model, or plain JSON."""
@@ -86,6 +100,29 @@ class TaskKind:
                 )
         if self.check is not None:
             self.check(self.parse(params), inputs)
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``30.0`` is the integer 30 (as JSON Schema says)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_integral(item) for item in value]
+    return value
+
+
+def _plain_json(params: Any) -> str:
+    """``params`` as JSON text, or InvalidRequest when they are not plain, finite JSON."""
+    try:
+        return json.dumps(_integral(params), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidRequest(
+            "params must be plain JSON: objects, arrays, strings, finite numbers, "
+            "true, false and null",
+            details=[{"loc": ["params"], "msg": "not plain JSON", "type": "json_invalid"}],
+        ) from None
 
 
 def find_kind(kinds: dict[str, TaskKind], name: str) -> TaskKind:

@@ -120,9 +120,22 @@ def check_url(url: str, *, allow_private: bool) -> None:
         raise _invalid("webhook_url", "webhook_url must be an http or https URL with a host")
     if ":" not in host and not _HOSTNAME.match(host.lower()):
         raise _invalid("webhook_url", "webhook_url has an invalid host name")
+    port = _port_of(url)
+    if port is not None and not 1 <= port <= 65535:
+        raise _invalid("webhook_url", f"webhook_url has port {port}: a port is 1 to 65535")
     reason = host_refusal(host)
     if reason is not None and not allow_private:
-        raise _invalid("webhook_url", f"webhook_url may not point at {reason}")
+        raise _invalid("webhook_url", f"webhook_url may not point at {reason}; {ALLOW_HINT}")
+
+
+def _port_of(url: str) -> int | None:
+    """The port a URL names, read from its text (a URL parser may refuse or wrap it)."""
+    authority = url.split("://", 1)[-1].split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    host_port = authority.rsplit("@", 1)[-1]
+    _, colon, port = host_port.rpartition(":")
+    if not colon or "]" in port or not port.isdigit():
+        return None
+    return int(port)
 
 
 def host_refusal(host: str) -> str | None:
@@ -141,10 +154,48 @@ def host_refusal(host: str) -> str | None:
     return address_refusal(address)
 
 
+#: IPv6 prefixes whose last 32 bits are an IPv4 address: NAT64 (RFC 6052, RFC 8215).
+NAT64_PREFIXES = (
+    ipaddress.IPv6Network("64:ff9b::/96"),
+    ipaddress.IPv6Network("64:ff9b:1::/48"),
+)
+#: What a refusal at submission adds: the setting that would allow the address.
+ALLOW_HINT = "set KILN_WEBHOOK_ALLOW_PRIVATE=1 to allow it"
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries, if any: IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``), 6to4 (``2002::/16``), NAT64 or Teredo's client."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    last_32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if any(address in prefix for prefix in NAT64_PREFIXES):
+        return last_32
+    if int(address) >> 32 == 0 and int(address) > 1:  # ::a.b.c.d, deprecated
+        return last_32
+    return None
+
+
 def address_refusal(address: IPAddress) -> str | None:
-    """Why a webhook may not be sent to ``address``, or None for a public one."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    """Why a webhook may not be sent to ``address``, or None for a public one. An IPv6
+    address that carries an IPv4 address is judged by both."""
+    if isinstance(address, ipaddress.IPv6Address):
+        inner = embedded_ipv4(address)
+        reason = None if inner is None else _own_refusal(inner)
+        if reason is not None:
+            return f"{reason} inside {address}"
+        if inner is not None and address.ipv4_mapped is not None:
+            return None  # ::ffff:a.b.c.d is that public IPv4 address
+        if any(address in prefix for prefix in NAT64_PREFIXES[1:]):
+            return f"a local-use NAT64 address ({address})"
+    return _own_refusal(address)
+
+
+def _own_refusal(address: IPAddress) -> str | None:
     checks = (
         ("loopback", address.is_loopback),
         ("link-local", address.is_link_local),

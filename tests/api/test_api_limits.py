@@ -33,6 +33,7 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after_and_nothing_is_s
         refused = await api.submit(image_body("one too many"))
         error = assert_error(refused, 429, "rate_limited")
         assert "alice" in error["message"]
+        assert "KILN_TENANT_LIMITS" in error["message"]
         retry_after = int(refused.headers["Retry-After"])
         # One token comes back every 100 s; most of that is left
         assert 1 <= retry_after <= math.ceil(1 / 0.01)

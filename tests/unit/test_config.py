@@ -18,7 +18,12 @@ from kiln.errors import ConfigError, KilnError
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The parsers that take any text but blanks: no value of theirs is refused.
-FREE_TEXT = ("some text", "a path", "comma-separated names")
+FREE_TEXT = (
+    "some text",
+    "a path",
+    "comma-separated names",
+    "a key of printable characters without spaces",
+)
 #: A unit and the suffix a variable's name ends with when it has that unit.
 UNIT_SUFFIXES = {
     "s": "_S",

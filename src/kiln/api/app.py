@@ -32,6 +32,7 @@ from kiln.api.errors import error_response, error_responses
 from kiln.api.metrics import RequestMetrics
 from kiln.api.openapi import openapi_builder
 from kiln.api.schemas import HealthOut
+from kiln.api.server_limits import BodyDeadline
 from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
@@ -233,6 +234,7 @@ def create_app(
     )
     api.state.kiln = state
     errors.install(api)
+    api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     api.include_router(tasks.router)
     api.include_router(events.router)

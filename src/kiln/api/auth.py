@@ -18,6 +18,7 @@ from starlette.requests import HTTPConnection
 from kiln.api.state import api_state
 from kiln.app import DEFAULT_TENANT
 from kiln.config import OUTPUT_URL_MODES, RESERVED_TENANTS, Settings
+from kiln.config_values import key_refusal
 from kiln.errors import Forbidden, Unauthorized
 
 ADMIN_TENANT = "admin"
@@ -46,8 +47,10 @@ def check_settings(settings: Settings) -> None:
         raise ValueError(f"KILN_API_KEYS may not use the reserved tenant {sorted(reserved)[0]!r}")
     if settings.admin_key is not None and settings.admin_key in settings.api_keys:
         raise ValueError("KILN_ADMIN_KEY must differ from every key in KILN_API_KEYS")
-    if any(not key for key in settings.api_keys) or settings.admin_key == "":
-        raise ValueError("an API key may not be empty")
+    if settings.admin_key is not None and key_refusal(settings.admin_key) is not None:
+        raise ValueError(f"KILN_ADMIN_KEY is not usable: {key_refusal(settings.admin_key)}")
+    if any(key_refusal(key) is not None for key in settings.api_keys):
+        raise ValueError("KILN_API_KEYS holds a key that is blank or holds spaces")
     if settings.output_urls not in OUTPUT_URL_MODES:
         modes = " or ".join(OUTPUT_URL_MODES)
         raise ValueError(f"KILN_OUTPUT_URLS must be {modes}, not {settings.output_urls!r}")
@@ -57,7 +60,7 @@ def authenticate(settings: Settings, key: str | None) -> Principal:
     """The principal a presented key stands for; Unauthorized when it stands for none."""
     if not settings.auth_enabled:
         return Principal(DEFAULT_TENANT, admin=False, may_review=True)
-    if not key:
+    if not key or not key.strip():  # a blank token never matches, whatever is configured
         raise Unauthorized("an API key is required: send Authorization: Bearer <key>")
     presented = key.encode()
     tenant: str | None = None

@@ -26,12 +26,14 @@ log = logging.getLogger("kiln.api")
 #: API code → HTTP status (API.md's table, plus the engine's own codes).
 HTTP_STATUS: dict[str, int] = {
     "invalid_request": 422,
+    "invalid_cursor": 422,
     "unknown_kind": 422,
     "idempotency_key_reused": 422,
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,
     "method_not_allowed": 405,
+    "request_timeout": 408,
     "already_final": 409,
     "not_retryable": 409,
     "not_in_review": 409,
@@ -39,10 +41,12 @@ HTTP_STATUS: dict[str, int] = {
     "payload_too_large": 413,
     "unsupported_media_type": 415,
     "rate_limited": 429,
+    "headers_too_large": 431,
     "internal_error": 500,
     "store_unavailable": 503,
     "storage_error": 503,
     "not_ready": 503,
+    "server_busy": 503,
 }
 
 #: HTTP status → code, for errors raised by the framework rather than by kiln.
@@ -96,11 +100,15 @@ def kiln_error_response(error: KilnError) -> JSONResponse:
         log.error("request_failed", extra={"code": error.code}, exc_info=error)
         return error_response("internal_error", "the server failed to answer this request")
     headers: dict[str, str] = {}
+    message = error.message
     if isinstance(error, RateLimited):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+        message += " (KILN_TENANT_LIMITS or KILN_TENANT_RATE_PER_S allows more)"
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return error_response(error.code, error.message, error.details, headers=headers or None)
+    if status == 408:  # the rest of a slow body is never read: the connection must end
+        headers["Connection"] = "close"
+    return error_response(error.code, message, error.details, headers=headers or None)
 
 
 def validation_details(errors: Sequence[Any]) -> list[dict[str, Any]]:
@@ -149,7 +157,11 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 def install(app: FastAPI) -> None:
-    """Register the handlers that give every error response the envelope."""
+    """Register the handlers that give every error response the envelope.
+
+    A path with a stray trailing slash is 404 in the envelope, not a redirect: the
+    router's redirect would copy the client's Host header into ``Location``."""
+    app.router.redirect_slashes = False
     app.add_exception_handler(KilnError, _on_kiln_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)

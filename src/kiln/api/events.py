@@ -23,6 +23,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from kiln.api.auth import Principal, authenticate, bearer_key, require_stream_principal
 from kiln.api.errors import error_responses
+from kiln.api.schemas import MAX_SEQ
 from kiln.api.state import ApiState, api_state
 from kiln.bus import Message
 from kiln.errors import InvalidRequest, NotFound, Unauthorized
@@ -48,7 +49,7 @@ _SSE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 After = Annotated[
     int | None,
-    Query(ge=0, description="Send only events with a larger seq (like Last-Event-ID)"),
+    Query(ge=0, le=MAX_SEQ, description="Send only events with a larger seq (like Last-Event-ID)"),
 ]
 LastEventId = Annotated[
     str | None,
@@ -64,8 +65,8 @@ def resume_point(after: int | None, last_event_id: str | None) -> int | None:
             header = int(last_event_id.strip())
         except ValueError:
             raise InvalidRequest("Last-Event-ID must be an event id (an integer)") from None
-        if header < 0:
-            raise InvalidRequest("Last-Event-ID must not be negative")
+        if not 0 <= header <= MAX_SEQ:
+            raise InvalidRequest(f"Last-Event-ID must be an event id, 0 to {MAX_SEQ}")
         points.append(header)
     return max(points) if points else None
 
@@ -179,8 +180,8 @@ def _ws_after(websocket: WebSocket) -> int | None:
         value = int(raw)
     except ValueError:
         raise InvalidRequest("after must be a non-negative integer") from None
-    if value < 0:
-        raise InvalidRequest("after must be a non-negative integer")
+    if not 0 <= value <= MAX_SEQ:
+        raise InvalidRequest(f"after must be an event id, 0 to {MAX_SEQ}")
     return value
 
 

@@ -16,6 +16,9 @@ from kiln import webhooks
 from kiln.states import Status
 
 JSONObject = dict[str, Any]
+#: The largest event seq (a signed 64-bit integer in both databases): a larger resume
+#: point (``?after=``, ``Last-Event-ID``) is refused before the store is asked.
+MAX_SEQ = 2**63 - 1
 #: The shape of a webhook URL the OpenAPI document promises is taken: http(s) and a host
 #: name (the server checks more: see kiln.webhooks.check_url).
 WEBHOOK_URL_PATTERN = (

@@ -7,7 +7,6 @@ which holds the policy), and shape the answer. A rejected request stores nothing
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
@@ -23,7 +22,9 @@ from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
 from kiln.api.state import ApiState, api_state
+from kiln.api.strict_json import RenderedJSON, parse_json
 from kiln.api.uploads import read_upload
+from kiln.app import CURSOR_PATTERN
 from kiln.breakers import breakers_json
 from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
@@ -55,6 +56,13 @@ def _blank_to_none(value: Any) -> Any:
     return None if value == "" else value
 
 
+def _status_of(value: Any) -> Any:
+    """A status filter in any case (``success``, ``Success``): statuses are upper case."""
+    if isinstance(value, str):
+        value = value.strip().upper()
+    return _blank_to_none(value)
+
+
 # Request bodies -------------------------------------------------------------------------
 
 
@@ -79,33 +87,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+        raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json(body: bytes, where: str = "body") -> Any:
-    """Strict JSON: no NaN or Infinity, no lone surrogates, no bottomless nesting."""
-    what = "the request body" if where == "body" else f"the {where!r} part"
-    if not body.strip():
-        raise InvalidRequest(f"{what} is empty: send a JSON object")
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-        canonical.canonical_json(data).encode("utf-8")
-    except (ValueError, RecursionError) as exc:
-        detail = {"loc": [where], "msg": str(exc)[:300], "type": "json_invalid"}
-        raise InvalidRequest(f"{what} is not valid JSON", details=[detail]) from None
-    return data
+def body_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the request body is larger than {limit} bytes (KILN_MAX_BODY_BYTES allows more)"
+    )
 
 
 async def json_body(request: Request, limit: int) -> Any:
@@ -138,13 +134,13 @@ async def task_response(
     status_code: int = 200,
     deduplicated: bool = False,
     headers: dict[str, str] | None = None,
-) -> JSONResponse:
+) -> Response:
     position = await state.app.queue_position(task)
     waiting = await state.app.pool_wait(task)
     body = task_json(
         task, queue_position=position, deduplicated=deduplicated, resource_wait=waiting
     )
-    return JSONResponse(body, status_code=status_code, headers=headers)
+    return RenderedJSON(body, status_code=status_code, headers=headers)
 
 
 def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
@@ -313,13 +309,20 @@ async def get_task(task_id: str, request: Request, principal: Caller) -> Respons
 async def list_tasks(
     request: Request,
     principal: Caller,
-    status: Annotated[Status | None, BeforeValidator(_blank_to_none), Query()] = None,
+    status: Annotated[
+        Status | None,
+        BeforeValidator(_status_of),
+        Query(description="a status, in any case"),
+    ] = None,
     kind: Annotated[str | None, BeforeValidator(_blank_to_none), Query()] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[
         str | None,
         BeforeValidator(_blank_to_none),
-        Query(description="`next_cursor` of the previous page"),
+        Query(
+            description="`next_cursor` of the previous page (anything else: 422 `invalid_cursor`)",
+            json_schema_extra={"pattern": f"^{CURSOR_PATTERN.pattern}$"},
+        ),
     ] = None,
 ) -> Response:
     state = api_state(request)
@@ -332,7 +335,7 @@ async def list_tasks(
         task_json(t, queue_position=p, resource_wait=w)
         for t, p, w in zip(tasks, positions, waits, strict=True)
     ]
-    return JSONResponse({"items": items, "next_cursor": next_cursor})
+    return RenderedJSON({"items": items, "next_cursor": next_cursor})
 
 
 @router.get(

@@ -155,7 +155,8 @@ class UploadReader:
         if part.digest is None:
             if len(part.data) > self.settings.max_body_bytes:
                 raise PayloadTooLarge(
-                    f"the 'request' part is larger than {self.settings.max_body_bytes} bytes"
+                    f"the 'request' part is larger than {self.settings.max_body_bytes} bytes "
+                    "(KILN_MAX_BODY_BYTES allows more)"
                 )
             return
         part.digest.update(chunk)
@@ -166,7 +167,7 @@ class UploadReader:
         if part.digest is not None:
             self._check_signature(part)
             part.content, part.data = bytes(part.data), bytearray()
-            part.header = inputs.probe(part.content, self.settings.max_image_pixels)
+            part.header = probe(part.content, self.settings.max_image_pixels)
 
     def _end(self) -> None:
         self.ended = True
@@ -180,7 +181,7 @@ class UploadReader:
             part.probed = True
             # A header may run past this point: then the whole file decides.
             with contextlib.suppress(UnsupportedMediaType):
-                inputs.probe(bytes(part.data), self.settings.max_image_pixels)
+                probe(bytes(part.data), self.settings.max_image_pixels)
 
     @staticmethod
     def _check_signature(part: _Part) -> None:
@@ -192,7 +193,17 @@ class UploadReader:
 
 
 def too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the upload is larger than {limit} bytes")
+    return PayloadTooLarge(
+        f"the upload is larger than {limit} bytes (KILN_MAX_UPLOAD_BYTES allows more)"
+    )
+
+
+def probe(data: bytes, max_pixels: int) -> inputs.ImageHeader:
+    """:func:`kiln.inputs.probe`, its pixel refusal naming the setting that allows more."""
+    try:
+        return inputs.probe(data, max_pixels)
+    except PayloadTooLarge as exc:
+        raise PayloadTooLarge(f"{exc.message} (KILN_MAX_IMAGE_PIXELS allows more)") from None
 
 
 def boundary_of(request: Request) -> bytes:
