@@ -35,7 +35,8 @@ def test_a_refused_submission_prints_the_apis_code_message_and_every_detail(
     result = kiln_cli(server, "submit", unique("a red fox"), "--steps", "1000")
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        "kiln: invalid_request: invalid params for image.generate",
+        "kiln: invalid_request: invalid params for image.generate: params.steps: Input should"
+        " be less than or equal to 150",
         "  params.steps: Input should be less than or equal to 150 (less_than_equal)",
     ]
 
