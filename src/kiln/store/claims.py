@@ -281,10 +281,14 @@ class ClaimOps(Ops):
         picked = choose(found, limit, policy, rooms, tenants)
         locking = sorted({c.tenant for c in picked if policy.cap(c.tenant) is not None})
         if locking:
-            for tenant in locking:  # in name order: two claims never wait on each other
-                await tx.lock_tenant(tenant)
+            waited = [t for t in locking if await tx.lock_tenant(t)]  # in name order
             rooms.update(room(policy, locking, await self._running(tx, locking)))
-            picked = choose(picked, limit, policy, rooms, tenants)
+            for tenant in waited:  # another claim ran meanwhile: read its line again
+                found = [c for c in found if c.tenant != tenant]
+                for kind in kinds:
+                    take = min(limit, rooms[tenant] or 0)
+                    found += await self._line(tx, kind, tenant, policy.aging_s, now, take)
+            picked = choose(found if waited else picked, limit, policy, rooms, tenants)
         if not picked:
             return []
         rows = await tx.all(self.q.lock_candidates, ([c.id for c in picked], now, now))

@@ -142,8 +142,12 @@ class PostgresTx(Counting):
         seqs = {event_id: seq for seq, event_id in await self.all(Q.insert_events, args)}
         return [r.event_for(seqs[event_id]) for event_id, r in zip(ids, rows, strict=True)]
 
-    async def lock_tenant(self, tenant: str) -> None:
+    async def lock_tenant(self, tenant: str) -> bool:
+        found = await self.one(Q.try_lock_tenant, (ADVISORY_CAPS, tenant))
+        if found is not None and found[0]:
+            return False
         await self.conn.execute(Q.lock_tenant, (ADVISORY_CAPS, tenant))
+        return True
 
     async def notify_ready(self) -> None:
         if self.notify():

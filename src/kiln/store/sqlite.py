@@ -365,8 +365,9 @@ class SqliteTx(Counting):
             found.append(r.event_for(seq))
         return found
 
-    async def lock_tenant(self, tenant: str) -> None:
+    async def lock_tenant(self, tenant: str) -> bool:
         """The writer is serial: one claim at a time already."""
+        return False
 
     async def notify_ready(self) -> None:
         """Workers in other processes on the same file find new work by polling."""

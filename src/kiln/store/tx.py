@@ -120,8 +120,9 @@ class Tx(Protocol):
 
     async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]: ...
 
-    async def lock_tenant(self, tenant: str) -> None:
-        """Hold the claim lock of a capped tenant until commit (serial drivers: no-op)."""
+    async def lock_tenant(self, tenant: str) -> bool:
+        """Hold the claim lock of a capped tenant until commit; whether another claim held
+        it first, so this one waited (a serial driver never waits)."""
         ...
 
     async def notify_ready(self) -> None:

@@ -33,6 +33,10 @@ FROM events WHERE seq > ? ORDER BY seq LIMIT ?
 -- One claim at a time per capped tenant, until commit: (namespace, tenant).
 SELECT pg_advisory_xact_lock(?, hashtext(?))
 
+-- try_lock_tenant --
+-- The same lock when free now (true), else nothing taken (false): (namespace, tenant).
+SELECT pg_try_advisory_xact_lock(?, hashtext(?))
+
 -- submit_one --
 -- A submission without an idempotency key in one statement: the task (unless a live or
 -- successful task holds its content), its event and its count. The event row reads the
