@@ -12,7 +12,11 @@ they are kept under real concurrency:
 - counters are sharded rows, so concurrent transactions rarely wait on the same counter;
 - event ``seq`` numbers are handed out at insert and become visible at commit, so a
   tail by sequence number waits out gaps of transactions in flight (``tail``);
-- idle workers are woken by ``LISTEN kiln_ready`` / ``NOTIFY`` (coalesced per process).
+- idle workers are woken by ``LISTEN kiln_ready`` / ``NOTIFY`` (coalesced per process);
+- a submission without a key and a worker's plain step are one statement each, and the
+  ones that arrive while a batch commits go together into the next: one transaction and
+  one round trip (pipeline mode) for them all, each still its own compare-and-set
+  (:class:`_Batch`).
 
 A connection that broke (a database restart, a network cut) is replaced and the call
 retried when nothing can have been committed; otherwise the call raises
@@ -26,16 +30,18 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from kiln import counters as names
 from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import CLAIMABLE, FINAL, Event
+from kiln.states import CLAIMABLE, FINAL, Event, Status
 from kiln.store.claims import ADVISORY_CAPS
 from kiln.store.queries import migrations, queries
 from kiln.store.records import Change, Clock
@@ -52,6 +58,8 @@ Pool = AsyncConnectionPool[Conn]
 COUNTER_SHARDS = 16
 READY_CHANNEL = "kiln_ready"
 NOTIFY_EVERY_S = 0.05
+#: Writes one batch transaction takes at most.
+BATCH_MAX = 256
 ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
 Q = queries("postgres")
 
@@ -189,6 +197,104 @@ class _CommitUnknown(Exception):
     """The connection broke during COMMIT: the transaction may or may not have landed."""
 
 
+@dataclass(slots=True)
+class _Step:
+    """One write of a batch: a statement whose row comes back when it wrote, the counts
+    that row adds, and whether it makes work claimable (NOTIFY)."""
+
+    order: str
+    counted: tuple[str, list[Any]]  # the statement alone, counting itself (autocommit)
+    bare: tuple[str, list[Any]]  # the statement in a batch, counted by the batch
+    counts: Callable[[Row, Tally], None]
+    notify: bool
+    future: asyncio.Future[Row | None]
+
+
+class _Batch:
+    """The one-statement writes of a process (submissions, workers' plain steps) that
+    arrive while a batch commits go together into the next one: one transaction and one
+    round trip for them all (pipeline mode), each still its own compare-and-set. Rows are
+    locked in task id order and counts added once, sorted, at the end, so two batches never
+    wait on each other in a circle. A write alone runs as its own counted statement."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        self.waiting: list[_Step] = []
+        self.draining: asyncio.Task[None] | None = None
+
+    async def run(self, step: _Step) -> Row | None:
+        self.waiting.append(step)
+        if self.draining is None or self.draining.done():
+            self.draining = asyncio.create_task(self._drain(), name="kiln-pg-batch")
+        return await step.future
+
+    async def _drain(self) -> None:
+        while self.waiting:
+            batch, self.waiting = self.waiting[:BATCH_MAX], self.waiting[BATCH_MAX:]
+            batch = [step for step in batch if not step.future.done()]  # a caller gave up
+            if not batch:
+                continue
+            try:
+                rows = await self._commit(sorted(batch, key=lambda s: s.order))
+            except BaseException as exc:  # every waiter gets the failure
+                for step in batch:
+                    if not step.future.done():
+                        step.future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for step in batch:
+                if not step.future.done():
+                    step.future.set_result(rows[id(step)])
+
+    async def _commit(self, batch: list[_Step]) -> dict[int, Row | None]:
+        if len(batch) == 1:
+            (step,) = batch
+            sql, args = step.counted
+            return {id(step): await self.store._statement(sql, args, notify=step.notify)}
+        for attempt in range(4):
+            try:
+                return await self._together(batch)
+            except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                if attempt == 3:
+                    raise
+            except psycopg.errors.IntegrityError:  # one of them broke one: each on its own
+                return await self._each(batch)
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                await self.store._drop_broken()
+                raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def _each(self, batch: list[_Step]) -> dict[int, Row | None]:
+        rows: dict[int, Row | None] = {}
+        for step in batch:
+            rows[id(step)] = None
+            try:
+                rows[id(step)] = await self.store._statement(*step.counted, notify=step.notify)
+            except Exception as exc:
+                step.future.set_exception(exc)
+        return rows
+
+    async def _together(self, batch: list[_Step]) -> dict[int, Row | None]:
+        rows: dict[int, Row | None] = {}
+        async with (
+            self.store._connection() as conn,
+            conn.pipeline() as pipeline,
+            conn.transaction(),
+        ):
+            cursors = [await conn.execute(*step.bare) for step in batch]
+            await pipeline.sync()
+            tx = PostgresTx(conn)
+            for step, cursor in zip(batch, cursors, strict=True):
+                row = rows[id(step)] = await cursor.fetchone()
+                if row is not None:
+                    step.counts(row, tx.tally)
+            await tx.flush()
+            if any(step.notify and rows[id(step)] is not None for step in batch):
+                await conn.execute(f"NOTIFY {READY_CHANNEL}")
+        return rows
+
+
 class PostgresStore(Store):
     """The store for many processes on many machines. See the module docstring."""
 
@@ -208,6 +314,7 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self.ready_listeners: list[Callable[[], None]] = []
         self._closed = False
+        self._batches: dict[asyncio.AbstractEventLoop, _Batch] = {}
 
     @classmethod
     async def open(cls, url: str, *, clock: Clock, pool_size: int = 10) -> PostgresStore:
@@ -410,10 +517,31 @@ class PostgresStore(Store):
         live or successful task holds its content), its event and its count. None when
         the content is taken (the transactional path then answers with that task)."""
         now = self.clock()
-        args = [*insert_args(new, now), str(Event.SUBMIT), now,
-                random.randrange(COUNTER_SHARDS)]  # fmt: skip
-        row = await self._statement(Q.submit_one, args, notify=self._notify_due(now))
+        bare = [*insert_args(new, now), str(Event.SUBMIT), now]
+        counted = [*bare, random.randrange(COUNTER_SHARDS)]
+
+        def counts(row: Row, tally: Tally) -> None:
+            tally.count_status(row[1], Status.PENDING, 1)
+
+        row = await self._batched(new.id, (Q.submit_one, counted), (Q.submit_bare, bare),
+                                  counts, notify=self._notify_due(now))  # fmt: skip
         return None if row is None else task_from_row(row)
+
+    async def _batched(
+        self,
+        order: str,
+        counted: tuple[str, list[Any]],
+        bare: tuple[str, list[Any]],
+        counts: Callable[[Row, Tally], None],
+        *,
+        notify: bool = False,
+    ) -> Row | None:
+        """One write through this loop's batch (:class:`_Batch`)."""
+        loop = asyncio.get_running_loop()
+        batch = self._batches.get(loop)
+        if batch is None:
+            batch = self._batches[loop] = _Batch(self)
+        return await batch.run(_Step(order, counted, bare, counts, notify, loop.create_future()))
 
     async def _statement(
         self, sql: str, args: Sequence[Any], *, notify: bool = False
@@ -457,12 +585,19 @@ class PostgresStore(Store):
         sets = sql.removeprefix("UPDATE tasks SET ").removesuffix(" WHERE id = %s RETURNING *")
         shard = random.randrange(COUNTER_SHARDS)
         final = target in FINAL
-        args = [
+        bare = [
             change.task_id, str(source), change.expect_epoch, *set_args[:-1],
             str(event), str(source), str(target), final, dumps(change.error), now, now,
-            shard, str(source), str(target), f"{source}>{target}", shard,
         ]  # fmt: skip
-        row = await self._statement(Q.one_step.replace("{sets}", sets), args)
+        counted = [*bare, shard, str(source), str(target), f"{source}>{target}", shard]
+
+        def counts(row: Row, tally: Tally) -> None:
+            tally.count_status(row[1], source, -1)
+            tally.count_status(row[1], target, 1)
+            tally.bump(names.TRANSITIONS, f"{source}>{target}")
+
+        row = await self._batched(change.task_id, (Q.one_step.replace("{sets}", sets), counted),
+                                  (Q.step_bare.replace("{sets}", sets), bare), counts)  # fmt: skip
         if row is None:
             return None
         task = task_from_row(row)

@@ -29,6 +29,12 @@ class Tally(collections.Counter[tuple[str, str, str]]):
     tenant, status)`` and ``("counters", name, labels)``. A driver writes each distinct row
     once per commit, so counts stay off the hot path and never drift from what they count."""
 
+    def count_status(self, tenant: str, status: Status, delta: int) -> None:
+        self[("task_counts", tenant, str(status))] += delta
+
+    def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
+        self[("counters", name, labels)] += delta
+
     def rows(self, table: str) -> list[tuple[str, str, int]]:
         """The non-zero deltas of ``table``, in a fixed order (no deadlocks)."""
         return sorted((a, b, n) for (t, a, b), n in self.items() if t == table and n)
@@ -50,10 +56,10 @@ class Counting:
     tally: Tally
 
     def count_status(self, tenant: str, status: Status, delta: int) -> None:
-        self.tally[("task_counts", tenant, str(status))] += delta
+        self.tally.count_status(tenant, status, delta)
 
     def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
-        self.tally[("counters", name, labels)] += delta
+        self.tally.bump(name, labels, delta)
 
 
 def violation(message: str, *, unique: bool) -> IntegrityViolation:

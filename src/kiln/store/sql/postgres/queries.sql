@@ -82,3 +82,36 @@ c AS (
     INSERT INTO counters (name, labels, shard, n) SELECT 'transitions', ?, ?, 1 FROM u
     ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
 SELECT u.*, (SELECT seq FROM e) FROM u
+
+-- submit_bare --
+-- submit_one without its count, for a batch of statements (kiln/store/postgres.py,
+-- _Batch) that adds its counts once, in a fixed order, at the end: (insert_task's
+-- parameters, submit, now).
+WITH t AS (
+    INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
+        inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
+        deadline_at, timeouts, created_at, updated_at, status_since, webhook)
+    VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
+        AND status NOT IN {NOT_LIVE} DO NOTHING
+    RETURNING *),
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT t.id || ':1', t.id, t.tenant, ?, NULL, 'PENDING', false, t.attempt, t.epoch,
+        NULL, ?, NULL FROM t RETURNING seq)
+SELECT t.*, (SELECT seq FROM e) FROM t
+
+-- step_bare --
+-- one_step without its counts, for a batch: (id, status, epoch, the SET parameters,
+-- event, from, to, final, error, now, now).
+WITH o AS (SELECT id, status_since FROM tasks WHERE id = ? AND status = ? AND epoch = ?
+    FOR UPDATE),
+u AS (UPDATE tasks SET {sets} FROM o WHERE tasks.id = o.id
+    RETURNING tasks.*, o.status_since AS since),
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT u.id || ':' || u.version, u.id, u.tenant, ?, ?, ?, ?, u.attempt, u.epoch, ?, ?,
+        ? - u.since FROM u RETURNING seq)
+SELECT u.*, (SELECT seq FROM e) FROM u
