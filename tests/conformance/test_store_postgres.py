@@ -12,14 +12,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from kiln.errors import StoreUnavailable
-from kiln.states import Status
+from kiln.errors import LeaseLost, StoreUnavailable
+from kiln.states import Event, Status, replay
 from kiln.store.postgres import PostgresStore, migrate
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlstore import purge_candidates
 from services.postgres import PostgresServer, free_port
 
-from .factories import KIND, make_new_task
+from .factories import KIND, make_new_task, step_change
 
 pytestmark = pytest.mark.postgres
 Q = queries("postgres")
@@ -297,3 +297,65 @@ async def test_many_first_calls_at_once_migrate_once(postgres_server: PostgresSe
         assert sorted(versions) == [v for v, _, _ in migrations("postgres")]
     finally:
         await store.close()
+
+
+# the batch of one-statement writes
+
+
+async def test_concurrent_steps_share_one_transaction_and_each_stays_its_own_cas(
+    pg: PostgresStore,
+) -> None:
+    # Given 20 claimed tasks, 3 of which moved on since their worker read them
+    for n in range(20):
+        await pg.submit(make_new_task({"n": n}))
+    claimed = await pg.claim(worker_id="w", kinds=[KIND], limit=20, lease_ttl_s=60)
+    stale = {t.id for t in claimed[::7]}
+    for task in claimed:
+        if task.id in stale:
+            await pg.apply(step_change(task, Event.EXPIRE, fenced=False, bump_epoch=True))
+    before = pg.write_batches
+    counts_before = await pg.counters()
+    # When the 20 workers' acquires arrive at once
+    results = await asyncio.gather(
+        *(pg.apply(step_change(t, Event.ACQUIRE)) for t in claimed), return_exceptions=True
+    )
+    # Then they went as one batch, the stale ones were refused alone, the others committed
+    transactions, writes = (a - b for a, b in zip(pg.write_batches, before, strict=True))
+    assert (transactions, writes) == (1, 20)
+    for task, result in zip(claimed, results, strict=True):
+        if task.id in stale:
+            assert isinstance(result, LeaseLost)
+        else:
+            assert not isinstance(result, BaseException)
+            moved, events = result
+            assert moved.status is Status.GENERATING and len(events) == 1
+            assert events[0].seq > 0 and events[0].event is Event.ACQUIRE
+    # And counts, counters and logs agree with what committed
+    counters = await pg.counters()
+    moved_key = ("transitions", "WAITING_FOR_RESOURCE>GENERATING")
+    assert counters[moved_key] - counts_before.get(moved_key, 0) == 17
+    assert counters[("stale_writes", "")] - counts_before.get(("stale_writes", ""), 0) == 3
+    stats = await pg.stats(tenant=None, ghost_after_s=60)
+    assert stats.counts["GENERATING"] == 17 and stats.counts["TIMEOUT"] == 3
+    for task in claimed:
+        events = await pg.events(task_id=task.id)
+        assert replay((e.event, e.from_status, e.status) for e in events) is (
+            Status.TIMEOUT if task.id in stale else Status.GENERATING
+        )
+
+
+async def test_concurrent_submissions_share_transactions_and_dedup_still_holds(
+    pg: PostgresStore,
+) -> None:
+    # When 30 submissions arrive at once, 10 of them the same content
+    news = [make_new_task({"n": n}) for n in range(20)] + [
+        make_new_task({"same": True}) for _ in range(10)
+    ]
+    before = pg.write_batches
+    results = await asyncio.gather(*(pg.submit(new) for new in news))
+    transactions, _ = (a - b for a, b in zip(pg.write_batches, before, strict=True))
+    # Then they took fewer transactions than submissions, and made 21 tasks
+    assert transactions < 30
+    assert len({r.task.id for r in results}) == 21
+    assert sum(r.created for r in results) == 21
+    assert (await pg.stats(tenant=None, ghost_after_s=60)).counts["PENDING"] == 21

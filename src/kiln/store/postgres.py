@@ -221,6 +221,8 @@ class _Batch:
         self.store = store
         self.waiting: list[_Step] = []
         self.draining: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.writes = 0
 
     async def run(self, step: _Step) -> Row | None:
         self.waiting.append(step)
@@ -248,6 +250,8 @@ class _Batch:
                     step.future.set_result(rows[id(step)])
 
     async def _commit(self, batch: list[_Step]) -> dict[int, Row | None]:
+        self.batches += 1
+        self.writes += len(batch)
         if len(batch) == 1:
             (step,) = batch
             sql, args = step.counted
@@ -500,6 +504,12 @@ class PostgresStore(Store):
 
     def _notify_now(self) -> bool:
         return self._notify_due(self.clock())
+
+    @property
+    def write_batches(self) -> tuple[int, int]:
+        """(transactions, writes) of the one-statement batches of this process so far."""
+        done = list(self._batches.values())
+        return sum(b.batches for b in done), sum(b.writes for b in done)
 
     # the one-statement paths
 
