@@ -443,17 +443,25 @@ class Worker:
         if task.status not in RUNNING:
             return  # it left the running statuses as it was stopped (SUCCESS, FAILED, ...)
         ids = self._ids(attempt)
-        event = Event.STOPPED if task.cancel_requested else Event.RELEASE
-        fields = release_fields(task) if event is Event.RELEASE else None
         try:
-            await asyncio.wait_for(
-                self._transition(attempt, event, fields=fields, bump_epoch=event is Event.RELEASE),
-                timeout=RELEASE_TIMEOUT_S,
-            )
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                cancel = task.cancel_requested or await self._cancel_asked(task)
+                event = Event.STOPPED if cancel else Event.RELEASE
+                fields = None if cancel else release_fields(task)
+                await self._transition(attempt, event, fields=fields, bump_epoch=not cancel)
         except Exception as exc:  # the lease decides now; the supervisor takes it over
             log.warning("release_failed", extra={**ids, "error": str(exc) or type(exc).__name__})
             return
         log.info("attempt_released", extra={**ids, "event": str(event), "status": str(task.status)})
+
+    async def _cancel_asked(self, task: Task) -> bool:
+        """Whether a cancel was asked since the last heartbeat (from another process): a
+        task given back would otherwise wait in the queue with its cancel unheeded."""
+        try:
+            fresh = await self.engine.store.get(task.id)
+        except StoreUnavailable:
+            return False
+        return fresh is not None and fresh.epoch == task.epoch and fresh.cancel_requested
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
