@@ -148,7 +148,10 @@ def test_serve_stops_on_sigterm_with_a_stream_open_and_never_logs_the_access_tok
     processes: Processes, tmp_path: Path
 ) -> None:
     token = f"secret-{uuid.uuid4().hex}"
-    server = processes.serve(tmp_path / "data", "--workers", "1", KILN_API_KEYS=f"acme:{token}")
+    server = processes.serve(
+        tmp_path / "data", "--workers", "1", KILN_API_KEYS=f"acme:{token}",
+        KILN_SHUTDOWN_GRACE_S="1",  # the stalled attempt goes back after a second
+    )  # fmt: skip
     with kiln.Client(server.url, token) as client:
         task = client.submit(params=params(steps=9, step_ms=5, stall_attempts=1))
     url = f"{server.url}/v1/tasks/{task['id']}/events?access_token={token}"
