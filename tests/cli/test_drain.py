@@ -305,3 +305,24 @@ def test_sigterm_while_waiting_for_the_database_stops_at_once(
     assert process.popen.wait(timeout=10) == 0
     assert time.monotonic() - started < 5
     assert PASSWORD not in process.output()
+
+
+def test_sigterm_closes_an_open_websocket_with_service_restart(
+    processes: Processes, tmp_path: Path
+) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    server = processes.serve(tmp_path / "data", "--workers", "1", KILN_SHUTDOWN_GRACE_S="0.2")
+    with kiln.Client(server.url) as client:
+        task = client.submit(params=params(**LONG))
+    url = server.url.replace("http://", "ws://") + f"/v1/tasks/{task['id']}/ws"
+    with connect(url) as socket, pytest.raises(ConnectionClosed) as closed:
+        socket.recv(timeout=20)
+        os.kill(server.process.pid, signal.SIGTERM)
+        while True:
+            socket.recv(timeout=20)
+
+    assert server.process.popen.wait(timeout=30) == 0
+    assert closed.value.rcvd is not None
+    assert closed.value.rcvd.code == 1012
