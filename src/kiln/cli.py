@@ -203,6 +203,8 @@ def _hidden(url: str) -> str:
 
 def _one_line(exc: BaseException, url: str) -> str:
     """The first line of an error's message, without the URL's password."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "no answer"
     text = " ".join((str(exc).strip().splitlines() or [type(exc).__name__])[0].split())
     password = urlsplit(url).password
     for secret in {password, unquote(password or "")} - {None, ""}:

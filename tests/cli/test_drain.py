@@ -286,6 +286,29 @@ def test_an_unreachable_database_exits_2_in_bounded_time_without_its_password(
     assert "Traceback" not in out + err
 
 
+def test_an_unreachable_storage_exits_2_in_bounded_time(tmp_path: Path) -> None:
+    # Given an S3 URL whose server does not answer
+    url = f"s3://kiln/prefix?endpoint_url=http://127.0.0.1:{free_port()}"
+    env = clean_env(
+        KILN_STARTUP_TIMEOUT_S="1", AWS_ACCESS_KEY_ID="kiln", AWS_SECRET_ACCESS_KEY=PASSWORD
+    )
+
+    # When `kiln serve` starts on it
+    started = time.monotonic()
+    code, out, err = run_kiln(
+        ["serve", "--port", "0", "--data-dir", str(tmp_path), "--storage-url", url], env
+    )
+
+    # Then it gives up with one line naming the storage
+    assert code == 2
+    assert time.monotonic() - started < 20
+    assert (
+        err == f"kiln: cannot reach the storage at {url} within 1 s (no answer): check "
+        "KILN_STORAGE_URL and that it is up\n"
+    )
+    assert PASSWORD not in out + err
+
+
 def test_sigterm_while_waiting_for_the_database_stops_at_once(
     processes: Processes, tmp_path: Path
 ) -> None:
