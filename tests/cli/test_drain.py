@@ -302,10 +302,9 @@ def test_an_unreachable_storage_exits_2_in_bounded_time(tmp_path: Path) -> None:
     # Then it gives up with one line naming the storage
     assert code == 2
     assert time.monotonic() - started < 20
-    assert (
-        err == f"kiln: cannot reach the storage at {url} within 1 s (no answer): check "
-        "KILN_STORAGE_URL and that it is up\n"
-    )
+    assert err.count("\n") == 1
+    assert err.startswith(f"kiln: cannot reach the storage at {url} within 1 s (")
+    assert err.endswith("): check KILN_STORAGE_URL and that it is up\n")
     assert PASSWORD not in out + err
 
 
