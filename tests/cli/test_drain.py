@@ -247,8 +247,9 @@ def without_psycopg(tmp_path: Path) -> dict[str, str]:
     stub = tmp_path / "no-psycopg" / "psycopg"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('psycopg is not installed here')\n")
-    paths = [str(stub.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return clean_env(PYTHONPATH=os.pathsep.join(paths))
+    kiln_root = Path(kiln.__file__).resolve().parents[1]  # where this kiln imports from
+    paths = [str(stub.parent), str(kiln_root), os.environ.get("PYTHONPATH", "")]
+    return clean_env(PYTHONPATH=os.pathsep.join(filter(None, paths)))
 
 
 @pytest.mark.parametrize("command", [["serve", "--port", "0"], ["worker"], ["supervisor"]])
@@ -348,3 +349,19 @@ def test_sigterm_closes_an_open_websocket_with_service_restart(
     assert server.process.popen.wait(timeout=30) == 0
     assert closed.value.rcvd is not None
     assert closed.value.rcvd.code == 1012
+
+
+@pytest.mark.parametrize(
+    ("url", "error", "shown"),
+    [
+        ("postgresql://kiln:s3cret@db/kiln", "auth failed for s3cret\nhint", "auth failed for ***"),
+        ("postgresql://kiln:p%40ss@db/kiln", "bad p@ss and p%40ss", "bad *** and ***"),
+        ("sqlite:///kiln.db", "  disk   I/O error  ", "disk I/O error"),
+    ],
+)
+def test_a_startup_error_is_one_line_without_the_password(url: str, error: str, shown: str) -> None:
+    from kiln.cli import _hidden, _one_line
+
+    assert _one_line(RuntimeError(error), url) == shown
+    assert _one_line(TimeoutError(), url) == "no answer"
+    assert "s3cret" not in _hidden(url) and "p%40ss" not in _hidden(url)
