@@ -52,6 +52,7 @@ from kiln.reconcile import DEFAULT_EXAMPLES, Report, ResultLostPolicy, reconcile
 from kiln.reconcile import Options as ReconcileOptions
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
     from prometheus_client.registry import Collector
 
@@ -327,25 +328,34 @@ def serve(
     _opened(app)
     listening = _listen(settings.host, settings.port)  # before any worker can claim
     try:
-        asyncio.run(_serve(app, api, listening))
+        _serve(app, api, listening)
     finally:
         listening.close()
 
 
-async def _serve(app: kiln.App, api: FastAPI, listening: socket.socket) -> None:
-    """Wait for the database and the storage, then serve on the bound socket until a
-    signal stops the server (see :class:`kiln.api.app.GracefulServer`)."""
+def _serve(app: kiln.App, api: FastAPI, listening: socket.socket) -> None:
+    """Run the server on the bound socket, on uvicorn's event loop (uvloop when installed)."""
     import uvicorn
 
+    port = int(listening.getsockname()[1])
+    uvicorn_config = uvicorn.Config(
+        api, host=app.settings.host, port=port, timeout_graceful_shutdown=5
+    )
+    with asyncio.Runner(loop_factory=uvicorn_config.get_loop_factory()) as runner:
+        runner.run(_served(app, api, listening, uvicorn_config))
+
+
+async def _served(
+    app: kiln.App, api: FastAPI, listening: socket.socket, uvicorn_config: uvicorn.Config
+) -> None:
+    """Wait for the database and the storage, then serve until a signal stops the server
+    (see :class:`kiln.api.app.GracefulServer`)."""
     from kiln.api.app import GracefulServer, install_log_redaction, shutdown_of
 
     if not await _unless_signalled(_reachable(app)):
         return  # stopped while starting: nothing was claimed
-    settings = app.settings
-    port = int(listening.getsockname()[1])
-    uvicorn_config = uvicorn.Config(api, host=settings.host, port=port, timeout_graceful_shutdown=5)
     install_log_redaction()  # after uvicorn configured its loggers: no ?access_token= in logs
-    _print_banner(settings, port)
+    _print_banner(app.settings, uvicorn_config.port)
     for sig in SIGNALS:
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
