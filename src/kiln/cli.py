@@ -8,20 +8,33 @@ is such a usage error, for every command: ``kiln: KILN_PORT='x': expected a port
 
 Options that mirror a setting take their help, their environment variable and their
 default from :data:`kiln.config.VARIABLES`; the table alone reads the environment.
+
+The processes start safely: ``kiln serve`` binds its port before anything claims work,
+and every process waits at most ``KILN_STARTUP_TIMEOUT_S`` for the database and the
+storage to answer (SIGTERM and SIGINT end the wait); a port in use, an unreachable
+backend or a missing extra is exit 2 with one line, a URL's password hidden. They stop
+gracefully: the first SIGTERM or SIGINT drains (workers claim nothing more and let their
+running attempts finish within ``KILN_SHUTDOWN_GRACE_S``, then give the rest back
+uncounted; a supervisor hands its leadership over), a second one stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ipaddress
 import json
+import logging
 import re
 import signal
+import socket
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import typer
 from rich.console import Console
@@ -39,10 +52,14 @@ from kiln.reconcile import DEFAULT_EXAMPLES, Report, ResultLostPolicy, reconcile
 from kiln.reconcile import Options as ReconcileOptions
 
 if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
     from prometheus_client.registry import Collector
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+log = logging.getLogger("kiln.cli")
 
 JSON = dict[str, Any]
 
@@ -150,13 +167,112 @@ def _app(settings: Settings) -> kiln.App:
     return app
 
 
+#: The extra that provides a URL scheme's driver: what to install when it is missing.
+EXTRAS = {
+    "postgresql": ("PostgreSQL support", "postgres"),
+    "postgres": ("PostgreSQL support", "postgres"),
+    "s3": ("S3 storage support", "s3"),
+}
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _opened(app: kiln.App) -> kiln.App:
-    """``app`` with its store and storage opened: an unusable URL is a usage error."""
-    try:
-        _ = app.store, app.storage
-    except (ValueError, NotImplementedError) as exc:
-        raise ConfigError(str(exc)) from None
+    """``app`` with its store and storage opened (nothing is read yet): an unusable URL or
+    a driver that is not installed is a usage error."""
+    settings = app.settings
+    for url, part in (
+        (settings.resolved_database_url, lambda: app.store),
+        (settings.resolved_storage_url, lambda: app.storage),
+    ):
+        try:
+            part()
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(str(exc)) from None
+        except ImportError as exc:
+            raise _missing_extra(url, exc) from None
     return app
+
+
+def _missing_extra(url: str, exc: ImportError) -> ConfigError:
+    what, extra = EXTRAS.get(urlsplit(url).scheme, (None, None))
+    if extra is None:
+        return ConfigError(f"a package kiln needs cannot be imported ({exc}): reinstall kiln")
+    return ConfigError(f"{what} is not installed: pip install 'kiln[{extra}]'")
+
+
+def _hidden(url: str) -> str:
+    """``url`` with its password hidden, as ``kiln settings`` shows it."""
+    return config.variable("database_url").shown_value(url)
+
+
+def _one_line(exc: BaseException, url: str) -> str:
+    """The first line of an error's message, without the URL's password."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "no answer"
+    text = " ".join((str(exc).strip().splitlines() or [type(exc).__name__])[0].split())
+    password = urlsplit(url).password
+    for secret in {password, unquote(password or "")} - {None, ""}:
+        text = text.replace(str(secret), "***")
+    return text or type(exc).__name__
+
+
+async def _store_answers(app: kiln.App) -> None:
+    await app.store.last_seq()  # PostgreSQL: connects and applies pending migrations
+
+
+async def _storage_answers(app: kiln.App) -> None:
+    key = f"_kiln/startup-{uuid.uuid4().hex}"
+    await app.storage.put(key, b"ok")
+    await app.storage.delete(key)
+
+
+async def _reachable(app: kiln.App) -> None:
+    """Wait until the database and the storage answer, at most KILN_STARTUP_TIMEOUT_S;
+    then raise ConfigError naming the one that does not (exit 2)."""
+    settings = app.settings
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.startup_timeout_s
+    parts = (
+        ("database", settings.resolved_database_url, "KILN_DATABASE_URL", _store_answers),
+        ("storage", settings.resolved_storage_url, "KILN_STORAGE_URL", _storage_answers),
+    )
+    for what, url, variable, answers in parts:
+        delay_s = 0.1
+        while True:
+            try:
+                await asyncio.wait_for(answers(app), max(deadline - loop.time(), 0.01))
+                break
+            except Exception as exc:  # any failure: wait and try again, then say which
+                reason = _one_line(exc, url)
+                if loop.time() + delay_s >= deadline:
+                    raise ConfigError(
+                        f"cannot reach the {what} at {_hidden(url)} within "
+                        f"{settings.startup_timeout_s:g} s ({reason}): check {variable} "
+                        f"and that it is up",
+                        variable=variable,
+                    ) from None
+                log.debug("startup_waiting", extra={"part": what, "error": reason})
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 2.0)
+
+
+async def _unless_signalled(work: Awaitable[None]) -> bool:
+    """Run ``work`` (a startup step) unless SIGTERM or SIGINT cancels it first; whether
+    it ran to its end."""
+    loop = asyncio.get_running_loop()
+    running = asyncio.ensure_future(work)
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, running.cancel)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    finally:
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+    if running.cancelled():
+        log.info("stopped_while_starting")
+        return False
+    return True
 
 
 # processes
@@ -199,10 +315,7 @@ def serve(
         insecure=insecure or None,
     )
     _refuse_an_open_address(settings)
-    import uvicorn
-
-    from kiln.api.app import create_app, install_log_redaction
-    from kiln.api.server_limits import uvicorn_options
+    from kiln.api.app import create_app
 
     app = _app(settings)
     try:
@@ -216,19 +329,73 @@ def serve(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _opened(app)
+    listening = _listen(settings.host, settings.port)  # before any worker can claim
+    try:
+        _serve(app, api, listening)
+    finally:
+        listening.close()
+
+
+def _serve(app: kiln.App, api: FastAPI, listening: socket.socket) -> None:
+    """Run the server on the bound socket, on uvicorn's event loop (uvloop when installed)."""
+    import uvicorn
+
+    from kiln.api.server_limits import uvicorn_options
+
+    port = int(listening.getsockname()[1])
     uvicorn_config = uvicorn.Config(
         api,
-        host=settings.host,
-        port=settings.port,
+        host=app.settings.host,
+        port=port,
         timeout_graceful_shutdown=5,
-        **uvicorn_options(settings),  # head size, connections, head deadline: KILN_* settings
+        **uvicorn_options(app.settings),  # head size, connections, head deadline
     )
+    with asyncio.Runner(loop_factory=uvicorn_config.get_loop_factory()) as runner:
+        runner.run(_served(app, api, listening, uvicorn_config))
+
+
+async def _served(
+    app: kiln.App, api: FastAPI, listening: socket.socket, uvicorn_config: uvicorn.Config
+) -> None:
+    """Wait for the database and the storage, then serve until a signal stops the server
+    (see :class:`kiln.api.app.GracefulServer`)."""
+    from kiln.api.app import GracefulServer, install_log_redaction, shutdown_of
+
+    if not await _unless_signalled(_reachable(app)):
+        return  # stopped while starting: nothing was claimed
     install_log_redaction()  # after uvicorn configured its loggers: no ?access_token= in logs
-    _print_banner(settings)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    _print_banner(app.settings, uvicorn_config.port)
+    for sig in SIGNALS:
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uvicorn_config).run()
+    await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening: a port in use is exit 2, found
+    before anything starts (no task claimed by a server that cannot serve)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"{shown} is already in use (another kiln serve?): stop that process or "
+                "choose another port with --port or KILN_PORT",
+                variable="KILN_PORT",
+            ) from None
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"cannot listen on {shown}: {reason}: check --host/KILN_HOST and --port/KILN_PORT",
+            variable="KILN_HOST",
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _refuse_an_open_address(settings: Settings) -> None:
@@ -241,14 +408,14 @@ def _refuse_an_open_address(settings: Settings) -> None:
     )
 
 
-def _print_banner(settings: Settings) -> None:
+def _print_banner(settings: Settings, port: int) -> None:
     host = settings.host
     shown = f"[{host}]" if ":" in host else host
     workers = 0 if settings.no_workers else settings.workers
     out = Console(highlight=False)
-    out.print(f"kiln dashboard: http://{shown}:{settings.port}/")
-    out.print(f"database: {settings.resolved_database_url}")
-    out.print(f"storage:  {settings.resolved_storage_url}")
+    out.print(f"kiln dashboard: http://{shown}:{port}/")
+    out.print(f"database: {_hidden(settings.resolved_database_url)}")
+    out.print(f"storage:  {_hidden(settings.resolved_storage_url)}")
     out.print(f"workers:  {workers}; auth: {'on' if settings.auth_enabled else 'off'}")
 
 
@@ -264,7 +431,9 @@ def worker(
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
-    """A worker process only. SIGTERM or SIGINT gives running attempts back as retryable."""
+    """A worker process only. SIGTERM or SIGINT drains it: it claims nothing more, lets
+    running attempts finish within KILN_SHUTDOWN_GRACE_S, then gives the rest back to the
+    queue uncounted; a second signal gives them back at once."""
     settings = _settings(
         concurrency=concurrency,
         kinds=_kinds(kinds),
@@ -286,13 +455,15 @@ def worker(
 async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
     settings = app.settings
     async with app:
+        if not await _unless_signalled(_reachable(app)):
+            return
         process = app.worker(
             concurrency=settings.concurrency, kinds=kinds, resources={"gpu": settings.gpus}
         )
         readings = worker_readings(process)
         upstream: list[Collector] = [*backends.collectors(app), app.breakers]
         with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
-            await _until_signalled(process.run())
+            await _until_signalled(process.run(), drain=process.drain)
 
 
 @cli.command()
@@ -308,7 +479,8 @@ def supervisor(
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
-    """A supervisor process only (one of several leads)."""
+    """A supervisor process only (one of several leads). SIGTERM or SIGINT stops it and
+    hands its leadership over at once."""
     settings = _settings(
         data_dir=data_dir,
         database_url=database_url,
@@ -323,23 +495,39 @@ def supervisor(
 async def _run_supervisor(app: kiln.App) -> None:
     settings = app.settings
     async with app:
+        if not await _unless_signalled(_reachable(app)):
+            return
         process = app.supervisor()
         readings = supervisor_readings(process)
         with _metrics(settings.metrics_port, settings.metrics_host, readings):
             await _until_signalled(process.run())
 
 
-async def _until_signalled(work: Awaitable[None]) -> None:
-    """Run ``work`` until SIGTERM or SIGINT, then cancel it and let it clean up."""
+async def _until_signalled(work: Awaitable[None], drain: Callable[[], None] | None = None) -> None:
+    """Run ``work`` until it ends or signals stop it. The first SIGTERM or SIGINT calls
+    ``drain`` (the work then ends by itself), or cancels the work when there is no drain;
+    a second one cancels it. Cancelled work cleans up as it ends (a worker gives its
+    attempts back, a supervisor hands its leadership over)."""
     loop = asyncio.get_running_loop()
     running = asyncio.ensure_future(work)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, running.cancel)
+    signals = 0
+
+    def stop() -> None:
+        nonlocal signals
+        signals += 1
+        log.info("signalled", extra={"signals": signals})
+        if signals == 1 and drain is not None:
+            drain()
+        else:
+            running.cancel()
+
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, stop)
     try:
         with contextlib.suppress(asyncio.CancelledError):
             await running
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             loop.remove_signal_handler(sig)
 
 

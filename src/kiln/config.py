@@ -120,6 +120,8 @@ class Settings:
     kinds: tuple[str, ...] | None = None
     gpus: int = 1
     metrics_host: str = "127.0.0.1"
+    shutdown_grace_s: float = 30.0
+    startup_timeout_s: float = 30.0
     server: str = "http://127.0.0.1:8000"
 
     @property
@@ -321,6 +323,14 @@ VARIABLES: tuple[Variable, ...] = (
        shown="unset (off)"),
     _v("KILN_METRICS_HOST", "metrics_host", TEXT, "address of that `/metrics` "
        "(`--metrics-host`)", group=PROCESSES),
+    _v("KILN_SHUTDOWN_GRACE_S", "shutdown_grace_s", SECONDS_OR_ZERO, "on SIGTERM, how long "
+       "`kiln serve` and `kiln worker` let running attempts finish before giving them back "
+       "uncounted; keep it below the stop timeout (Kubernetes "
+       "`terminationGracePeriodSeconds`, systemd `TimeoutStopSec`)", group=PROCESSES,
+       unit="s"),
+    _v("KILN_STARTUP_TIMEOUT_S", "startup_timeout_s", SECONDS, "how long `kiln serve`, "
+       "`kiln worker` and `kiln supervisor` wait for the database and the storage to answer "
+       "at startup before they exit 2", group=PROCESSES, unit="s"),
     _v("KILN_LOG_FORMAT", "log_format", values.choice("text", "json"), "`text`, or `json`: "
        "one JSON object per line, one line per transition", group=PROCESSES),
     _v("KILN_LOG_LEVEL", "log_level",

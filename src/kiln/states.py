@@ -45,6 +45,7 @@ class Event(StrEnum):
     RETRY = "retry"
     DEADLINE = "deadline"
     LOSE = "lose"
+    RELEASE = "release"
 
 
 class Actor(StrEnum):
@@ -128,6 +129,9 @@ TRANSITIONS: tuple[Rule, ...] = (
           "result_lost: an output is gone or no longer matches; only at the epoch seen, "
           "epoch+1, result cleared; then schedule_retry (due now, max_attempts+1) under "
           "the rerun policy"),
+    _rule(Event.RELEASE, RUNNING, (S.PENDING,), Actor.WORKER,
+          "graceful stop (I9): the attempt goes back uncounted, attempt-1, epoch+1, "
+          "ready_at kept", fenced=True),
 )  # fmt: skip
 
 RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}

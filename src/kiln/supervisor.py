@@ -3,7 +3,9 @@
 Each sweep reads only what is due (indexed on status and expiry), so its cost follows
 the work due, not the size of the task table. Only the leader acts: leadership is a
 leased record in the store with its own epoch, and every action carries the leader's
-token, so a paused old leader's writes are refused.
+token, so a paused old leader's writes are refused. A supervisor that stops hands its
+leadership over at once (:meth:`Supervisor.resign`), so another one leads at its next
+sweep instead of after the leader row's lease.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kiln.store import LeaderToken
 log = logging.getLogger("kiln.supervisor")
 
 LEADER = "supervisor"
+#: The most a stopping supervisor waits to hand its leadership over (seconds).
+RESIGN_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -99,6 +103,30 @@ class Supervisor:
             dispatching.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await dispatching
+            await self.resign()
+
+    async def resign(self) -> None:
+        """Hand the leaderships over now (the sweep's and the webhook outbox's): each
+        leader row is renewed as already expired (same owner and epoch), so this process's
+        later writes are refused and another candidate takes the row, epoch+1, at its next
+        round. Bounded by :data:`RESIGN_TIMEOUT_S`; a row the store does not update lapses
+        by itself."""
+        held = [(LEADER, self.token), (webhooks.LEADER, self.webhooks.token)]
+        self.token = self.webhooks.token = None
+        for name, token in held:
+            if token is not None:
+                await self._resign(name, token)
+
+    async def _resign(self, name: str, token: LeaderToken) -> None:
+        ids = {"leader": name, "owner": self.owner, "epoch": token.epoch}
+        try:
+            await asyncio.wait_for(
+                self.engine.store.lead(name, self.owner, -self.leader_ttl_s), RESIGN_TIMEOUT_S
+            )
+        except Exception as exc:  # the lease runs out by itself
+            log.warning("resign_failed", extra={**ids, "error": str(exc) or type(exc).__name__})
+            return
+        log.info("leadership_resigned", extra=ids)
 
     async def sweep(self) -> SweepReport:
         started = time.perf_counter()

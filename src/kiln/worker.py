@@ -3,6 +3,19 @@
 Every write a worker makes is fenced by the task's lease epoch. A refused write
 (:class:`~kiln.errors.LeaseLost`) means another actor moved the task on: the worker stops
 working on it at once and never touches a newer attempt's storage location.
+
+A worker stops in one of two ways, and neither counts an attempt (DESIGN.md, I9):
+
+- :meth:`Worker.drain` (SIGTERM): it claims nothing more, gives back at once the attempts
+  that wait for a resource, lets the running ones finish within the grace period
+  (``KILN_SHUTDOWN_GRACE_S``), then gives the rest back and :meth:`Worker.run` returns;
+- cancelling :meth:`Worker.run` (a second signal, the end of an App): every attempt is
+  given back at once, each write bounded by :data:`RELEASE_TIMEOUT_S`.
+
+Giving an attempt back is the ``release`` event: the task returns to PENDING, its attempt
+number goes back by one and its place in the queue is kept (``ready_at``); the epoch is
+raised, so the attempt is fenced out. An attempt that cannot be given back in time keeps
+its lease until it lapses; the supervisor then expires it, and that attempt counts.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
 from kiln.kinds import HandlerResult, TaskKind, call_review
 from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.retry import classify
-from kiln.states import Event, Status
+from kiln.states import RUNNING, Event, Status
 from kiln.storage import sha256_hex, verify, write_manifest
 from kiln.store import Progress
 from kiln.store.pools import PoolWait, units_needed
@@ -45,6 +58,9 @@ STORE_RETRY_S = (0.1, 2.0)
 #: first of its waiters at once; a waiter that got its slot wakes the next.
 POOL_POLL_S = (0.05, 1.0)
 POOL_HEAD_POLL_S = 0.2
+#: The most a stopping worker waits for one ``release`` write (seconds); after that the
+#: attempt keeps its lease until it lapses, and the supervisor takes the task over.
+RELEASE_TIMEOUT_S = 3.0
 
 
 class ResourcePool:
@@ -183,6 +199,9 @@ class Worker:
             for name, kind in engine.kinds.items()
         }
         self._stopping = False
+        #: When the grace of a drain ends (on the event loop's clock); None: not draining.
+        self._drain_until: float | None = None
+        self._drain_wake = asyncio.Event()
         self._rng = random.Random()
         #: The circuit breakers of this worker's kinds, shared through the store.
         self.breakers = breakers if breakers is not None else Breakers(engine)
@@ -194,12 +213,33 @@ class Worker:
         if attempt is not None:
             self._halt(attempt, "cancel")
 
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called: the worker claims nothing more."""
+        return self._drain_until is not None
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Stop claiming now; let running attempts finish for ``grace_s`` seconds (default
+        KILN_SHUTDOWN_GRACE_S), then give the rest back, and let :meth:`run` return.
+
+        Call it from the worker's event loop. Calling it again only shortens the grace.
+        """
+        grace = self.engine.settings.shutdown_grace_s if grace_s is None else grace_s
+        until = asyncio.get_running_loop().time() + max(grace, 0.0)
+        if self._drain_until is None or until < self._drain_until:
+            self._drain_until = until
+            log.info("worker_draining", extra={"worker_id": self.worker_id,
+                     "running": len(self.attempts), "grace_s": grace})  # fmt: skip
+        self._slot_free.set()  # an idle claim loop notices at once
+        self._drain_wake.set()
+
     async def run(self) -> None:
-        """Claim and run tasks until cancelled; then stop the running attempts."""
+        """Claim and run tasks until :meth:`drain` ends or the call is cancelled; either
+        way the running attempts are given back, not counted (see the module docstring)."""
         idle_s = self.idle_poll_s[0]
         self.engine.cancel_listeners.append(self._cancel_requested)
         try:
-            while not self._stopping:
+            while not self._stopping and not self.draining:
                 free = self.concurrency - len(self.attempts)
                 if free > 0:
                     self.engine.wake.clear()
@@ -229,9 +269,35 @@ class Worker:
                         continue
                 await self._idle(idle_s, free > 0)
                 idle_s = min(idle_s * 2, self.idle_poll_s[1])
+            if self.draining:
+                await self._drain()
         finally:
             self.engine.cancel_listeners.remove(self._cancel_requested)
             await self.stop()
+
+    async def _drain(self) -> None:
+        """Give back what waits for a resource, let the rest run until the grace ends,
+        then give back what still runs and wait (boundedly) for those writes."""
+        for attempt in list(self.attempts.values()):
+            if attempt.task.status is Status.WAITING_FOR_RESOURCE:
+                self._halt(attempt, "release")  # not started: nothing to wait for
+        loop = asyncio.get_running_loop()
+        while self.attempts and self._drain_until is not None:
+            left_s = self._drain_until - loop.time()
+            if left_s <= 0:
+                break
+            self._drain_wake.clear()
+            woken = asyncio.ensure_future(self._drain_wake.wait())
+            runners = {a.runner for a in self.attempts.values() if a.runner is not None}
+            await asyncio.wait({woken, *runners}, timeout=left_s, return_when="FIRST_COMPLETED")
+            woken.cancel()
+        for attempt in list(self.attempts.values()):
+            self._halt(attempt, "release")
+        runners = {a.runner for a in self.attempts.values() if a.runner is not None}
+        if runners:
+            await asyncio.wait(runners, timeout=RELEASE_TIMEOUT_S + 1.0)
+        log.info("worker_drained", extra={"worker_id": self.worker_id,
+                 "left": len(self.attempts)})  # fmt: skip
 
     def _pool_room(self, kinds: list[str], free: int) -> tuple[list[str], int]:
         """The kinds to claim and how many: this process keeps at most a shared pool's
@@ -268,7 +334,9 @@ class Worker:
         self._slot_free.clear()
 
     async def stop(self) -> None:
-        """Stop running attempts; their leases lapse and the supervisor takes over."""
+        """Stop running attempts at once and give each back (``release``, bounded by
+        :data:`RELEASE_TIMEOUT_S`); one that cannot be given back keeps its lease until
+        it lapses, and the supervisor takes it over."""
         self._stopping = True
         pending = [a.runner for a in self.attempts.values() if a.runner is not None]
         for task in pending:
@@ -323,6 +391,8 @@ class Worker:
 
     async def _execute(self, attempt: Attempt) -> None:
         attempt.pipeline = asyncio.create_task(self._guarded(attempt))
+        if attempt.stop_reason is not None:  # halted before it started (a drain)
+            attempt.pipeline.cancel()
         heartbeat = asyncio.create_task(self._heartbeat(attempt))
         try:
             await self._settle(attempt, attempt.pipeline)
@@ -346,12 +416,17 @@ class Worker:
         except asyncio.CancelledError:
             if attempt.stop_reason == "cancel":
                 await self._transition(attempt, Event.STOPPED)
+            elif attempt.stop_reason == "release":  # a drain's grace ended
+                await self._release(attempt)
             elif attempt.stop_reason is None:
-                await self._give_back(attempt)
+                await self._release(attempt)
                 raise  # the worker itself is shutting down
         except LeaseLost:
             raise
         except Exception as exc:
+            if attempt.stop_reason == "release":  # stopped by a drain, whatever it raised
+                await self._release(attempt)
+                return
             if attempt.task.cancel_requested:  # a cancel was asked: stop, do not retry
                 await self._transition(attempt, Event.STOPPED)
                 return
@@ -360,13 +435,33 @@ class Worker:
             wait_s = exc.retry_after_s if isinstance(exc, Retryable) else None
             await self._transition(attempt, Event.FAIL, retry_error=error, retry_after_s=wait_s)
 
-    async def _give_back(self, attempt: Attempt) -> None:
-        """On shutdown, end the attempt now (retryable) instead of letting the lease lapse."""
-        error = {"code": "worker_shutdown", "message": "the worker stopped", "retryable": True}
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self._transition(attempt, Event.FAIL, retry_error=error), timeout=2.0
-            )
+    async def _release(self, attempt: Attempt) -> None:
+        """Give the attempt back to the queue uncounted (``release``; a stop is not a
+        failure), or end it ``stopped`` when a cancel was asked meanwhile. Bounded by
+        :data:`RELEASE_TIMEOUT_S`; a write that does not land leaves the lease to lapse."""
+        task = attempt.task
+        if task.status not in RUNNING:
+            return  # it left the running statuses as it was stopped (SUCCESS, FAILED, ...)
+        ids = self._ids(attempt)
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                cancel = task.cancel_requested or await self._cancel_asked(task)
+                event = Event.STOPPED if cancel else Event.RELEASE
+                fields = None if cancel else release_fields(task)
+                await self._transition(attempt, event, fields=fields, bump_epoch=not cancel)
+        except Exception as exc:  # the lease decides now; the supervisor takes it over
+            log.warning("release_failed", extra={**ids, "error": str(exc) or type(exc).__name__})
+            return
+        log.info("attempt_released", extra={**ids, "event": str(event), "status": str(task.status)})
+
+    async def _cancel_asked(self, task: Task) -> bool:
+        """Whether a cancel was asked since the last heartbeat (from another process): a
+        task given back would otherwise wait in the queue with its cancel unheeded."""
+        try:
+            fresh = await self.engine.store.get(task.id)
+        except StoreUnavailable:
+            return False
+        return fresh is not None and fresh.epoch == task.epoch and fresh.cancel_requested
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
@@ -480,6 +575,7 @@ class Worker:
         retry_error: JSON | None = None,
         state_timeout: float | None = None,
         retry_after_s: float | None = None,
+        bump_epoch: bool = False,
     ) -> None:
         changes = dict(fields or {})
         if state_timeout is not None:
@@ -492,7 +588,7 @@ class Worker:
             try:
                 write = asyncio.ensure_future(self.engine.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
-                    retry_error=retry_error, retry_after_s=retry_after_s,
+                    retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
                 ))  # fmt: skip
                 try:
                     attempt.task = await asyncio.shield(write)
@@ -559,10 +655,13 @@ class Worker:
             self._halt(attempt, "cancel")
 
     def _halt(self, attempt: Attempt, reason: str) -> None:
-        if attempt.stop_reason is None and attempt.pipeline is not None:
+        """Stop the attempt's pipeline for ``reason`` (cancel, lease_lost, release); one
+        not started yet stops as it starts."""
+        if attempt.stop_reason is None:
             attempt.stop_reason = reason
             log.info("attempt_halted", extra={**self._ids(attempt), "reason": reason})
-            attempt.pipeline.cancel()
+            if attempt.pipeline is not None:
+                attempt.pipeline.cancel()
 
     async def report_progress(
         self, attempt: Attempt, progress: Progress, preview: str | None
@@ -584,6 +683,20 @@ class Worker:
     def _ids(attempt: Attempt) -> dict[str, Any]:
         task = attempt.task
         return {"task_id": task.id, "attempt": task.attempt, "epoch": task.epoch}
+
+
+def release_fields(task: Task) -> dict[str, Any]:
+    """What ``release`` sets besides the status: the attempt number goes back by one (the
+    attempt does not count, so ``attempt <= max_attempts`` holds however often workers
+    stop) and its progress is cleared. ``ready_at`` is left as it is, so the task keeps
+    its place ahead of later work of its priority."""
+    return {
+        "attempt": max(task.attempt - 1, 0),
+        "stage": None,
+        "progress_step": None,
+        "progress_total": None,
+        "progress_at": None,
+    }
 
 
 def _progress_json(progress: Progress) -> JSON | None:

@@ -96,12 +96,15 @@ def test_separate_worker_and_supervisor_processes_run_a_task_and_serve_metrics(
     assert processes.stop(supervisor) == 0
 
 
-def test_worker_stopped_by_sigterm_gives_its_attempt_back(
+def test_worker_stopped_by_sigterm_gives_its_attempt_back_uncounted(
     api_only: Server, processes: Processes
 ) -> None:
     with kiln.Client(api_only.url) as client:
-        task = client.submit(params=params(steps=12, step_ms=5, stall_attempts=1))
-        first = processes.worker(api_only, "--concurrency", "1")
+        task = client.submit(params=params(steps=40, step_ms=100), max_attempts=1)
+        first = processes.start(
+            "worker", ["worker", "--data-dir", str(api_only.data_dir), "--concurrency", "1"],
+            {**api_only.env, "KILN_SHUTDOWN_GRACE_S": "0.2"},
+        )  # fmt: skip
         wait_until(lambda: generating_with_progress(client, task["id"]), 20, "GENERATING")
         processes.worker(api_only, "--concurrency", "1")
 
@@ -110,13 +113,12 @@ def test_worker_stopped_by_sigterm_gives_its_attempt_back(
         events = status_events(client, task["id"])
 
     assert exit_code == 0
-    fail = next(e for e in events if e["event"] == "fail")
-    assert fail["from"] == "GENERATING"
-    assert fail["error"]["code"] == "worker_shutdown"
-    assert fail["attempt"] == 1
-    assert not any(e["event"] == "expire" for e in events)
+    release = next(e for e in events if e["event"] == "release")
+    assert (release["from"], release["status"]) == ("GENERATING", "PENDING")
+    assert release["attempt"] == 0
+    assert not any(e["event"] in ("fail", "expire") for e in events)
     assert done["status"] == "SUCCESS"
-    assert done["attempt"] == 2
+    assert (done["attempt"], done["max_attempts"]) == (1, 1)
 
 
 def test_worker_killed_mid_generation_is_recovered_by_another_worker(
@@ -146,7 +148,10 @@ def test_serve_stops_on_sigterm_with_a_stream_open_and_never_logs_the_access_tok
     processes: Processes, tmp_path: Path
 ) -> None:
     token = f"secret-{uuid.uuid4().hex}"
-    server = processes.serve(tmp_path / "data", "--workers", "1", KILN_API_KEYS=f"acme:{token}")
+    server = processes.serve(
+        tmp_path / "data", "--workers", "1", KILN_API_KEYS=f"acme:{token}",
+        KILN_SHUTDOWN_GRACE_S="1",  # the stalled attempt goes back after a second
+    )  # fmt: skip
     with kiln.Client(server.url, token) as client:
         task = client.submit(params=params(steps=9, step_ms=5, stall_attempts=1))
     url = f"{server.url}/v1/tasks/{task['id']}/events?access_token={token}"

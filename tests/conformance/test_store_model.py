@@ -36,6 +36,7 @@ from kiln.models import JSON, Task, Timeouts
 from kiln.retry import RetryPolicy
 from kiln.states import ACTIVE, CLAIMABLE, FINAL, RUNNING, Event, Status, replay
 from kiln.store import LeaderToken, Progress
+from kiln.worker import release_fields
 
 from .backends import Backend
 from .factories import KIND, SettableClock
@@ -58,10 +59,17 @@ SUBMIT_FLAGS = {
 }
 #: Fenced worker writes a stale worker may replay, by the status it believed in.
 WORKER_WRITES: dict[Status, list[tuple[Event, Status | None]]] = {
-    S.WAITING_FOR_RESOURCE: [(Event.ACQUIRE, None), (Event.FAIL, None), (Event.STOPPED, None)],
-    S.GENERATING: [(Event.GENERATED, None), (Event.FAIL, None), (Event.STOPPED, None)],
-    S.UPLOADING: [(Event.UPLOADED, S.SUCCESS), (Event.FAIL, None), (Event.STOPPED, None)],
-}
+    S.WAITING_FOR_RESOURCE: [
+        (Event.ACQUIRE, None), (Event.FAIL, None), (Event.STOPPED, None), (Event.RELEASE, None)
+    ],
+    S.GENERATING: [
+        (Event.GENERATED, None), (Event.FAIL, None), (Event.STOPPED, None), (Event.RELEASE, None)
+    ],
+    S.UPLOADING: [
+        (Event.UPLOADED, S.SUCCESS), (Event.FAIL, None), (Event.STOPPED, None),
+        (Event.RELEASE, None),
+    ],
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -313,6 +321,23 @@ class StoreMachine(RuleBasedStateMachine):
             assert task.progress_at == self.now
         else:
             assert (task.stage, task.progress_step) == (before.stage, before.progress_step)
+
+    @precondition(lambda self: bool(self.ids(RUNNING, lambda t: not t.cancel_requested_at)))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """A stopping worker gives its attempt back uncounted (I9): PENDING, the attempt
+        number back by one, epoch+1, its place in the queue kept."""
+        model = self.pick(data, self.ids(RUNNING, lambda t: not t.cancel_requested_at))
+        before = self.current(model.id)
+        task = self.run(self.app.apply(
+            before, Event.RELEASE, fenced=True, bump_epoch=True, fields=release_fields(before),
+        ))  # fmt: skip
+        model.attempt -= 1
+        model.epoch += 1
+        model.end_lease(S.PENDING)
+        assert (task.status, task.attempt, task.epoch) == (S.PENDING, model.attempt, model.epoch)
+        assert (task.ready_at, task.error) == (before.ready_at, before.error)
+        assert task.lease_owner is None
 
     # failures and the retry policy
 

@@ -44,6 +44,7 @@ DESIGN_TABLE: dict[Event, tuple[set[Status | None], set[Status]]] = {
     E.RETRY: ({S.FAILED, S.TIMEOUT, S.CANCELLED}, {S.RETRYING}),
     E.DEADLINE: ({S.PENDING, S.RETRYING}, {S.TIMEOUT}),
     E.LOSE: ({S.SUCCESS}, {S.FAILED}),
+    E.RELEASE: (set(RUNNING), {S.PENDING}),
 }
 
 SOURCES: list[Status | None] = [None, *Status]
@@ -136,6 +137,56 @@ def test_only_submit_creates_a_task() -> None:
 
 def test_expire_reaches_timeout_only_from_running_statuses() -> None:
     assert {s for s in Status if is_allowed(s, E.EXPIRE)} == RUNNING
+
+
+def test_release_gives_a_running_task_back_to_the_queue_only() -> None:
+    # Given every status
+    # Then only a running one may be released, and it goes back to PENDING
+    assert {s for s in Status if is_allowed(s, E.RELEASE)} == RUNNING
+    for status in RUNNING:
+        assert check(status, E.RELEASE) is S.PENDING
+    for status in set(Status) - RUNNING:
+        with pytest.raises(IllegalTransition):
+            check(status, E.RELEASE)
+
+
+def test_release_is_a_fenced_worker_event() -> None:
+    rule = RULES[E.RELEASE]
+    assert (rule.actor, rule.fenced) == (kiln.states.Actor.WORKER, True)
+
+
+def test_a_released_task_is_claimed_again_and_can_succeed() -> None:
+    # Given a task released from each running status by a stopping worker
+    for running_log in (
+        [(E.RELEASE, S.WAITING_FOR_RESOURCE, S.PENDING)],
+        [(E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+         (E.RELEASE, S.GENERATING, S.PENDING)],
+        [(E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+         (E.GENERATED, S.GENERATING, S.UPLOADING), (E.RELEASE, S.UPLOADING, S.PENDING)],
+    ):  # fmt: skip
+        log = [
+            (E.SUBMIT, None, S.PENDING),
+            (E.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE),
+            *running_log,
+            (E.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE),
+            (E.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING),
+            (E.GENERATED, S.GENERATING, S.UPLOADING),
+            (E.UPLOADED, S.UPLOADING, S.SUCCESS),
+        ]
+        # Then its log replays to SUCCESS
+        assert replay(log) is S.SUCCESS
+        assert replay(log[: 2 + len(running_log)]) is S.PENDING
+
+
+def test_a_release_after_the_task_moved_on_does_not_replay() -> None:
+    log = [
+        (E.SUBMIT, None, S.PENDING),
+        (E.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE),
+        (E.EXPIRE, S.WAITING_FOR_RESOURCE, S.TIMEOUT),
+        (E.RELEASE, S.TIMEOUT, S.PENDING),
+    ]
+    with pytest.raises(IllegalTransition):
+        replay(log)
 
 
 # replay ------------------------------------------------------------------------------------

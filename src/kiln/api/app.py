@@ -1,7 +1,11 @@
 """``create_app``: the v1 HTTP API (API.md) around a :class:`kiln.App`.
 
 The FastAPI app's lifespan opens the kiln App, starts its event tail, runs in-process
-workers and a supervisor when asked, and on shutdown stops them and closes the App.
+workers and a supervisor when asked, and on shutdown stops them and closes the App. How
+they stop is the app's :class:`Shutdown` (:func:`shutdown_of`): ``kiln serve`` begins it
+at the first SIGTERM, so workers drain within ``KILN_SHUTDOWN_GRACE_S`` while the server
+finishes its requests; a lifespan that ends without it gives running attempts back at once.
+Either way no attempt is counted (DESIGN.md, I9).
 
 Serving it: ``uvicorn.run(create_app(app), ...)``. Query strings may carry an API key
 (``?access_token=`` on streams), so every server log that prints request lines must go
@@ -15,10 +19,14 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from types import FrameType
 
+import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,6 +45,7 @@ from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
 from kiln.process_metrics import LiveMetrics, supervisor_readings, worker_readings
+from kiln.worker import RELEASE_TIMEOUT_S, Worker
 
 log = logging.getLogger("kiln.api")
 
@@ -78,6 +87,109 @@ def install_log_redaction(names: Iterable[str] = REDACTED_LOGGERS) -> None:
             logger.addFilter(RedactAccessToken())
 
 
+# Shutdown -------------------------------------------------------------------------------
+
+#: How long past the grace the lifespan waits for its loops before it stops them at once.
+STOP_MARGIN_S = RELEASE_TIMEOUT_S + 2.0
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """How an API process stops its background loops (one per app; see the module doc).
+
+    :meth:`begin` (the first SIGTERM or SIGINT of ``kiln serve``): open streams end with a
+    reconnect hint; in-process workers drain: they claim nothing more, their running
+    attempts finish within ``grace_s`` and the rest go back to the queue uncounted; the
+    supervisor stops and hands its leadership over. :meth:`halt` (a second signal): every
+    loop stops now and attempts are given back at once.
+    """
+
+    grace_s: float
+    begun: bool = False
+    closing: asyncio.Event | None = None
+    workers: list[Worker] = field(default_factory=list)
+    supervisors: list[asyncio.Task[None]] = field(default_factory=list)
+    loops: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def started(self, closing: asyncio.Event) -> None:
+        """A new lifespan runs (an app may be served more than once)."""
+        self.begun = False
+        self.closing = closing
+        self.workers.clear()
+        self.supervisors.clear()
+        self.loops.clear()
+
+    def begin(self, grace_s: float | None = None) -> None:
+        """Start a graceful stop (once; see the class doc)."""
+        if self.begun:
+            return
+        self.begun = True
+        grace = self.grace_s if grace_s is None else grace_s
+        log.info("api_stopping", extra={"grace_s": grace, "workers": len(self.workers)})
+        if self.closing is not None:
+            self.closing.set()
+        for worker in self.workers:
+            worker.drain(grace)
+        for loop in self.supervisors:
+            loop.cancel()  # it resigns as it stops
+
+    def halt(self) -> None:
+        """Stop every loop now (a second signal)."""
+        self.begin(0.0)
+        for loop in self.loops:
+            loop.cancel()
+
+    async def finished(self) -> None:
+        """Wait for the loops to end: the grace plus a margin, then stop them at once."""
+        if not self.loops:
+            return
+        _, late = await asyncio.wait(self.loops, timeout=self.grace_s + STOP_MARGIN_S)
+        if late:
+            self.halt()
+            await asyncio.wait(late, timeout=STOP_MARGIN_S)
+
+
+def shutdown_of(api: FastAPI) -> Shutdown:
+    """The :class:`Shutdown` of an app made by :func:`create_app`."""
+    shutdown: Shutdown = api.state.kiln_shutdown
+    return shutdown
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server stopping the way ``kiln serve`` does: the first SIGTERM or SIGINT
+    begins the app's :class:`Shutdown` (streams close with a reconnect hint, workers drain)
+    while uvicorn stops taking connections and finishes the requests in flight; a second
+    one stops at once (uvicorn's force exit, attempts given back at once)."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown) -> None:
+        super().__init__(config)
+        self.kiln_shutdown = shutdown
+        self.signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+        late = [loop for loop in self.kiln_shutdown.loops if not loop.done()]
+        if late:  # a force exit skips the lifespan's end: let the give-backs land
+            await asyncio.wait(late, timeout=STOP_MARGIN_S)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        super().handle_exit(sig, frame)
+        if self.signals > 1:
+            self.force_exit = True
+        if self._loop is not None:  # a signal handler: act on the event loop, not here
+            self._loop.call_soon_threadsafe(self._stop, self.signals)
+
+    def _stop(self, signals: int) -> None:
+        log.info("api_signalled", extra={"signals": signals})
+        if signals == 1:
+            self.kiln_shutdown.begin()
+        else:
+            self.kiln_shutdown.halt()
+
+
 # Lifespan -------------------------------------------------------------------------------
 
 
@@ -97,8 +209,9 @@ def _lifespan(
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         install_log_redaction()
         app = state.app
+        shutdown = shutdown_of(api)
+        shutdown.started(events.reset_closing(api))
         await app.open()
-        loops: list[asyncio.Task[None]] = []
         try:
             await app.hub.start()
             if workers > 0:
@@ -106,21 +219,32 @@ def _lifespan(
                 state.metrics.registry.register(LiveMetrics(*worker_readings(worker)))
                 for collector in backends.collectors(app):  # upstream latency and breakers
                     state.metrics.registry.register(collector)
-                loops.append(asyncio.create_task(_background("worker", worker.run())))
+                shutdown.workers.append(worker)
+                shutdown.loops.append(asyncio.create_task(_background("worker", worker.run())))
             if supervisor:
                 sweeper = app.supervisor()
                 state.metrics.registry.register(LiveMetrics(*supervisor_readings(sweeper)))
-                loops.append(asyncio.create_task(_background("supervisor", sweeper.run())))
+                loop = asyncio.create_task(_background("supervisor", sweeper.run()))
+                shutdown.supervisors.append(loop)
+                shutdown.loops.append(loop)
             yield
         finally:
-            for loop in loops:
-                loop.cancel()
-            for loop in loops:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loop
+            shutdown.begin(0.0)  # nobody began a drain: give running attempts back now
+            await _stopped(shutdown)
             await app.close()
 
     return lifespan
+
+
+async def _stopped(shutdown: Shutdown) -> None:
+    """Wait for the loops to end, also when the lifespan itself is being cancelled."""
+    try:
+        await shutdown.finished()
+    except asyncio.CancelledError:
+        shutdown.halt()
+        if shutdown.loops:
+            await asyncio.wait(shutdown.loops, timeout=STOP_MARGIN_S)
+        raise
 
 
 # Operations routes ----------------------------------------------------------------------
@@ -233,6 +357,7 @@ def create_app(
         redoc_url=None,
     )
     api.state.kiln = state
+    api.state.kiln_shutdown = Shutdown(grace_s=settings.shutdown_grace_s)
     errors.install(api)
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)

@@ -4,6 +4,11 @@ A task stream replays the task's status events from the log (after ``Last-Event-
 ``?after=``), then follows live, status events with ``id: <seq>`` and progress events
 without one, and ends once the task is final. The tenant feed starts live. Comments keep
 idle streams alive.
+
+When the server shuts down, open streams end with a reconnect hint: an SSE stream's last
+block is a ``retry:`` field (browsers' EventSource reconnects after it, with
+``Last-Event-ID``), a WebSocket closes with code 1012 "service restart". The lifespan
+gives the app a "closing" event (:func:`reset_closing`); the server's shutdown sets it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, WebSocket
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
@@ -39,6 +45,12 @@ WS_NOT_FOUND = 4404
 WS_INVALID = 4422
 #: How long a stream may take to end by itself once the server is shutting down.
 SHUTDOWN_GRACE_S = 2.0
+#: The reconnect hint of a stream closed by a shutdown: reconnect after this long (SSE
+#: ``retry:``, milliseconds), and the WebSocket close code "service restart".
+RECONNECT_MS = 1000
+WS_SERVICE_RESTART = 1012
+#: The attribute of the app's state that holds its "closing" event.
+_CLOSING = "kiln_closing"
 
 _SSE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
@@ -71,6 +83,24 @@ def resume_point(after: int | None, last_event_id: str | None) -> int | None:
     return max(points) if points else None
 
 
+def reset_closing(app: Starlette) -> asyncio.Event:
+    """A fresh "closing" event for ``app``'s streams (the lifespan makes one per run): set
+    it to end every open stream with a reconnect hint."""
+    event = asyncio.Event()
+    setattr(app.state, _CLOSING, event)
+    return event
+
+
+def _closing(connection: HTTPConnection) -> asyncio.Event | None:
+    event = getattr(connection.app.state, _CLOSING, None)
+    return event if isinstance(event, asyncio.Event) else None
+
+
+def reconnect_hint() -> ServerSentEvent:
+    """The last block of a stream the server closes to shut down."""
+    return ServerSentEvent(comment="kiln is shutting down: reconnect", retry=RECONNECT_MS)
+
+
 def sse_event(message: Message) -> ServerSentEvent:
     data = json.dumps(message.to_json(), separators=(",", ":"))
     if isinstance(message, TaskEvent):
@@ -79,20 +109,22 @@ def sse_event(message: Message) -> ServerSentEvent:
 
 
 async def until_stopped(
-    messages: AsyncIterator[Message], stop: anyio.Event
+    messages: AsyncIterator[Message], stop: anyio.Event, closing: asyncio.Event | None = None
 ) -> AsyncIterator[Message]:
-    """The messages, until ``stop`` is set (the server is shutting down).
+    """The messages, until ``stop`` or ``closing`` is set (the server is shutting down).
 
     Each message is awaited in a task of its own; whichever way this ends (the stream's
     end, shutdown, the client going away), that task is cancelled, so the subscription
     behind ``messages`` is released.
     """
-    stopping = asyncio.ensure_future(stop.wait())
+    stopping: set[asyncio.Future[Any]] = {asyncio.ensure_future(stop.wait())}
+    if closing is not None:
+        stopping.add(asyncio.ensure_future(closing.wait()))
     step: asyncio.Future[Message] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(messages))
-            await asyncio.wait({step, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({step, *stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 return
             try:
@@ -101,29 +133,37 @@ async def until_stopped(
                 return
             yield message
     finally:
-        stopping.cancel()
+        for waiter in stopping:
+            waiter.cancel()
         if step is not None and not step.done():
             step.cancel()
 
 
 async def _sse(
-    state: ApiState, messages: AsyncIterator[Message], stop: anyio.Event
+    state: ApiState,
+    messages: AsyncIterator[Message],
+    stop: anyio.Event,
+    closing: asyncio.Event | None,
 ) -> AsyncIterator[ServerSentEvent]:
     gauge = state.metrics.streams.labels("sse")
     gauge.inc()
     try:
-        async for message in until_stopped(messages, stop):
+        async for message in until_stopped(messages, stop, closing):
             yield sse_event(message)
+        if stop.is_set() or (closing is not None and closing.is_set()):
+            yield reconnect_hint()
     finally:
         gauge.dec()
         with contextlib.suppress(Exception):
             await messages.aclose()  # type: ignore[attr-defined]
 
 
-def _response(state: ApiState, messages: AsyncIterator[Message]) -> EventSourceResponse:
+def _response(
+    connection: HTTPConnection, state: ApiState, messages: AsyncIterator[Message]
+) -> EventSourceResponse:
     stop = anyio.Event()
     return EventSourceResponse(
-        _sse(state, messages, stop),
+        _sse(state, messages, stop, _closing(connection)),
         ping=state.ping_interval_s,
         ping_message_factory=lambda: ServerSentEvent(comment="ping"),
         sep="\n",
@@ -148,7 +188,7 @@ async def task_events(
     state = api_state(connection)
     start = resume_point(after, last_event_id)
     await state.app.get(task_id, principal.scope)
-    return _response(state, state.app.watch(task_id, after=start))
+    return _response(connection, state, state.app.watch(task_id, after=start))
 
 
 @router.get(
@@ -166,7 +206,7 @@ async def tenant_events(
     state = api_state(connection)
     start = resume_point(after, last_event_id)
     messages = state.app.watch(None, tenant=principal.scope, after=start, replay=False)
-    return _response(state, messages)
+    return _response(connection, state, messages)
 
 
 # WebSocket ------------------------------------------------------------------------------
@@ -231,14 +271,23 @@ async def task_socket(websocket: WebSocket, task_id: str) -> None:
     gauge.inc()
     pump = asyncio.create_task(_pump(websocket, state.app.watch(task_id, after=after)))
     listen = asyncio.create_task(_until_disconnect(websocket))
+    jobs: set[asyncio.Task[Any]] = {pump, listen}
+    closing = _closing(websocket)
+    if closing is not None:
+        jobs.add(asyncio.create_task(closing.wait()))
     try:
-        await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gauge.dec()
-        await _finish(websocket, task_id, pump, listen)
+        code = 1011 if closing is None or not closing.is_set() else WS_SERVICE_RESTART
+        await _finish(websocket, task_id, *jobs, code=code)
 
 
-async def _finish(websocket: WebSocket, task_id: str, *jobs: asyncio.Task[None]) -> None:
+async def _finish(
+    websocket: WebSocket, task_id: str, *jobs: asyncio.Task[Any], code: int = 1011
+) -> None:
+    """End the socket's jobs, and close it with ``code`` unless it is closed: 1011 when a
+    job failed, 1012 (service restart: reconnect) when the server shuts down."""
     for job in jobs:
         job.cancel()
     for job in jobs:
@@ -251,4 +300,5 @@ async def _finish(websocket: WebSocket, task_id: str, *jobs: asyncio.Task[None])
     connected = WebSocketState.CONNECTED
     if websocket.application_state is connected and websocket.client_state is connected:
         with contextlib.suppress(Exception):
-            await websocket.close(1011)
+            reason = "kiln is shutting down: reconnect" if code == WS_SERVICE_RESTART else None
+            await websocket.close(code, reason)
