@@ -24,7 +24,7 @@ def kiln_settings(tmp_path: Path, env: dict[str, str]) -> Settings:
     return Settings.from_env(
         {
             "KILN_DATA_DIR": str(tmp_path / "kiln"),
-            "KILN_LEASE_TTL": "5",
+            "KILN_LEASE_TTL_S": "5",
             "KILN_RETRY_BASE_S": "0.01",
             "KILN_RETRY_MAX_S": "0.05",
             **env,

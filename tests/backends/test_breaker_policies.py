@@ -104,7 +104,7 @@ def breaker_env(
         "KILN_BACKEND": GENERATOR,
         "KILN_OPENAI_BASE_URL": f"{openai_fake.base_url}/v1",
         "KILN_OPENAI_MODEL": "dall-e-3",
-        "KILN_LEASE_TTL": "5",
+        "KILN_LEASE_TTL_S": "5",
         "KILN_RETRY_BASE_S": "0.01",
         "KILN_RETRY_MAX_S": "0.05",
         "KILN_BREAKER_MIN_CALLS": "2",

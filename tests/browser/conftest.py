@@ -30,8 +30,8 @@ ACME_KEY = "k1"
 
 #: Snappy leases, sweeps and cancels: a cancel or a retry shows up within a second or two.
 FAST_ENV = {
-    "KILN_LEASE_TTL": "2",
-    "KILN_SUPERVISOR_INTERVAL": "0.2",
+    "KILN_LEASE_TTL_S": "2",
+    "KILN_SUPERVISOR_INTERVAL_S": "0.2",
     "KILN_CANCEL_GRACE_S": "2",
     "KILN_RETRY_BASE_S": "0.05",
     "KILN_RETRY_MAX_S": "0.1",

@@ -62,8 +62,8 @@ class Cluster:
         self.env = clean_env(
             KILN_DATABASE_URL=self.database_url,
             KILN_STORAGE_URL=self.results.as_uri(),
-            KILN_LEASE_TTL=str(LEASE_TTL_S),
-            KILN_SUPERVISOR_INTERVAL=str(SUPERVISOR_INTERVAL_S),
+            KILN_LEASE_TTL_S=str(LEASE_TTL_S),
+            KILN_SUPERVISOR_INTERVAL_S=str(SUPERVISOR_INTERVAL_S),
             KILN_RETRY_BASE_S="0.05",
             KILN_RETRY_MAX_S="0.2",
         )
