@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg chaos docs clean
+.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers chaos docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -62,6 +62,9 @@ bench: $(STAMP) ## the lifecycle benchmark (NORMAL and FULL durability)
 
 bench-pg: $(STAMP) ## the lifecycle on a throwaway PostgreSQL (3 worker processes) beside pgbench -N
 	$(PY) benchmarks/lifecycle.py --start-postgres
+
+bench-peers: $(STAMP) system-deps ## kiln beside Dramatiq (Redis) and Procrastinate (PostgreSQL), interleaved rounds
+	$(PY) benchmarks/peers.py
 
 chaos: $(STAMP) ## the chaos run: 2,000 tasks, workers killed, writes failing, every invariant checked
 	$(PY) benchmarks/chaos.py
