@@ -62,6 +62,11 @@ NOTIFY_EVERY_S = 0.05
 BATCH_MAX = 256
 ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
 Q = queries("postgres")
+#: The one-statement writes, alone (counting themselves) or in a batch (counted by it).
+SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
+SUBMIT_BARE = f"{Q.submit_rows} {Q.submit_end}"
+STEP_COUNTED = f"{Q.step_rows} {Q.step_count} {Q.step_end}"
+STEP_BARE = f"{Q.step_rows} {Q.step_end}"
 
 
 async def migrate(conn: Conn) -> int:
@@ -533,8 +538,8 @@ class PostgresStore(Store):
         def counts(row: Row, tally: Tally) -> None:
             tally.count_status(row[1], Status.PENDING, 1)
 
-        row = await self._batched(new.id, (Q.submit_one, counted), (Q.submit_bare, bare),
-                                  counts, notify=self._notify_due(now))  # fmt: skip
+        row = await self._batched(new.id, (SUBMIT_COUNTED, counted), (SUBMIT_BARE, bare), counts,
+                                  notify=self._notify_due(now))  # fmt: skip
         return None if row is None else task_from_row(row)
 
     async def _batched(
@@ -606,8 +611,8 @@ class PostgresStore(Store):
             tally.count_status(row[1], target, 1)
             tally.bump(names.TRANSITIONS, f"{source}>{target}")
 
-        row = await self._batched(change.task_id, (Q.one_step.replace("{sets}", sets), counted),
-                                  (Q.step_bare.replace("{sets}", sets), bare), counts)  # fmt: skip
+        row = await self._batched(change.task_id, (STEP_COUNTED.replace("{sets}", sets), counted),
+                                  (STEP_BARE.replace("{sets}", sets), bare), counts)  # fmt: skip
         if row is None:
             return None
         task = task_from_row(row)

@@ -37,56 +37,12 @@ SELECT pg_advisory_xact_lock(?, hashtext(?))
 -- The same lock when free now (true), else nothing taken (false): (namespace, tenant).
 SELECT pg_try_advisory_xact_lock(?, hashtext(?))
 
--- submit_one --
--- A submission without an idempotency key in one statement: the task (unless a live or
--- successful task holds its content), its event and its count. The event row reads the
--- inserted row, so the insert (and the transaction id) come before the event's seq, as
--- tail requires: (insert_task's parameters, submit, now, shard).
-WITH t AS (
-    INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
-        inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
-        deadline_at, timeouts, created_at, updated_at, status_since, webhook)
-    VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-    ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
-        AND status NOT IN {NOT_LIVE} DO NOTHING
-    RETURNING *),
-e AS (
-    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
-        epoch, error, at, dwell_s)
-    SELECT t.id || ':1', t.id, t.tenant, ?, NULL, 'PENDING', false, t.attempt, t.epoch,
-        NULL, ?, NULL FROM t RETURNING seq),
-c AS (
-    INSERT INTO task_counts (tenant, status, shard, n) SELECT t.tenant, 'PENDING', ?, 1
-    FROM t ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n)
-SELECT t.*, (SELECT seq FROM e) FROM t
-
--- one_step --
--- A worker's fenced single step in one statement: lock and check the row, update it
--- ({sets}: the change's columns), insert its event and add the counts (rows in a fixed
--- order within each table): (id, status, epoch, the SET parameters, event, from, to,
--- final, error, now, now, shard, from, to, from>to, shard).
-WITH o AS (SELECT id, status_since FROM tasks WHERE id = ? AND status = ? AND epoch = ?
-    FOR UPDATE),
-u AS (UPDATE tasks SET {sets} FROM o WHERE tasks.id = o.id
-    RETURNING tasks.*, o.status_since AS since),
-e AS (
-    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
-        epoch, error, at, dwell_s)
-    SELECT u.id || ':' || u.version, u.id, u.tenant, ?, ?, ?, ?, u.attempt, u.epoch, ?, ?,
-        ? - u.since FROM u RETURNING seq),
-tc AS (
-    INSERT INTO task_counts (tenant, status, shard, n) SELECT u.tenant, d.s, ?, d.n
-    FROM u, (VALUES (?::text, -1), (?::text, 1)) AS d(s, n) ORDER BY d.s
-    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
-c AS (
-    INSERT INTO counters (name, labels, shard, n) SELECT 'transitions', ?, ?, 1 FROM u
-    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
-SELECT u.*, (SELECT seq FROM e) FROM u
-
--- submit_bare --
--- submit_one without its count, for a batch of statements (kiln/store/postgres.py,
--- _Batch) that adds its counts once, in a fixed order, at the end: (insert_task's
--- parameters, submit, now).
+-- submit_rows --
+-- A submission without an idempotency key, as the first part of one statement: the task
+-- (unless a live or successful task holds its content) and its event. The event row reads
+-- the inserted row, so the insert (and the transaction id) come before the event's seq, as
+-- tail requires. kiln/store/postgres.py ends it with submit_count (alone) or not (in a
+-- batch, which adds the counts once): (insert_task's parameters, submit, now).
 WITH t AS (
     INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
         inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
@@ -100,11 +56,21 @@ e AS (
         epoch, error, at, dwell_s)
     SELECT t.id || ':1', t.id, t.tenant, ?, NULL, 'PENDING', false, t.attempt, t.epoch,
         NULL, ?, NULL FROM t RETURNING seq)
+
+-- submit_count --
+-- The submission's count, in the same statement: (shard).
+, c AS (
+    INSERT INTO task_counts (tenant, status, shard, n) SELECT t.tenant, 'PENDING', ?, 1
+    FROM t ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n)
+
+-- submit_end --
 SELECT t.*, (SELECT seq FROM e) FROM t
 
--- step_bare --
--- one_step without its counts, for a batch: (id, status, epoch, the SET parameters,
--- event, from, to, final, error, now, now).
+-- step_rows --
+-- A worker's fenced single step, as the first part of one statement: lock and check the
+-- row, update it ({sets}: the change's columns), insert its event (which reads the updated
+-- row, as tail requires): (id, status, epoch, the SET parameters, event, from, to, final,
+-- error, now, now).
 WITH o AS (SELECT id, status_since FROM tasks WHERE id = ? AND status = ? AND epoch = ?
     FOR UPDATE),
 u AS (UPDATE tasks SET {sets} FROM o WHERE tasks.id = o.id
@@ -114,4 +80,17 @@ e AS (
         epoch, error, at, dwell_s)
     SELECT u.id || ':' || u.version, u.id, u.tenant, ?, ?, ?, ?, u.attempt, u.epoch, ?, ?,
         ? - u.since FROM u RETURNING seq)
+
+-- step_count --
+-- The step's counts, in the same statement, rows in a fixed order within each table:
+-- (shard, from, to, from>to, shard).
+, tc AS (
+    INSERT INTO task_counts (tenant, status, shard, n) SELECT u.tenant, d.s, ?, d.n
+    FROM u, (VALUES (?::text, -1), (?::text, 1)) AS d(s, n) ORDER BY d.s
+    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
+c AS (
+    INSERT INTO counters (name, labels, shard, n) SELECT 'transitions', ?, ?, 1 FROM u
+    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
+
+-- step_end --
 SELECT u.*, (SELECT seq FROM e) FROM u
