@@ -572,48 +572,55 @@ def _simulate(step_ms: int | None, raw: str | None) -> JSON | None:
     return simulate or None
 
 
+What = Annotated[
+    str,
+    typer.Argument(
+        metavar="PROMPT|KIND", help="a prompt for image.generate, or a kind (image.transform)"
+    ),
+]
+Params = Annotated[
+    list[str] | None,
+    typer.Option("--param", "-p", help="key=value (JSON when it parses: 20, true, [1,2])"),
+]
+ParamsFile = Annotated[Path | None, typer.Option("--params-file", help="a JSON object")]
+Inputs = Annotated[
+    list[str] | None, typer.Option("--input", "-i", help="name=@path: upload an input")
+]
+Side = Annotated[int | None, typer.Option(help="64-2048, multiple of 8")]
+Simulate = Annotated[
+    str | None, typer.Option(help='demo backend: simulate options as JSON, {"permanent": true}')
+]
+ReviewWait = Annotated[
+    bool,
+    typer.Option(
+        "--review-wait/--no-review-wait",
+        help="keep waiting when the task is held for review, or exit 1",
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
+
+
 @cli.command(context_settings={"help_option_names": ["-h", "--help"]})
 @_handled
 def submit(
-    what: Annotated[
-        str,
-        typer.Argument(
-            metavar="PROMPT|KIND",
-            help="a prompt for image.generate, or a kind (image.transform) with --param",
-        ),
-    ],
-    param: Annotated[
-        list[str] | None,
-        typer.Option("--param", "-p", help="key=value (JSON when it parses: 20, true, [1,2])"),
-    ] = None,
-    params_file: Annotated[
-        Path | None, typer.Option("--params-file", help="a JSON object of params")
-    ] = None,
-    input_file: Annotated[
-        list[str] | None, typer.Option("--input", "-i", help="name=@path: upload an input")
-    ] = None,
-    width: Annotated[int | None, typer.Option(help="64-2048, multiple of 8")] = None,
-    height: Annotated[int | None, typer.Option(help="64-2048, multiple of 8")] = None,
+    what: What,
+    param: Params = None,
+    params_file: ParamsFile = None,
+    input_file: Inputs = None,
+    width: Side = None,
+    height: Side = None,
     steps: Annotated[int | None, typer.Option(help="1-150")] = None,
     seed: Annotated[int | None, typer.Option(help="0 to 2^32-1")] = None,
     negative_prompt: Annotated[str | None, typer.Option()] = None,
     image_format: Annotated[str | None, typer.Option("--format", help="png, webp, jpeg")] = None,
     step_ms: Annotated[int | None, typer.Option(help="demo backend: ms per step")] = None,
-    simulate: Annotated[
-        str | None, typer.Option(help='demo backend: simulate options as JSON, {"permanent": true}')
-    ] = None,
+    simulate: Simulate = None,
     priority: Annotated[int | None, typer.Option(help="-100..100, higher first")] = None,
     max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
     wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
-    review_wait: Annotated[
-        bool,
-        typer.Option(
-            "--review-wait/--no-review-wait",
-            help="with --wait: keep waiting when the task is held for review, or exit 1",
-        ),
-    ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="print the task as JSON")] = False,
+    review_wait: ReviewWait = True,
+    as_json: AsJson = False,
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -633,30 +640,28 @@ def submit(
             client, kind, params, files, idempotency_key=idempotency_key,
             **{k: v for k, v in fields.items() if v is not None},
         )  # fmt: skip
-        if task["deduplicated"] or task["replayed"]:
-            how = "an identical task" if task["deduplicated"] else "the same idempotency key"
-            typer.echo(f"kiln: {task['id']} already existed ({how})", err=True)
-        if wait:
-            if not as_json:
-                typer.echo(task["id"])
-            raise typer.Exit(tasks.follow(client, task, review_wait=review_wait, as_json=as_json))
-        if as_json:
-            tasks.print_json(task)
-        else:
+        _submitted(client, task, wait=wait, review_wait=review_wait, as_json=as_json)
+
+
+def _submitted(client: Client, task: JSON, *, wait: bool, review_wait: bool, as_json: bool) -> None:
+    if task["deduplicated"] or task["replayed"]:
+        how = "an identical task" if task["deduplicated"] else "the same idempotency key"
+        typer.echo(f"kiln: {task['id']} already existed ({how})", err=True)
+    if wait:
+        if not as_json:
             typer.echo(task["id"])
+        raise typer.Exit(tasks.follow(client, task, review_wait=review_wait, as_json=as_json))
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(task["id"])
 
 
 @cli.command()
 @_handled
 def watch(
     task_id: Annotated[str, typer.Argument(metavar="ID")],
-    review_wait: Annotated[
-        bool,
-        typer.Option(
-            "--review-wait/--no-review-wait",
-            help="keep waiting when the task is held for review, or exit 1",
-        ),
-    ] = True,
+    review_wait: ReviewWait = True,
     as_json: Annotated[
         bool, typer.Option("--json", help="print each event, then the task, as JSON")
     ] = False,
@@ -706,9 +711,6 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
     for output in (task.get("result") or {}).get("outputs", []):
         yield f"output: {client.output_url(output)}"
     yield f"created: {task['created_at']}  updated: {task['updated_at']}"
-
-
-AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
 
 
 @cli.command()
