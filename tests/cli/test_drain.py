@@ -360,7 +360,7 @@ def test_sigterm_closes_an_open_websocket_with_service_restart(
     ],
 )
 def test_a_startup_error_is_one_line_without_the_password(url: str, error: str, shown: str) -> None:
-    from kiln.cli import _hidden, _one_line
+    from kiln.cli.processes import _hidden, _one_line
 
     assert _one_line(RuntimeError(error), url) == shown
     assert _one_line(TimeoutError(), url) == "no answer"

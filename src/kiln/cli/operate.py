@@ -1,0 +1,182 @@
+"""The operator commands: ``kiln reconcile``, ``kiln settings``, ``kiln states``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Column, Table
+
+import kiln
+from kiln import config
+from kiln.cli import task_io as tasks
+from kiln.config import Settings
+from kiln.reconcile import DEFAULT_EXAMPLES, Report, ResultLostPolicy, reconcile
+from kiln.reconcile import Options as ReconcileOptions
+
+if TYPE_CHECKING:
+    pass
+
+from kiln.cli.base import (
+    DatabaseUrl,
+    DataDir,
+    StorageUrl,
+    app_of,
+    cli,
+    handled,
+    option,
+    settings_of,
+)
+from kiln.cli.processes import opened
+
+# operator commands
+
+
+@cli.command("reconcile")
+@handled
+def reconcile_command(
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="delete orphan objects older than --grace-s, and apply --result-lost to "
+            "SUCCESS tasks whose output is missing or corrupt",
+        ),
+    ] = False,
+    grace_s: Annotated[float | None, option("reconcile_grace_s", "--grace-s", min=0)] = None,
+    result_lost: Annotated[
+        ResultLostPolicy | None, option("result_lost_policy", "--result-lost")
+    ] = None,
+    examples: Annotated[
+        int, typer.Option(min=0, help="items of each list the report shows; counts stay exact")
+    ] = DEFAULT_EXAMPLES,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    data_dir: DataDir = None,
+    database_url: DatabaseUrl = None,
+    storage_url: StorageUrl = None,
+) -> None:
+    """Compare storage with the store. Exit 0 when nothing is wrong (or all was repaired)."""
+    settings = settings_of(
+        data_dir=data_dir,
+        database_url=database_url,
+        storage_url=storage_url,
+        reconcile_grace_s=grace_s,
+        result_lost_policy=result_lost,
+    )
+    options = ReconcileOptions(
+        repair=repair,
+        grace_s=settings.reconcile_grace_s,
+        result_lost=ResultLostPolicy(settings.result_lost_policy),
+        examples=examples,
+    )
+    report = asyncio.run(_reconcile(opened(app_of(settings)), options))
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in _report_lines(report):
+            typer.echo(line)
+    raise typer.Exit(0 if report.resolved else 1)
+
+
+async def _reconcile(app: kiln.App, options: ReconcileOptions) -> Report:
+    async with app:
+        return await reconcile(app, options)
+
+
+def _report_lines(report: Report) -> Iterator[str]:
+    yield (
+        f"checked {report.tasks_checked} SUCCESS tasks ({report.outputs_checked} outputs) "
+        f"and {report.objects_checked} objects under tasks/ in {report.duration_s:.1f} s"
+    )
+    for item in report.missing:
+        yield f"{item.problem}: task {item.task_id} output {item.key}"
+    for orphan in report.orphans:
+        owner = f"task {orphan.task_id} {orphan.task_status or '(not in the store)'}"
+        age = "age unknown" if orphan.age_s is None else f"{orphan.age_s:.0f} s old"
+        yield f"orphan: {orphan.key} ({owner}, {orphan.size} bytes, {age})"
+    if report.truncated:
+        yield f"(lists show at most {report.examples} items each; the counts are exact)"
+    if report.repair:
+        yield from _repair_lines(report)
+    if report.clean:
+        yield "clean: storage and store agree"
+    else:
+        yield (
+            f"problems: {report.missing_count} missing and {report.corrupt_count} corrupt "
+            f"outputs of {report.lost_tasks} SUCCESS tasks, {report.orphan_count} orphans "
+            f"({report.orphan_bytes} bytes)"
+        )
+
+
+def _repair_lines(report: Report) -> Iterator[str]:
+    for repaired in report.repaired:
+        yield f"repaired: task {repaired.task_id} {repaired.action} (result_lost)"
+    yield (
+        f"repair: deleted {report.deleted_count} orphan objects older than "
+        f"{report.grace_s:g} s, kept {report.kept_count} younger ones; "
+        f"result lost ({report.result_lost_policy}): {report.rerun_count} tasks rerun, "
+        f"{report.failed_count} marked FAILED, {report.conflicts} moved on first"
+    )
+
+
+@cli.command("settings")
+@handled
+def settings_command(
+    as_markdown: Annotated[
+        bool, typer.Option("--markdown", help="print the table as the docs show it")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
+) -> None:
+    """Print every KILN_* variable: its value here, its default and what it does."""
+    if as_markdown:
+        typer.echo(config.markdown(), nl=False)
+        return
+    current = Settings.from_env()
+    if as_json:
+        tasks.print_json([
+            {"variable": var.name, "value": var.shown_value(getattr(current, var.field)),
+             "default": var.default_text.replace("`", ""), "unit": var.unit,
+             "meaning": var.help.replace("`", "")}
+            for var in config.VARIABLES
+        ])  # fmt: skip
+        return
+    table = Table(Column("variable", no_wrap=True), "value", "default", "unit", "meaning")
+    for var in config.VARIABLES:
+        cells = (
+            var.name,
+            var.shown_value(getattr(current, var.field)),
+            var.default_text.replace("`", ""),
+            var.unit,
+            var.help.replace("`", ""),
+        )
+        table.add_row(*(escape(cell) for cell in cells))
+    Console(highlight=False).print(table)
+
+
+@cli.command()
+def states(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the state table itself as JSON")
+    ] = False,
+) -> None:
+    """Print the task state diagram (Mermaid), generated from the state table."""
+    from kiln.states import FINAL, TRANSITIONS, Status, mermaid
+
+    if not as_json:
+        typer.echo(mermaid(), nl=False)
+        return
+    table = {
+        "statuses": [{"status": str(s), "final": s in FINAL} for s in Status],
+        "transitions": [
+            {"event": str(rule.event), "from": sorted(str(s) for s in rule.sources),
+             "to": sorted(str(s) for s in rule.targets), "by": str(rule.actor),
+             "fenced": rule.fenced, "guard": rule.doc}
+            for rule in TRANSITIONS
+        ],
+    }  # fmt: skip
+    tasks.print_json(table)

@@ -1,0 +1,257 @@
+"""The task commands against a server: submit, watch, status, cancel, retry, review, list."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from kiln.cli import task_io as tasks
+from kiln.client import Client
+from kiln.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    pass
+
+from kiln.cli.base import JSON, ApiKey, Server, cli, client_of, handled
+
+# API commands
+
+
+def _simulate(step_ms: int | None, raw: str | None) -> JSON | None:
+    simulate: JSON = {}
+    if raw:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            raise InvalidRequest(f"--simulate is not valid JSON: {raw!r}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidRequest("--simulate must be a JSON object")
+        simulate.update(parsed)
+    if step_ms is not None:
+        simulate["step_ms"] = step_ms
+    return simulate or None
+
+
+What = Annotated[
+    str,
+    typer.Argument(
+        metavar="PROMPT|KIND", help="a prompt for image.generate, or a kind (image.transform)"
+    ),
+]
+Params = Annotated[
+    list[str] | None,
+    typer.Option("--param", "-p", help="key=value (JSON when it parses: 20, true, [1,2])"),
+]
+ParamsFile = Annotated[Path | None, typer.Option("--params-file", help="a JSON object")]
+Inputs = Annotated[
+    list[str] | None, typer.Option("--input", "-i", help="name=@path: upload an input")
+]
+Side = Annotated[int | None, typer.Option(help="64-2048, multiple of 8")]
+Simulate = Annotated[
+    str | None, typer.Option(help='demo backend: simulate options as JSON, {"permanent": true}')
+]
+ReviewWait = Annotated[
+    bool,
+    typer.Option(
+        "--review-wait/--no-review-wait",
+        help="keep waiting when the task is held for review, or exit 1",
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
+
+
+@cli.command(context_settings={"help_option_names": ["-h", "--help"]})
+@handled
+def submit(
+    what: What,
+    param: Params = None,
+    params_file: ParamsFile = None,
+    input_file: Inputs = None,
+    width: Side = None,
+    height: Side = None,
+    steps: Annotated[int | None, typer.Option(help="1-150")] = None,
+    seed: Annotated[int | None, typer.Option(help="0 to 2^32-1")] = None,
+    negative_prompt: Annotated[str | None, typer.Option()] = None,
+    image_format: Annotated[str | None, typer.Option("--format", help="png, webp, jpeg")] = None,
+    step_ms: Annotated[int | None, typer.Option(help="demo backend: ms per step")] = None,
+    simulate: Simulate = None,
+    priority: Annotated[int | None, typer.Option(help="-100..100, higher first")] = None,
+    max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
+    idempotency_key: Annotated[str | None, typer.Option()] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
+    review_wait: ReviewWait = True,
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Submit a task and print its id: `kiln submit "a red fox" --steps 20`, or any kind,
+    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`."""
+    kind = what if tasks.is_kind(what) else "image.generate"
+    params = tasks.params_from(param or [], params_file)
+    if kind == "image.generate":
+        shaped = {"prompt": what, "width": width, "height": height, "steps": steps,
+                  "seed": seed, "negative_prompt": negative_prompt, "format": image_format,
+                  "simulate": _simulate(step_ms, simulate)}  # fmt: skip
+        params = {**{k: v for k, v in shaped.items() if v is not None}, **params}
+    files = [tasks.InputFile.parse(spec) for spec in input_file or []]
+    fields = {"priority": priority, "max_attempts": max_attempts}
+    with client_of(server, api_key) as client:
+        task = tasks.submit_with_progress(
+            client, kind, params, files, idempotency_key=idempotency_key,
+            **{k: v for k, v in fields.items() if v is not None},
+        )  # fmt: skip
+        _submitted(client, task, wait=wait, review_wait=review_wait, as_json=as_json)
+
+
+def _submitted(client: Client, task: JSON, *, wait: bool, review_wait: bool, as_json: bool) -> None:
+    if task["deduplicated"] or task["replayed"]:
+        how = "an identical task" if task["deduplicated"] else "the same idempotency key"
+        typer.echo(f"kiln: {task['id']} already existed ({how})", err=True)
+    if wait:
+        if not as_json:
+            typer.echo(task["id"])
+        raise typer.Exit(tasks.follow(client, task, review_wait=review_wait, as_json=as_json))
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(task["id"])
+
+
+@cli.command()
+@handled
+def watch(
+    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    review_wait: ReviewWait = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print each event, then the task, as JSON")
+    ] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Follow a task with a live progress bar; exit 0 when it ends SUCCESS."""
+    with client_of(server, api_key) as client:
+        found = client.get(task_id)
+        raise typer.Exit(tasks.follow(client, found, review_wait=review_wait, as_json=as_json))
+
+
+@cli.command()
+@handled
+def status(
+    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the task as JSON")] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Show a task."""
+    with client_of(server, api_key) as client:
+        task = client.get(task_id)
+        if as_json:
+            tasks.print_json(task)
+            return
+        for line in _describe(client, task):
+            typer.echo(line)
+
+
+def _describe(client: Client, task: JSON) -> Iterator[str]:
+    yield f"{task['id']}  {task['kind']}  {task['status']}"
+    if task.get("queue_position"):
+        yield f"queue position: {task['queue_position']}"
+    yield f"attempt: {task['attempt']}/{task['max_attempts']}"
+    progress = task.get("progress")
+    if progress and not task["final"]:
+        yield f"stage: {task.get('stage') or '-'}  step {progress['step']}/{progress['total']}"
+    if task.get("cancel_requested") and not task["final"]:
+        yield "cancel requested"
+    if task.get("next_retry_at") and task["status"] == "RETRYING":
+        yield f"next retry at: {task['next_retry_at']}"
+    if task["status"] == "NEEDS_REVIEW":
+        yield tasks.review_hint(task["id"])
+    if task.get("error"):
+        yield f"error: {task['error'].get('code')}: {task['error'].get('message')}"
+    for output in (task.get("result") or {}).get("outputs", []):
+        yield f"output: {client.output_url(output)}"
+    yield f"created: {task['created_at']}  updated: {task['updated_at']}"
+
+
+@cli.command()
+@handled
+def cancel(
+    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Cancel a task (running tasks stop at their worker's next heartbeat)."""
+    with client_of(server, api_key) as client:
+        task = client.cancel(task_id)
+    if as_json:
+        tasks.print_json(task)
+    elif task["status"] == "CANCELLED":
+        typer.echo(f"{task['id']} CANCELLED")
+    else:
+        typer.echo(f"{task['id']} cancel requested ({task['status']})")
+
+
+@cli.command()
+@handled
+def retry(
+    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Retry a final FAILED, TIMEOUT or CANCELLED task now."""
+    with client_of(server, api_key) as client:
+        task = client.retry(task_id)
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})")
+
+
+@cli.command()
+@handled
+def review(
+    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    decision: Annotated[str, typer.Argument(help="approve or reject")],
+    reason: Annotated[str | None, typer.Option(help="why (shown on a reject)")] = None,
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Approve or reject a task in NEEDS_REVIEW (admin key)."""
+    with client_of(server, api_key) as client:
+        task = client.review(task_id, decision, reason)
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(f"{task['id']} {task['status']}")
+
+
+@cli.command("list")
+@handled
+def list_tasks(
+    task_status: Annotated[str | None, typer.Option("--status", help="e.g. PENDING")] = None,
+    kind: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1, max=200)] = 50,
+    cursor: Annotated[str | None, typer.Option(help="next_cursor of a previous page")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the page as JSON (items, next_cursor)")
+    ] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List tasks, newest first."""
+    with client_of(server, api_key) as client:
+        page = client.list(status=task_status, kind=kind, limit=limit, cursor=cursor)
+    if as_json:
+        tasks.print_json(page)
+        return
+    Console(highlight=False).print(tasks.task_table(page["items"]))
+    if page.get("next_cursor"):
+        typer.echo(f"more: --cursor {page['next_cursor']}", err=True)
