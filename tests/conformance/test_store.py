@@ -1,4 +1,4 @@
-"""The Store protocol's guarantees, run against every backend (conftest.py's ``store``).
+"""The Store's guarantees, run against every backend (conftest.py's ``store``).
 
 Submission is insert-or-get (I5), every write is a compare-and-set fenced by the lease
 epoch (I3) that appends one event row per status change in the same transaction (I6),

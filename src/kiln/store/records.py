@@ -1,4 +1,4 @@
-"""The records the Store protocol takes and gives (besides the task models of kiln.models)."""
+"""The records the Store takes and gives (besides the task models of kiln.models)."""
 
 from __future__ import annotations
 
