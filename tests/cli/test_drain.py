@@ -194,6 +194,9 @@ def test_a_second_sigterm_stops_the_server_at_once(processes: Processes, tmp_pat
     back, log = stored(tmp_path / "data", task["id"])
     assert (back.status, back.attempt) == ("PENDING", 0)
     assert log[-1].event == "release"
+    # And it ended its lifespan too: no traceback of a cancelled one
+    assert "Traceback" not in server.process.output()
+    assert "Application shutdown complete" in server.process.output()
 
 
 def test_sigterm_closes_an_open_stream_with_a_reconnect_hint(

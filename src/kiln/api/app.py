@@ -173,6 +173,11 @@ class GracefulServer(uvicorn.Server):
         late = [loop for loop in self.kiln_shutdown.loops if not loop.done()]
         if late:  # a force exit skips the lifespan's end: let the give-backs land
             await asyncio.wait(late, timeout=STOP_MARGIN_S)
+        if self.force_exit and getattr(self, "lifespan", None) is not None:
+            # Then end the lifespan too (the store and storage close), instead of leaving
+            # it to be cancelled at the loop's end, which uvicorn reports as a traceback.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.lifespan.shutdown(), timeout=STOP_MARGIN_S)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.signals += 1
