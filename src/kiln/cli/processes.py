@@ -308,9 +308,12 @@ def worker(
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
-    """A worker process only. SIGTERM or SIGINT drains it: it claims nothing more, lets
-    running attempts finish within KILN_SHUTDOWN_GRACE_S, then gives the rest back to the
-    queue uncounted; a second signal gives them back at once."""
+    """A worker process only.
+
+    SIGTERM or SIGINT drains it: it claims nothing more, lets running attempts finish within
+    KILN_SHUTDOWN_GRACE_S, then gives the rest back to the queue uncounted; a second signal
+    gives them back at once.
+    """
     settings = settings_of(
         concurrency=concurrency,
         kinds=kind_names(kinds),
@@ -356,8 +359,10 @@ def supervisor(
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
 ) -> None:
-    """A supervisor process only (one of several leads). SIGTERM or SIGINT stops it and
-    hands its leadership over at once."""
+    """A supervisor process only (one of several leads).
+
+    SIGTERM or SIGINT stops it and hands its leadership over at once.
+    """
     settings = settings_of(
         data_dir=data_dir,
         database_url=database_url,

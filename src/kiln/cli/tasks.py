@@ -89,8 +89,11 @@ def submit(
     server: Server = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Submit a task and print its id: `kiln submit "a red fox" --steps 20`, or any kind,
-    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`."""
+    """Submit a task (a prompt, or any kind with its params and inputs) and print its id.
+
+    `kiln submit "a red fox" --steps 20`, or
+    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`.
+    """
     kind = what if tasks.is_kind(what) else "image.generate"
     params = tasks.params_from(param or [], params_file)
     if kind == "image.generate":
