@@ -63,6 +63,7 @@ ReviewWait = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
+TaskId = Annotated[str, typer.Argument(metavar="ID")]
 
 
 @cli.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,7 +129,7 @@ def _submitted(client: Client, task: JSON, *, wait: bool, review_wait: bool, as_
 @cli.command()
 @handled
 def watch(
-    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    task_id: TaskId,
     review_wait: ReviewWait = True,
     as_json: Annotated[
         bool, typer.Option("--json", help="print each event, then the task, as JSON")
@@ -145,7 +146,7 @@ def watch(
 @cli.command()
 @handled
 def status(
-    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    task_id: TaskId,
     as_json: Annotated[bool, typer.Option("--json", help="print the task as JSON")] = False,
     server: Server = None,
     api_key: ApiKey = None,
@@ -181,46 +182,41 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
     yield f"created: {task['created_at']}  updated: {task['updated_at']}"
 
 
+def _answer(task: JSON, as_json: bool, line: str) -> None:
+    """What a command that changed a task prints: the task as JSON, or one line."""
+    if as_json:
+        tasks.print_json(task)
+    else:
+        typer.echo(line)
+
+
 @cli.command()
 @handled
-def cancel(
-    task_id: Annotated[str, typer.Argument(metavar="ID")],
-    as_json: AsJson = False,
-    server: Server = None,
-    api_key: ApiKey = None,
-) -> None:
+def cancel(task_id: TaskId, as_json: AsJson = False, server: Server = None,
+           api_key: ApiKey = None) -> None:  # fmt: skip
     """Cancel a task (running tasks stop at their worker's next heartbeat)."""
     with client_of(server, api_key) as client:
         task = client.cancel(task_id)
-    if as_json:
-        tasks.print_json(task)
-    elif task["status"] == "CANCELLED":
-        typer.echo(f"{task['id']} CANCELLED")
-    else:
-        typer.echo(f"{task['id']} cancel requested ({task['status']})")
+    done = "CANCELLED" if task["status"] == "CANCELLED" else f"cancel requested ({task['status']})"
+    _answer(task, as_json, f"{task['id']} {done}")
 
 
 @cli.command()
 @handled
-def retry(
-    task_id: Annotated[str, typer.Argument(metavar="ID")],
-    as_json: AsJson = False,
-    server: Server = None,
-    api_key: ApiKey = None,
-) -> None:
+def retry(task_id: TaskId, as_json: AsJson = False, server: Server = None,
+          api_key: ApiKey = None) -> None:  # fmt: skip
     """Retry a final FAILED, TIMEOUT or CANCELLED task now."""
     with client_of(server, api_key) as client:
         task = client.retry(task_id)
-    if as_json:
-        tasks.print_json(task)
-    else:
-        typer.echo(f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})")
+    _answer(
+        task, as_json, f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})"
+    )
 
 
 @cli.command()
 @handled
 def review(
-    task_id: Annotated[str, typer.Argument(metavar="ID")],
+    task_id: TaskId,
     decision: Annotated[str, typer.Argument(help="approve or reject")],
     reason: Annotated[str | None, typer.Option(help="why (shown on a reject)")] = None,
     as_json: AsJson = False,
@@ -230,10 +226,7 @@ def review(
     """Approve or reject a task in NEEDS_REVIEW (admin key)."""
     with client_of(server, api_key) as client:
         task = client.review(task_id, decision, reason)
-    if as_json:
-        tasks.print_json(task)
-    else:
-        typer.echo(f"{task['id']} {task['status']}")
+    _answer(task, as_json, f"{task['id']} {task['status']}")
 
 
 @cli.command("list")
