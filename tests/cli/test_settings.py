@@ -88,7 +88,7 @@ def test_an_old_name_works_and_says_so_once(tmp_path: Path) -> None:
 
 
 def test_an_option_takes_its_help_variable_and_default_from_the_table() -> None:
-    result = runner.invoke(cli, ["worker", "--help"], env={"COLUMNS": "200"})
+    result = runner.invoke(cli, ["worker", "--help"], terminal_width=200)
 
     assert result.exit_code == 0
     var = config.variable("concurrency")

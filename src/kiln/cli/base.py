@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
-from rich.markup import escape
 
 import kiln
 from kiln import backends, config, logs, transform
@@ -37,6 +36,8 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: a flag shows as `--wait`, not `--wait <bool>`
+    context_settings={"max_content_width": 120},  # as wide as the terminal, up to 120
 )
 
 #: Errors that mean "you asked wrongly or cannot get in": exit 2.
@@ -95,7 +96,7 @@ def option(field: str, *flags: str, **extra: Any) -> Any:
     var = config.variable(field)
     meaning = re.sub(r" \(`[^`]*--[a-z-]+`\)", "", var.help)  # the flag is shown anyway
     shown = f"{meaning} [env {var.name}; default {var.default_text}]".replace("`", "")
-    return typer.Option(*flags, help=escape(shown), show_default=False, **extra)
+    return typer.Option(*flags, help=shown, show_default=False, **extra)
 
 
 Server = Annotated[str | None, option("server", "--server")]

@@ -45,11 +45,16 @@ What = Annotated[
 ]
 Params = Annotated[
     list[str] | None,
-    typer.Option("--param", "-p", help="key=value (JSON when it parses: 20, true, [1,2])"),
+    typer.Option(
+        "--param", "-p", metavar="KEY=VALUE", help="a param (JSON when it parses: 20, true, [1,2])"
+    ),
 ]
-ParamsFile = Annotated[Path | None, typer.Option("--params-file", help="a JSON object")]
+ParamsFile = Annotated[
+    Path | None, typer.Option("--params-file", metavar="FILE", help="params as a JSON object")
+]
 Inputs = Annotated[
-    list[str] | None, typer.Option("--input", "-i", help="name=@path: upload an input")
+    list[str] | None,
+    typer.Option("--input", "-i", metavar="NAME=@PATH", help="upload an input file"),
 ]
 Side = Annotated[int | None, typer.Option(help="64-2048, multiple of 8")]
 Simulate = Annotated[
