@@ -17,7 +17,8 @@ when missing), started on a free loopback port without persistence.
     make bench-peers
     .venv/bin/python benchmarks/peers.py --rounds 3 --tasks 3000 --pg-tasks 1500
 
-The last line is one JSON object: each system's median, and kiln's ratios to its peers
+The last line is one JSON object: each system's median (kiln's CPU per lifecycle too,
+``*_cpu_us``), and kiln's ratios to its peers
 (``sqlite_normal_vs_dramatiq``, ``sqlite_full_vs_dramatiq``,
 ``postgres_vs_procrastinate``).
 """
@@ -115,17 +116,19 @@ def one_round(
     lifecycle = [sys.executable, str(HERE / "lifecycle.py"), "--output-bytes", "0", "--json-only"]
     figures: dict[str, Any] = {}
     for level in ("NORMAL", "FULL"):
-        figures[f"kiln_sqlite_{level.lower()}"] = last_json(
-            [*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600
-        )["lifecycles_per_s"]
+        run = last_json([*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600)
+        figures[f"kiln_sqlite_{level.lower()}"] = run["lifecycles_per_s"]
+        figures[f"kiln_sqlite_{level.lower()}_cpu_us"] = run["cpu_us_per_lifecycle"]
     figures["dramatiq"] = last_json(
         [str(peers), str(HERE / "peers" / "dramatiq_noop.py"), "--redis-url", redis_url,
          "--tasks", str(args.tasks), "--threads", str(args.threads)], 600,
     )["drain_per_s"]  # fmt: skip
-    figures["kiln_postgres"] = last_json(
+    run = last_json(
         [*lifecycle, "--database", cluster.url, "--workers", str(args.workers),
          "--tasks", str(args.pg_tasks), "--pgbench-seconds", "1"], 900,
-    )["lifecycles_per_s"]  # fmt: skip
+    )  # fmt: skip
+    figures["kiln_postgres"] = run["lifecycles_per_s"]
+    figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
     database = cluster.create_database(f"procrastinate_{int(time.time() * 1000)}")
     figures["procrastinate"] = last_json(
         [str(peers), str(HERE / "peers" / "procrastinate_noop.py"), "--database", database,
@@ -148,7 +151,9 @@ def main() -> None:
     with redis() as redis_url, throwaway_cluster() as cluster:
         for n in range(args.rounds):
             rounds.append(one_round(args, peers, redis_url, cluster))
-            print(f"round {n + 1}: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in rounds[-1].items()))
+            shown = (f"{k} {v:,.0f}" + ("" if k.endswith("_us") else "/s")
+                     for k, v in rounds[-1].items())  # fmt: skip
+            print(f"round {n + 1}: " + ", ".join(shown))
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     ratios = {
         "sqlite_normal_vs_dramatiq": median["kiln_sqlite_normal"] / median["dramatiq"],
