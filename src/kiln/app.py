@@ -494,7 +494,9 @@ class App:
         """
         async with self.hub.subscribe(task_id=task_id, tenant=tenant) as sub:
             live_only = task_id is None and after is None and not replay
-            last = self.hub.last_seq if live_only else (after or 0)
+            last = after or 0
+            if live_only:  # "from now": what committed before, even if the tail lags
+                last = max(self.hub.last_seq, await self.engine.store.last_seq())
             replayed, final_seen = False, False
             status_of: dict[str, Status] = {}
             # A feed of many tasks replays up to where the tail stands and takes the rest
