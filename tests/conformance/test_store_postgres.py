@@ -344,6 +344,50 @@ async def test_concurrent_steps_share_one_transaction_and_each_stays_its_own_cas
         )
 
 
+async def test_steps_of_one_shape_share_a_statement_and_each_row_gets_its_own_values(
+    pg: PostgresStore,
+) -> None:
+    # Given 16 claimed tasks: 8 to acquire, 8 acquired already, one of which moved on
+    for n in range(16):
+        await pg.submit(make_new_task({"n": n}))
+    claimed = await pg.claim(worker_id="w", kinds=[KIND], limit=16, lease_ttl_s=60)
+    to_acquire, running = claimed[:8], []
+    for task in claimed[8:]:
+        moved, _ = await pg.apply(step_change(task, Event.ACQUIRE))
+        running.append(moved)
+    gone = running[3]
+    await pg.apply(step_change(gone, Event.EXPIRE, fenced=False, bump_epoch=True))
+    before = pg.write_statements
+    # When the acquires and the generated steps (each with its own stage) arrive at once
+    acquires = [pg.apply(step_change(t, Event.ACQUIRE)) for t in to_acquire]
+    reports = [
+        pg.apply(step_change(t, Event.GENERATED, fields={"stage": f"stage of {t.id}"}))
+        for t in running
+    ]
+    results = await asyncio.gather(*acquires, *reports, return_exceptions=True)
+    # Then each shape went as one statement over arrays
+    assert pg.write_statements - before == 2
+    # And every row got its own values, version and event; the one that moved on was refused
+    for task, result in zip(to_acquire + running, results, strict=True):
+        if task.id == gone.id:
+            assert isinstance(result, LeaseLost)
+            continue
+        assert not isinstance(result, BaseException)
+        moved, events = result
+        stored = await pg.get(task.id)
+        assert stored is not None and stored.version == moved.version == task.version + 1
+        if task in running:
+            assert moved.status is Status.UPLOADING and moved.stage == f"stage of {task.id}"
+        else:
+            assert moved.status is Status.GENERATING and moved.stage is None
+        (event,) = events
+        assert event.id == f"{task.id}:{moved.version}" and event.task_id == task.id
+        assert [e.seq for e in await pg.events(task_id=task.id)][-1] == event.seq
+        assert event.dwell_s is not None and event.dwell_s >= 0
+    stats = await pg.stats(tenant=None, ghost_after_s=60)
+    assert (stats.counts["GENERATING"], stats.counts["UPLOADING"]) == (8, 7)
+
+
 async def test_concurrent_submissions_share_transactions_and_dedup_still_holds(
     pg: PostgresStore,
 ) -> None:
@@ -351,11 +395,13 @@ async def test_concurrent_submissions_share_transactions_and_dedup_still_holds(
     news = [make_new_task({"n": n}) for n in range(20)] + [
         make_new_task({"same": True}) for _ in range(10)
     ]
-    before = pg.write_batches
+    before, statements = pg.write_batches, pg.write_statements
     results = await asyncio.gather(*(pg.submit(new) for new in news))
     transactions, _ = (a - b for a, b in zip(pg.write_batches, before, strict=True))
-    # Then they took fewer transactions than submissions, and made 21 tasks
+    # Then they took fewer transactions than submissions, went as one statement over
+    # arrays (the same content inserted once in it), and made 21 tasks
     assert transactions < 30
+    assert pg.write_statements - statements == 1
     assert len({r.task.id for r in results}) == 21
     assert sum(r.created for r in results) == 21
     assert (await pg.stats(tenant=None, ghost_after_s=60)).counts["PENDING"] == 21

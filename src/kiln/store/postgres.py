@@ -30,7 +30,7 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
@@ -67,6 +67,19 @@ SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
 SUBMIT_BARE = f"{Q.submit_rows} {Q.submit_end}"
 STEP_COUNTED = f"{Q.step_rows} {Q.step_count} {Q.step_end}"
 STEP_BARE = f"{Q.step_rows} {Q.step_end}"
+#: The shape of submissions in a batch (a step's shape is the columns it sets).
+SUBMIT_SHAPE = "submit"
+#: The columns a submission sets (``insert_args``), for the typed arrays of ``submit_many``.
+SUBMITTED = (
+    "id", "tenant", "kind", "priority", "ready_at", "params", "metadata", "inputs",
+    "fingerprint", "idempotency_key", "dedup_key", "max_attempts", "deadline_s",
+    "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook",
+)  # fmt: skip
+#: The tasks table's column types (for the typed arrays of ``step_many``).
+COLUMN_TYPES = (
+    "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute"
+    " WHERE attrelid = 'tasks'::regclass AND attnum > 0 AND NOT attisdropped"
+)
 
 
 async def migrate(conn: Conn) -> int:
@@ -213,6 +226,10 @@ class _Step:
     counts: Callable[[Row, Tally], None]
     notify: bool
     future: asyncio.Future[Row | None]
+    #: Steps of one shape (the same SET columns) share one statement over arrays
+    #: (``step_many``); ``values`` is this step's row of those arrays.
+    shape: str | None = None
+    values: list[Any] = field(default_factory=list)
 
 
 class _Batch:
@@ -228,6 +245,7 @@ class _Batch:
         self.draining: asyncio.Task[None] | None = None
         self.batches = 0
         self.writes = 0
+        self.statements = 0
 
     async def run(self, step: _Step) -> Row | None:
         self.waiting.append(step)
@@ -286,22 +304,70 @@ class _Batch:
 
     async def _together(self, batch: list[_Step]) -> dict[int, Row | None]:
         rows: dict[int, Row | None] = {}
-        async with (
-            self.store._connection() as conn,
-            conn.pipeline() as pipeline,
-            conn.transaction(),
-        ):
-            cursors = [await conn.execute(*step.bare) for step in batch]
-            await pipeline.sync()
-            tx = PostgresTx(conn)
-            for step, cursor in zip(batch, cursors, strict=True):
-                row = rows[id(step)] = await cursor.fetchone()
-                if row is not None:
-                    step.counts(row, tx.tally)
-            await tx.flush()
-            if any(step.notify and rows[id(step)] is not None for step in batch):
-                await conn.execute(f"NOTIFY {READY_CHANNEL}")
+        statements = _statements(batch)
+        self.statements += len(statements)
+        async with self.store._connection() as conn:
+            if any(len(steps) > 1 for steps in statements):
+                await self.store._column_types(conn)
+            async with conn.pipeline() as pipeline, conn.transaction():
+                sent = [(steps, await conn.execute(*self._sql(steps))) for steps in statements]
+                await pipeline.sync()
+                tx = PostgresTx(conn)
+                for steps, cursor in sent:
+                    for step, row in _rows_of(steps, await cursor.fetchall()):
+                        rows[id(step)] = row
+                        if row is not None:
+                            step.counts(row, tx.tally)
+                await tx.flush()
+                if any(step.notify and rows[id(step)] is not None for step in batch):
+                    await conn.execute(f"NOTIFY {READY_CHANNEL}")
         return rows
+
+    def _sql(self, steps: list[_Step]) -> tuple[str, list[Any]]:
+        """One step's own statement, or the one statement over arrays of many."""
+        if len(steps) == 1:
+            return steps[0].bare
+        assert steps[0].shape is not None
+        columns = zip(*(step.values for step in steps), strict=True)
+        return self.store._many_sql(steps[0].shape), [[_text(v) for v in c] for c in columns]
+
+
+def _statements(batch: list[_Step]) -> list[list[_Step]]:
+    """The batch's statements: the steps of one shape together (one task each: a task
+    stepped twice in a batch keeps its second step to itself), the others alone."""
+    shaped: dict[str, list[_Step]] = {}
+    taken: dict[str, set[str]] = {}
+    statements: list[list[_Step]] = []
+    for step in batch:
+        if step.shape is None or step.order in taken.setdefault(step.shape, set()):
+            statements.append([step])
+            continue
+        taken[step.shape].add(step.order)
+        together = shaped.get(step.shape)
+        if together is None:
+            together = shaped[step.shape] = []
+            statements.append(together)
+        together.append(step)
+    return statements
+
+
+def _rows_of(steps: list[_Step], rows: list[Row]) -> list[tuple[_Step, Row | None]]:
+    """Each write with its row (None: it wrote nothing). A row of a statement over arrays
+    is the one the write's own statement returns with the write's place in the arrays
+    (from 1) before its last column (the event's seq)."""
+    if len(steps) == 1:
+        return [(steps[0], rows[0] if rows else None)]
+    by_place = {row[-2]: (*row[:-2], row[-1]) for row in rows}
+    return [(step, by_place.get(n)) for n, step in enumerate(steps, 1)]
+
+
+def _text(value: Any) -> str | None:
+    """A value as the text PostgreSQL parses back to it (the arrays are cast from text)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)  # an int, or a float's shortest exact form
 
 
 class PostgresStore(Store):
@@ -324,6 +390,8 @@ class PostgresStore(Store):
         self.ready_listeners: list[Callable[[], None]] = []
         self._closed = False
         self._batches: dict[asyncio.AbstractEventLoop, _Batch] = {}
+        self._types: dict[str, str] = {}
+        self._many: dict[str, str] = {}
 
     @classmethod
     async def open(cls, url: str, *, clock: Clock, pool_size: int = 10) -> PostgresStore:
@@ -516,6 +584,11 @@ class PostgresStore(Store):
         done = list(self._batches.values())
         return sum(b.batches for b in done), sum(b.writes for b in done)
 
+    @property
+    def write_statements(self) -> int:
+        """The statements those batches of more than one write sent."""
+        return sum(b.statements for b in self._batches.values())
+
     # the one-statement paths
 
     async def submit(self, new: NewTask) -> SubmitResult:
@@ -539,7 +612,8 @@ class PostgresStore(Store):
             tally.count_status(row[1], Status.PENDING, 1)
 
         row = await self._batched(new.id, (SUBMIT_COUNTED, counted), (SUBMIT_BARE, bare), counts,
-                                  notify=self._notify_due(now))  # fmt: skip
+                                  notify=self._notify_due(now), shape=SUBMIT_SHAPE,
+                                  values=bare)  # fmt: skip
         return None if row is None else task_from_row(row)
 
     async def _batched(
@@ -550,13 +624,60 @@ class PostgresStore(Store):
         counts: Callable[[Row, Tally], None],
         *,
         notify: bool = False,
+        shape: str | None = None,
+        values: list[Any] | None = None,
     ) -> Row | None:
-        """One write through this loop's batch (:class:`_Batch`)."""
+        """One write through this loop's batch (:class:`_Batch`); one of a ``shape``
+        may share a statement with others of it, ``values`` its row of the arrays."""
         loop = asyncio.get_running_loop()
         batch = self._batches.get(loop)
         if batch is None:
             batch = self._batches[loop] = _Batch(self)
-        return await batch.run(_Step(order, counted, bare, counts, notify, loop.create_future()))
+        step = _Step(order, counted, bare, counts, notify, loop.create_future(), shape)
+        if values is not None:
+            step.values = values
+        return await batch.run(step)
+
+    async def _column_types(self, conn: Conn) -> None:
+        """Read the tasks table's column types once (before any ``step_many``)."""
+        if not self._types:
+            rows = await (await conn.execute(COLUMN_TYPES)).fetchall()
+            self._types = {str(name): str(kind) for name, kind in rows}
+
+    def _many_sql(self, shape: str) -> str:
+        """The statement over arrays of the writes of ``shape``: ``submit_many`` for
+        submissions, ``step_many`` for steps that set the columns ``shape`` names."""
+        if shape != SUBMIT_SHAPE:
+            return self._step_many(shape)
+        sql = self._many.get(shape)
+        if sql is None:
+            types = [self._types[column] for column in SUBMITTED] + ["text", "double precision"]
+            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
+            sql = self._many[shape] = Q.submit_many.replace("{arrays}", arrays)
+        return sql
+
+    def _step_many(self, sets: str) -> str:
+        """``step_many`` for steps that set ``sets`` (``col = %s, ...``, as ``step_rows``
+        has them): each value becomes an array of the column's type."""
+        sql = self._many.get(sets)
+        if sql is None:
+            types = ["text", "text", self._types["epoch"]]
+            rendered: list[str] = []
+            for clause in sets.split(", "):
+                column = clause.split(" = ", 1)[0]
+                if "%s" in clause:
+                    types.append(self._types[column])
+                    clause = clause.replace("%s", f"d.k_v{len(types) - 3}")
+                rendered.append(clause)
+            values = ", ".join(f"k_v{i}" for i in range(1, len(types) - 2))
+            types += ["text", "text", "text", "boolean", "text", "double precision"]
+            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
+            sql = self._many[sets] = (
+                Q.step_many.replace("{arrays}", arrays)
+                .replace("{values}", values)
+                .replace("{sets}", ", ".join(rendered))
+            )
+        return sql
 
     async def _statement(
         self, sql: str, args: Sequence[Any], *, notify: bool = False
@@ -612,7 +733,8 @@ class PostgresStore(Store):
             tally.bump(names.TRANSITIONS, f"{source}>{target}")
 
         row = await self._batched(change.task_id, (STEP_COUNTED.replace("{sets}", sets), counted),
-                                  (STEP_BARE.replace("{sets}", sets), bare), counts)  # fmt: skip
+                                  (STEP_BARE.replace("{sets}", sets), bare), counts,
+                                  shape=sets, values=bare[:-1])  # fmt: skip
         if row is None:
             return None
         task = task_from_row(row)

@@ -94,3 +94,56 @@ c AS (
 
 -- step_end --
 SELECT u.*, (SELECT seq FROM e) FROM u
+
+-- step_many --
+-- Workers' plain steps of one shape (the same columns set) as one statement over arrays,
+-- in a batch (which adds the counts): kiln/store/postgres.py renders {arrays} (the typed
+-- arrays of id, status, epoch, {values}, event, from, to, final, error, now), {values}
+-- (the SET values' names) and {sets} (the change's columns = d.k_v1, ...). Rows are
+-- locked and checked in id order, updated, and their events inserted (reading the updated
+-- rows, as tail requires); each updated row comes back with its place in the arrays and
+-- its event's seq.
+WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_status, k_epoch,
+    {values}, k_event, k_from, k_to, k_final, k_error, k_at, k_n)),
+o AS (SELECT tasks.id, tasks.status_since, d.k_n FROM tasks JOIN d ON tasks.id = d.k_id
+    AND tasks.status = d.k_status AND tasks.epoch = d.k_epoch ORDER BY tasks.id
+    FOR UPDATE OF tasks),
+u AS (UPDATE tasks SET {sets} FROM o JOIN d ON d.k_n = o.k_n WHERE tasks.id = o.id
+    RETURNING tasks.*, o.status_since AS since, d.k_n),
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT u.id || ':' || u.version, u.id, u.tenant, d.k_event, d.k_from, d.k_to, d.k_final,
+        u.attempt, u.epoch, d.k_error, d.k_at, d.k_at - u.since
+    FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id)
+SELECT u.*, e.seq FROM u JOIN e ON e.task_id = u.id
+
+-- submit_many --
+-- Submissions without an idempotency key as one statement over arrays, in a batch (which
+-- adds the counts): kiln/store/postgres.py renders {arrays}, the typed arrays of
+-- (insert_task's parameters, submit, now). A content already live or done (by another
+-- submission of this statement too) inserts nothing; each inserted task comes back with
+-- its place in the arrays and its event's seq.
+WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_tenant, k_kind,
+    k_priority, k_ready_at, k_params, k_metadata, k_inputs, k_fingerprint,
+    k_idempotency_key, k_dedup_key, k_max_attempts, k_deadline_s, k_deadline_at,
+    k_timeouts, k_created_at, k_updated_at, k_status_since, k_webhook, k_event, k_at, k_n)),
+t AS (
+    INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
+        inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
+        deadline_at, timeouts, created_at, updated_at, status_since, webhook)
+    SELECT k_id, k_tenant, k_kind, 'PENDING', k_priority, k_ready_at, k_params, k_metadata,
+        k_inputs, k_fingerprint, k_idempotency_key, k_dedup_key, k_max_attempts,
+        k_deadline_s, k_deadline_at, k_timeouts, k_created_at, k_updated_at,
+        k_status_since, k_webhook
+    FROM d ORDER BY k_n
+    ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
+        AND status NOT IN {NOT_LIVE} DO NOTHING
+    RETURNING *),
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT t.id || ':1', t.id, t.tenant, d.k_event, NULL, 'PENDING', false, t.attempt,
+        t.epoch, NULL, d.k_at, NULL FROM t JOIN d ON d.k_id = t.id ORDER BY d.k_n
+    RETURNING seq, task_id)
+SELECT t.*, d.k_n, e.seq FROM t JOIN d ON d.k_id = t.id JOIN e ON e.task_id = t.id
