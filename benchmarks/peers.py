@@ -5,8 +5,9 @@ over the rounds, so the machine's drift hits every system alike:
 
 - kiln on SQLite, full no-op lifecycles (submit included) per second,
   ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``;
-- kiln on PostgreSQL, the same with ``--workers`` worker processes on a throwaway cluster
-  (fsync and synchronous_commit on);
+- kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
+  (default one of 64: on two cores, more processes than cores cost CPU for smaller
+  batches) on a throwaway cluster (fsync and synchronous_commit on);
 - Dramatiq on Redis and Procrastinate on the same PostgreSQL cluster: the drain rate of N
   queued no-op jobs (and enqueue + drain), by ``benchmarks/peers/*.py``.
 
@@ -125,7 +126,8 @@ def one_round(
     )["drain_per_s"]  # fmt: skip
     run = last_json(
         [*lifecycle, "--database", cluster.url, "--workers", str(args.workers),
-         "--tasks", str(args.pg_tasks), "--pgbench-seconds", "1"], 900,
+         "--concurrency", str(args.pg_slots), "--tasks", str(args.pg_tasks),
+         "--pgbench-seconds", "1"], 900,
     )  # fmt: skip
     figures["kiln_postgres"] = run["lifecycles_per_s"]
     figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
@@ -142,7 +144,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=3000, help="SQLite and Dramatiq")
     parser.add_argument("--pg-tasks", type=int, default=1500, help="PostgreSQL, both systems")
-    parser.add_argument("--workers", type=int, default=3, help="kiln worker processes on PG")
+    parser.add_argument("--workers", type=int, default=1, help="kiln worker processes on PG")
+    parser.add_argument("--pg-slots", type=int, default=64, help="slots per kiln worker on PG")
     parser.add_argument("--threads", type=int, default=8, help="Dramatiq worker threads")
     parser.add_argument("--concurrency", type=int, default=16, help="Procrastinate's")
     args = parser.parse_args()
