@@ -156,6 +156,10 @@ class Breakers:
     def state(self, name: str) -> State:
         return self.breakers[name].breaker.state
 
+    def closed(self, kind: str) -> bool:
+        """Whether every breaker the kind depends on is closed (as of the last sync)."""
+        return all(self.state(name) == "closed" for name in self.dependencies(kind))
+
     # sharing through the store
 
     def _decided(self, name: str, state: State) -> None:

@@ -252,13 +252,20 @@ class Engine:
     # claims
 
     def claim(
-        self, *, worker_id: str, kinds: list[str], limit: int, lease_ttl_s: float
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        acquire: Sequence[str] = (),
     ) -> Awaitable[list[Task]]:
         """Claim up to ``limit`` ready tasks of ``kinds`` under the claim policy
-        (KILN_CLAIM_*: aging, fair turns, running caps)."""
+        (KILN_CLAIM_*: aging, fair turns, running caps); those of ``acquire`` kinds come
+        back acquired (GENERATING: they wait for no resource)."""
         return self.store.claim(
             worker_id=worker_id, kinds=kinds, limit=limit, lease_ttl_s=lease_ttl_s,
-            policy=self.claim_policy,
+            policy=self.claim_policy, acquire=acquire,
         )  # fmt: skip
 
     async def request_cancel(self, task: Task) -> Task:

@@ -249,7 +249,7 @@ class Worker:
                         kinds, limit = self._pool_room(kinds, free)
                         claimed = await self.engine.claim(
                             worker_id=self.worker_id, kinds=kinds, limit=limit,
-                            lease_ttl_s=self.lease_ttl_s,
+                            lease_ttl_s=self.lease_ttl_s, acquire=self._acquiring(kinds),
                         ) if kinds else []  # fmt: skip
                         for task in claimed:  # claimed is committed: run it, whatever follows
                             self._start(task)
@@ -320,6 +320,14 @@ class Worker:
                 keep.append(kind)
                 free = min(free, room)
         return keep, free
+
+    def _acquiring(self, kinds: list[str]) -> list[str]:
+        """The kinds a claim acquires at once (one write, the wait recorded as zero):
+        they take no resource and their breakers are closed."""
+        return [
+            kind for kind in kinds
+            if not any(n > 0 for n in self.needs[kind].values()) and self.breakers.closed(kind)
+        ]  # fmt: skip
 
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
         waiters = [asyncio.ensure_future(self._slot_free.wait())]
@@ -470,9 +478,10 @@ class Worker:
             await self._acquire_shared(attempt, needs)
             if self._pool_lease_lapsed(attempt):  # the slot may be another task's by now
                 raise LeaseLost(f"the lease of {attempt.task.id} lapsed while it took a slot")
-            await self._transition(
-                attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
-            )
+            if attempt.task.status is Status.WAITING_FOR_RESOURCE:  # else the claim acquired
+                await self._transition(
+                    attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
+                )
             params = kind.parse(attempt.task.params)
             ctx = Context(self, attempt, params)
             self.engine.hub.local_progress.add(attempt.task.id)

@@ -390,6 +390,52 @@ async def test_claimed_task_gets_attempt_epoch_lease_and_result_location(
     assert again.started_at == now
 
 
+async def test_claim_acquires_at_once_the_kinds_that_wait_for_nothing(
+    store: Store, clock: SettableClock
+) -> None:
+    # Given a task of a kind that takes no resource and one of a kind that waits for one
+    plain = await store.submit(make_new_task(kind="kind.a", timeouts=Timeouts(generating_s=40)))
+    pooled = await store.submit(make_new_task(kind="kind.b", timeouts=Timeouts(waiting_s=15)))
+    before = await store.stats(tenant=None, ghost_after_s=60)
+    clock.advance(2)
+    # When one claim takes both, acquiring the first kind's tasks at once
+    claimed = await store.claim(worker_id="w-1", kinds=["kind.a", "kind.b"], limit=5,
+                                lease_ttl_s=30, acquire=["kind.a", "kind.c"])  # fmt: skip
+    now = clock()
+    by_id = {t.id: t for t in claimed}
+    acquired, waiting = by_id[plain.task.id], by_id[pooled.task.id]
+    # Then the first is GENERATING with its state deadline, two versions on, both events
+    # written (the wait recorded as zero); the second waits for its resource as before
+    assert (acquired.status, acquired.attempt, acquired.epoch) == (S.GENERATING, 1, 1)
+    assert acquired.version == plain.task.version + 2
+    assert acquired.state_deadline_at == now + 40 and acquired.status_since == now
+    assert (acquired.lease_owner, acquired.lease_expires_at) == ("w-1", now + 30)
+    assert acquired.result_prefix == f"tasks/{acquired.id}/1-1"
+    task, events = await state_of(store, acquired.id)
+    assert task == acquired
+    assert [(e.event, e.from_status, e.status, e.dwell_s) for e in events] == [
+        (Event.SUBMIT, None, S.PENDING, None),
+        (Event.CLAIM, S.PENDING, S.WAITING_FOR_RESOURCE, 2.0),
+        (Event.ACQUIRE, S.WAITING_FOR_RESOURCE, S.GENERATING, 0.0),
+    ]
+    assert [e.id for e in events[1:]] == [
+        f"{task.id}:{v}" for v in (task.version - 1, task.version)
+    ]
+    assert replay((e.event, e.from_status, e.status) for e in events) is S.GENERATING
+    assert (waiting.status, waiting.state_deadline_at) == (S.WAITING_FOR_RESOURCE, now + 15)
+    assert waiting.version == pooled.task.version + 1
+    # And counts and counters say the same
+    after = await store.stats(tenant=None, ghost_after_s=60)
+    assert after.counts["PENDING"] == before.counts["PENDING"] - 2
+    assert after.counts["GENERATING"] == before.counts["GENERATING"] + 1
+    assert after.counts["WAITING_FOR_RESOURCE"] == before.counts["WAITING_FOR_RESOURCE"] + 1
+    assert await counter(store, "transitions", "PENDING>WAITING_FOR_RESOURCE") == 2
+    assert await counter(store, "transitions", "WAITING_FOR_RESOURCE>GENERATING") == 1
+    # And the acquired task goes on as any other: its worker's next step is fenced as usual
+    moved, _ = await store.apply(step_change(acquired, Event.GENERATED))
+    assert moved.status is S.UPLOADING
+
+
 async def test_task_past_its_deadline_is_not_claimed(store: Store, clock: SettableClock) -> None:
     late = (await store.submit(make_new_task({"n": 1}, deadline_s=10))).task
     clock.advance(10)

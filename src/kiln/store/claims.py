@@ -189,6 +189,15 @@ def claim_policy(settings: Settings) -> ClaimPolicy | None:
     return None if policy.plain else policy
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Who claims, for how long, and the kinds whose tasks it acquires at once."""
+
+    worker_id: str
+    ttl_s: float
+    acquire: list[str]
+
+
 #: The PostgreSQL advisory lock namespace of capped tenants' claims ("kcap").
 ADVISORY_CAPS = 0x6B636170
 
@@ -206,25 +215,26 @@ class ClaimOps(Ops):
         limit: int,
         lease_ttl_s: float,
         policy: ClaimPolicy | None = None,
+        acquire: Sequence[str] = (),
     ) -> list[Task]:
         """Claim up to ``limit`` ready tasks of ``kinds``: in priority, then ready-time
-        order, or as ``policy`` says (aging, fair turns, running caps: store/claims.py)."""
+        order, or as ``policy`` says (aging, fair turns, running caps: store/claims.py).
+        A task of a kind in ``acquire`` (one that waits for no resource) is acquired in
+        the same write: it comes back GENERATING, with both events and a wait of zero."""
 
         if not kinds or limit <= 0:
             return []
         self._claim_turn += 1
         turn_no = self._claim_turn
-        return await self._write(
-            lambda tx: self._claim(tx, worker_id, kinds, limit, lease_ttl_s, policy, turn_no)
-        )
+        lease = Lease(worker_id, lease_ttl_s, [k for k in acquire if k in kinds])
+        return await self._write(lambda tx: self._claim(tx, lease, kinds, limit, policy, turn_no))
 
     async def _claim(
         self,
         tx: Tx,
-        worker_id: str,
+        lease: Lease,
         kinds: list[str],
         limit: int,
-        lease_ttl_s: float,
         policy: ClaimPolicy | None,
         turn_no: int,
     ) -> list[Task]:
@@ -238,21 +248,30 @@ class ClaimOps(Ops):
             chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no)
         if not chosen:
             return []
-        args = (worker_id, now + lease_ttl_s, now, now, now, now, [c.id for c in chosen])
+        acq = lease.acquire
+        args = (acq, acq, lease.worker_id, now + lease.ttl_s, now, acq, now, now, now,
+                [c.id for c in chosen])  # fmt: skip
         by_id = {row[0]: task_from_row(row) for row in await tx.all(self.q.claim_tasks, args)}
         claimed: list[Task] = []
         events: list[EventRow] = []
+        waiting, generating = Status.WAITING_FOR_RESOURCE, Status.GENERATING
         for cand in chosen:  # in claim order
             task = by_id.get(cand.id)
             if task is None:
                 continue
             source, dwell = Status(cand.status), now - cand.status_since
-            events.append(EventRow(task, task.version, Event.CLAIM, source,
-                                   Status.WAITING_FOR_RESOURCE, None, now, dwell))  # fmt: skip
-            log_claim(task, source, dwell, worker_id)
+            acquired = task.status is generating
+            version = task.version - 1 if acquired else task.version
+            events.append(EventRow(task, version, Event.CLAIM, source, waiting, None, now, dwell))
+            log_claim(task, source, waiting, dwell, lease.worker_id)
             tx.count_status(task.tenant, source, -1)
-            tx.count_status(task.tenant, Status.WAITING_FOR_RESOURCE, 1)
-            tx.bump(names.TRANSITIONS, f"{source}>{Status.WAITING_FOR_RESOURCE}")
+            tx.count_status(task.tenant, task.status, 1)
+            tx.bump(names.TRANSITIONS, f"{source}>{waiting}")
+            if acquired:
+                events.append(EventRow(task, task.version, Event.ACQUIRE, waiting, generating,
+                                       None, now, 0.0))  # fmt: skip
+                log_claim(task, waiting, generating, 0.0, lease.worker_id)
+                tx.bump(names.TRANSITIONS, f"{waiting}>{generating}")
             claimed.append(task)
         await tx.insert_events(events)
         return claimed
@@ -360,10 +379,12 @@ class ClaimOps(Ops):
         return found
 
 
-def log_claim(task: Task, source: Status, dwell_s: float, worker_id: str) -> None:
+def log_claim(task: Task, source: Status, target: Status, dwell_s: float, worker_id: str) -> None:
+    """The transition line of a claim (``claim``, or the ``acquire`` that came with it)."""
     if log.isEnabledFor(logging.INFO):
         log.info("transition", extra={
             "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
-            "from": str(source), "to": str(task.status), "event": "claim",
+            "from": str(source), "to": str(target),
+            "event": "claim" if target is Status.WAITING_FOR_RESOURCE else "acquire",
             "duration_s": dwell_s, "worker": worker_id,
         })  # fmt: skip

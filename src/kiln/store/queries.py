@@ -56,6 +56,7 @@ _DIALECT_WORDS = {
         "TRUE": "1",
         "FALSE": "0",
         "WAITING_S": "json_extract(timeouts, '$.waiting_s')",
+        "GENERATING_S": "json_extract(timeouts, '$.generating_s')",
     },
     "postgres": {
         "FOR_UPDATE": "FOR UPDATE",
@@ -67,6 +68,7 @@ _DIALECT_WORDS = {
         "TRUE": "true",
         "FALSE": "false",
         "WAITING_S": "(timeouts::jsonb->>'waiting_s')::float8",
+        "GENERATING_S": "(timeouts::jsonb->>'generating_s')::float8",
     },
 }
 

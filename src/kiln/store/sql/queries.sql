@@ -70,11 +70,16 @@ UPDATE tasks SET cancel_requested = {TRUE},
 WHERE id = ? AND status IN {RUNNING} RETURNING *
 
 -- claim_tasks --
--- Claim chosen candidates (still claimable): (lease_owner, lease_expires_at, now, now,
--- now, now, [ids]).
-UPDATE tasks SET status = 'WAITING_FOR_RESOURCE', attempt = attempt + 1, epoch = epoch + 1,
-    version = version + 1, lease_owner = ?, lease_expires_at = ?,
-    state_deadline_at = ? + {WAITING_S}, started_at = coalesce(started_at, ?),
+-- Claim chosen candidates (still claimable): ([kinds that go on to GENERATING], [the
+-- same], lease_owner, lease_expires_at, now, [the same], now, now, now, [ids]). A task
+-- of such a kind (it waits for no resource) is acquired too: two steps, two versions.
+UPDATE tasks SET
+    status = CASE WHEN kind {IN_LIST} THEN 'GENERATING' ELSE 'WAITING_FOR_RESOURCE' END,
+    attempt = attempt + 1, epoch = epoch + 1,
+    version = version + CASE WHEN kind {IN_LIST} THEN 2 ELSE 1 END,
+    lease_owner = ?, lease_expires_at = ?,
+    state_deadline_at = ? + CASE WHEN kind {IN_LIST} THEN {GENERATING_S} ELSE {WAITING_S} END,
+    started_at = coalesce(started_at, ?),
     updated_at = ?, status_since = ?, next_retry_at = NULL, stage = NULL,
     progress_step = NULL, progress_total = NULL, progress_at = NULL,
     result_prefix = 'tasks/' || id || '/' || (attempt + 1) || '-' || (epoch + 1)
