@@ -16,7 +16,7 @@ they are kept under real concurrency:
 - a submission without a key and a worker's plain step are one statement each, and the
   ones that arrive while a batch commits go together into the next: one transaction and
   one round trip (pipeline mode) for them all, each still its own compare-and-set
-  (:class:`_Batch`).
+  (:class:`kiln.store.pgbatch.Batch`).
 
 A connection that broke (a database restart, a network cut) is replaced and the call
 retried when nothing can have been committed; otherwise the call raises
@@ -30,7 +30,6 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
@@ -38,48 +37,29 @@ import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from kiln import counters as names
-from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import CLAIMABLE, FINAL, Event, Status
-from kiln.store.claims import ADVISORY_CAPS
-from kiln.store.queries import migrations, queries
+from kiln.store.pgbatch import SUBMIT_SHAPE, Batch, Shapes, Write
+from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
+from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
 from kiln.store.sqlstore import NOT_LIVE, Store, insert_args, update_sql
-from kiln.store.tx import Counting, EventRow, Op, Refused, Row, Tally, Tx, alone, violation
+from kiln.store.tx import Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
 
 T = TypeVar("T")
-Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 Pool = AsyncConnectionPool[Conn]
 
-COUNTER_SHARDS = 16
-READY_CHANNEL = "kiln_ready"
 NOTIFY_EVERY_S = 0.05
-#: Writes one batch transaction takes at most.
-BATCH_MAX = 256
 ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
-Q = queries("postgres")
 #: The one-statement writes, alone (counting themselves) or in a batch (counted by it).
 SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
 SUBMIT_BARE = f"{Q.submit_rows} {Q.submit_end}"
 STEP_COUNTED = f"{Q.step_rows} {Q.step_count} {Q.step_end}"
 STEP_BARE = f"{Q.step_rows} {Q.step_end}"
-#: The shape of submissions in a batch (a step's shape is the columns it sets).
-SUBMIT_SHAPE = "submit"
-#: The columns a submission sets (``insert_args``), for the typed arrays of ``submit_many``.
-SUBMITTED = (
-    "id", "tenant", "kind", "priority", "ready_at", "params", "metadata", "inputs",
-    "fingerprint", "idempotency_key", "dedup_key", "max_attempts", "deadline_s",
-    "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook",
-)  # fmt: skip
-#: The tasks table's column types (for the typed arrays of ``step_many``).
-COLUMN_TYPES = (
-    "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute"
-    " WHERE attrelid = 'tasks'::regclass AND attnum > 0 AND NOT attisdropped"
-)
 
 
 async def migrate(conn: Conn) -> int:
@@ -110,88 +90,6 @@ async def migrate(conn: Conn) -> int:
     return applied
 
 
-def _translated(exc: psycopg.errors.IntegrityError) -> Exception:
-    return violation(str(exc), unique=isinstance(exc, psycopg.errors.UniqueViolation))
-
-
-class PostgresTx(Counting):
-    """A :class:`~kiln.store.tx.Tx` on one connection, with the counter deltas it adds to
-    one random shard at commit."""
-
-    __slots__ = ("conn", "notify", "tally")
-
-    def __init__(self, conn: Conn, notify: Callable[[], bool] = lambda: False) -> None:
-        self.conn = conn
-        self.notify = notify
-        self.tally = Tally()
-
-    async def _execute(self, sql: str, args: Sequence[Any]) -> psycopg.AsyncCursor[Row]:
-        try:
-            return await self.conn.execute(sql, args)
-        except psycopg.errors.IntegrityError as exc:
-            raise _translated(exc) from None
-
-    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
-        return await (await self._execute(sql, args)).fetchone()
-
-    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
-        return await (await self._execute(sql, args)).fetchall()
-
-    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
-        return (await self._execute(sql, args)).rowcount
-
-    async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        changed = 0
-        for row in rows:  # pipelined by psycopg would need a pipeline; these are few
-            changed += max(0, (await self._execute(sql, row)).rowcount)
-        return changed
-
-    @contextlib.asynccontextmanager
-    async def savepoint(self) -> AsyncIterator[None]:
-        async with self.conn.transaction():
-            yield
-
-    async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
-        """One statement; every caller has written before (so its transaction id exists
-        before its seq numbers: see ``PostgresStore._log_after``)."""
-        if not rows:
-            return []
-        ids = [f"{r.task.id}:{r.version}" for r in rows]
-        args = (
-            ids, [r.task.id for r in rows], [r.task.tenant for r in rows],
-            [str(r.event) for r in rows],
-            [None if r.source is None else str(r.source) for r in rows],
-            [str(r.target) for r in rows], [r.final for r in rows],
-            [r.task.attempt for r in rows], [r.task.epoch for r in rows],
-            [dumps(r.error) for r in rows], [r.at for r in rows], [r.dwell_s for r in rows],
-        )  # fmt: skip
-        seqs = {event_id: seq for seq, event_id in await self.all(Q.insert_events, args)}
-        return [r.event_for(seqs[event_id]) for event_id, r in zip(ids, rows, strict=True)]
-
-    async def lock_tenant(self, tenant: str) -> bool:
-        found = await self.one(Q.try_lock_tenant, (ADVISORY_CAPS, tenant))
-        if found is not None and found[0]:
-            return False
-        await self.conn.execute(Q.lock_tenant, (ADVISORY_CAPS, tenant))
-        return True
-
-    async def notify_ready(self) -> None:
-        if self.notify():
-            await self.conn.execute(f"NOTIFY {READY_CHANNEL}")
-
-    async def flush(self) -> None:
-        """Add the deltas to one random shard, rows in a fixed order (no deadlocks)."""
-        shard = random.randrange(COUNTER_SHARDS)
-        for table, sql in (("task_counts", Q.add_status_counts), ("counters", Q.add_counters)):
-            rows = self.tally.rows(table)
-            if rows:
-                a, b, n = zip(*rows, strict=True)
-                await self.conn.execute(sql, (shard, list(a), list(b), list(n)))
-        below = self.tally.stale_buckets()
-        if below is not None:
-            await self.conn.execute(Q.prune_counter, (FAILURES_BY_MINUTE, below))
-
-
 def _past_gaps(rows: list[tuple[Any, ...]], after: int, gaps: dict[int, int]) -> list[TaskEvent]:
     """The ``tail`` query's rows a tail may pass (see ``PostgresStore._log_after``); ``gaps`` holds,
     per follower of the log, the xmax each gap was first seen under."""
@@ -215,161 +113,6 @@ class _CommitUnknown(Exception):
     """The connection broke during COMMIT: the transaction may or may not have landed."""
 
 
-@dataclass(slots=True)
-class _Step:
-    """One write of a batch: a statement whose row comes back when it wrote, the counts
-    that row adds, and whether it makes work claimable (NOTIFY)."""
-
-    order: str
-    counted: tuple[str, list[Any]]  # the statement alone, counting itself (autocommit)
-    bare: tuple[str, list[Any]]  # the statement in a batch, counted by the batch
-    counts: Callable[[Row, Tally], None]
-    notify: bool
-    future: asyncio.Future[Row | None]
-    #: Steps of one shape (the same SET columns) share one statement over arrays
-    #: (``step_many``); ``values`` is this step's row of those arrays.
-    shape: str | None = None
-    values: list[Any] = field(default_factory=list)
-
-
-class _Batch:
-    """The one-statement writes of a process (submissions, workers' plain steps) that
-    arrive while a batch commits go together into the next one: one transaction and one
-    round trip for them all (pipeline mode), each still its own compare-and-set. Rows are
-    locked in task id order and counts added once, sorted, at the end, so two batches never
-    wait on each other in a circle. A write alone runs as its own counted statement."""
-
-    def __init__(self, store: PostgresStore) -> None:
-        self.store = store
-        self.waiting: list[_Step] = []
-        self.draining: asyncio.Task[None] | None = None
-        self.batches = 0
-        self.writes = 0
-        self.statements = 0
-
-    async def run(self, step: _Step) -> Row | None:
-        self.waiting.append(step)
-        if self.draining is None or self.draining.done():
-            self.draining = asyncio.create_task(self._drain(), name="kiln-pg-batch")
-        return await step.future
-
-    async def _drain(self) -> None:
-        while self.waiting:
-            batch, self.waiting = self.waiting[:BATCH_MAX], self.waiting[BATCH_MAX:]
-            batch = [step for step in batch if not step.future.done()]  # a caller gave up
-            if not batch:
-                continue
-            try:
-                rows = await self._commit(sorted(batch, key=lambda s: s.order))
-            except BaseException as exc:  # every waiter gets the failure
-                for step in batch:
-                    if not step.future.done():
-                        step.future.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-                continue
-            for step in batch:
-                if not step.future.done():
-                    step.future.set_result(rows[id(step)])
-
-    async def _commit(self, batch: list[_Step]) -> dict[int, Row | None]:
-        self.batches += 1
-        self.writes += len(batch)
-        if len(batch) == 1:
-            (step,) = batch
-            sql, args = step.counted
-            return {id(step): await self.store._statement(sql, args, notify=step.notify)}
-        for attempt in range(4):
-            try:
-                return await self._together(batch)
-            except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
-                if attempt == 3:
-                    raise
-            except psycopg.errors.IntegrityError:  # one of them broke one: each on its own
-                return await self._each(batch)
-            except (psycopg.OperationalError, PoolTimeout) as exc:
-                await self.store._drop_broken()
-                raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
-        raise AssertionError("unreachable")
-
-    async def _each(self, batch: list[_Step]) -> dict[int, Row | None]:
-        rows: dict[int, Row | None] = {}
-        for step in batch:
-            rows[id(step)] = None
-            try:
-                rows[id(step)] = await self.store._statement(*step.counted, notify=step.notify)
-            except Exception as exc:
-                step.future.set_exception(exc)
-        return rows
-
-    async def _together(self, batch: list[_Step]) -> dict[int, Row | None]:
-        rows: dict[int, Row | None] = {}
-        statements = _statements(batch)
-        self.statements += len(statements)
-        async with self.store._connection() as conn:
-            if any(len(steps) > 1 for steps in statements):
-                await self.store._column_types(conn)
-            async with conn.pipeline() as pipeline, conn.transaction():
-                sent = [(steps, await conn.execute(*self._sql(steps))) for steps in statements]
-                await pipeline.sync()
-                tx = PostgresTx(conn)
-                for steps, cursor in sent:
-                    for step, row in _rows_of(steps, await cursor.fetchall()):
-                        rows[id(step)] = row
-                        if row is not None:
-                            step.counts(row, tx.tally)
-                await tx.flush()
-                if any(step.notify and rows[id(step)] is not None for step in batch):
-                    await conn.execute(f"NOTIFY {READY_CHANNEL}")
-        return rows
-
-    def _sql(self, steps: list[_Step]) -> tuple[str, list[Any]]:
-        """One step's own statement, or the one statement over arrays of many."""
-        if len(steps) == 1:
-            return steps[0].bare
-        assert steps[0].shape is not None
-        columns = zip(*(step.values for step in steps), strict=True)
-        return self.store._many_sql(steps[0].shape), [[_text(v) for v in c] for c in columns]
-
-
-def _statements(batch: list[_Step]) -> list[list[_Step]]:
-    """The batch's statements: the steps of one shape together (one task each: a task
-    stepped twice in a batch keeps its second step to itself), the others alone."""
-    shaped: dict[str, list[_Step]] = {}
-    taken: dict[str, set[str]] = {}
-    statements: list[list[_Step]] = []
-    for step in batch:
-        if step.shape is None or step.order in taken.setdefault(step.shape, set()):
-            statements.append([step])
-            continue
-        taken[step.shape].add(step.order)
-        together = shaped.get(step.shape)
-        if together is None:
-            together = shaped[step.shape] = []
-            statements.append(together)
-        together.append(step)
-    return statements
-
-
-def _rows_of(steps: list[_Step], rows: list[Row]) -> list[tuple[_Step, Row | None]]:
-    """Each write with its row (None: it wrote nothing). A row of a statement over arrays
-    is the one the write's own statement returns with the write's place in the arrays
-    (from 1) before its last column (the event's seq)."""
-    if len(steps) == 1:
-        return [(steps[0], rows[0] if rows else None)]
-    by_place = {row[-2]: (*row[:-2], row[-1]) for row in rows}
-    return [(step, by_place.get(n)) for n, step in enumerate(steps, 1)]
-
-
-def _text(value: Any) -> str | None:
-    """A value as the text PostgreSQL parses back to it (the arrays are cast from text)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)  # an int, or a float's shortest exact form
-
-
 class PostgresStore(Store):
     """The store for many processes on many machines. See the module docstring."""
 
@@ -389,9 +132,8 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self.ready_listeners: list[Callable[[], None]] = []
         self._closed = False
-        self._batches: dict[asyncio.AbstractEventLoop, _Batch] = {}
-        self._types: dict[str, str] = {}
-        self._many: dict[str, str] = {}
+        self._batches: dict[asyncio.AbstractEventLoop, Batch] = {}
+        self.shapes = Shapes()
 
     @classmethod
     async def open(cls, url: str, *, clock: Clock, pool_size: int = 10) -> PostgresStore:
@@ -627,57 +369,16 @@ class PostgresStore(Store):
         shape: str | None = None,
         values: list[Any] | None = None,
     ) -> Row | None:
-        """One write through this loop's batch (:class:`_Batch`); one of a ``shape``
-        may share a statement with others of it, ``values`` its row of the arrays."""
+        """One write through this loop's batch (``pgbatch.Batch``); one of a ``shape`` may
+        share a statement with others of it, ``values`` its row of the arrays."""
         loop = asyncio.get_running_loop()
         batch = self._batches.get(loop)
         if batch is None:
-            batch = self._batches[loop] = _Batch(self)
-        step = _Step(order, counted, bare, counts, notify, loop.create_future(), shape)
+            batch = self._batches[loop] = Batch(self)
+        step = Write(order, counted, bare, counts, notify, loop.create_future(), shape)
         if values is not None:
             step.values = values
         return await batch.run(step)
-
-    async def _column_types(self, conn: Conn) -> None:
-        """Read the tasks table's column types once (before any ``step_many``)."""
-        if not self._types:
-            rows = await (await conn.execute(COLUMN_TYPES)).fetchall()
-            self._types = {str(name): str(kind) for name, kind in rows}
-
-    def _many_sql(self, shape: str) -> str:
-        """The statement over arrays of the writes of ``shape``: ``submit_many`` for
-        submissions, ``step_many`` for steps that set the columns ``shape`` names."""
-        if shape != SUBMIT_SHAPE:
-            return self._step_many(shape)
-        sql = self._many.get(shape)
-        if sql is None:
-            types = [self._types[column] for column in SUBMITTED] + ["text", "double precision"]
-            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
-            sql = self._many[shape] = Q.submit_many.replace("{arrays}", arrays)
-        return sql
-
-    def _step_many(self, sets: str) -> str:
-        """``step_many`` for steps that set ``sets`` (``col = %s, ...``, as ``step_rows``
-        has them): each value becomes an array of the column's type."""
-        sql = self._many.get(sets)
-        if sql is None:
-            types = ["text", "text", self._types["epoch"]]
-            rendered: list[str] = []
-            for clause in sets.split(", "):
-                column = clause.split(" = ", 1)[0]
-                if "%s" in clause:
-                    types.append(self._types[column])
-                    clause = clause.replace("%s", f"d.k_v{len(types) - 3}")
-                rendered.append(clause)
-            values = ", ".join(f"k_v{i}" for i in range(1, len(types) - 2))
-            types += ["text", "text", "text", "boolean", "text", "double precision"]
-            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
-            sql = self._many[sets] = (
-                Q.step_many.replace("{arrays}", arrays)
-                .replace("{values}", values)
-                .replace("{sets}", ", ".join(rendered))
-            )
-        return sql
 
     async def _statement(
         self, sql: str, args: Sequence[Any], *, notify: bool = False
@@ -696,7 +397,7 @@ class PostgresStore(Store):
                 if attempt == 3:
                     raise
             except psycopg.errors.IntegrityError as exc:
-                raise _translated(exc) from None
+                raise translated(exc) from None
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 await self._drop_broken()
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
