@@ -401,7 +401,13 @@ class Worker:
         attempt.pipeline = asyncio.create_task(self._guarded(attempt))
         if attempt.stop_reason is not None:  # halted before it started (a drain)
             attempt.pipeline.cancel()
-        heartbeat = asyncio.create_task(self._heartbeat(attempt))
+        # The heartbeat starts when the attempt outlives its first interval: an attempt
+        # that ends sooner (most short ones) never pays for a task of its own.
+        beating: list[asyncio.Task[None]] = []
+        start = asyncio.get_running_loop().call_later(
+            self._beat_interval_s,
+            lambda: beating.append(asyncio.create_task(self._heartbeat(attempt))),
+        )
         try:
             await self._settle(attempt, attempt.pipeline)
         except LeaseLost:
@@ -410,8 +416,10 @@ class Worker:
             # The loop also ends by itself on ``ended``: a cancel that lands as a store
             # call completes can be lost on Python 3.11, and the slot must come back.
             attempt.ended = True
-            heartbeat.cancel()
-            await asyncio.wait([heartbeat], timeout=1.0)
+            start.cancel()
+            for heartbeat in beating:
+                heartbeat.cancel()
+                await asyncio.wait([heartbeat], timeout=1.0)
             self.engine.hub.local_progress.discard(attempt.task.id)
             self.attempts.pop(attempt.task.id, None)
             self.completed += 1
@@ -624,12 +632,15 @@ class Worker:
 
     # heartbeats, progress, cancellation
 
+    @property
+    def _beat_interval_s(self) -> float:
+        return max(min(self.lease_ttl_s / 3, HEARTBEAT_MAX_S), 0.01)
+
     async def _heartbeat(self, attempt: Attempt) -> None:
-        interval = max(min(self.lease_ttl_s / 3, HEARTBEAT_MAX_S), 0.01)
+        """Beat now (one interval into the attempt), then every interval until it ends."""
         while not attempt.ended and attempt.stop_reason != "lease_lost":
-            await asyncio.sleep(interval)
-            if not attempt.ended:
-                await self._beat(attempt, with_progress=attempt.progress_dirty)
+            await self._beat(attempt, with_progress=attempt.progress_dirty)
+            await asyncio.sleep(self._beat_interval_s)
 
     def _pool_lease_lapsed(self, attempt: Attempt) -> bool:
         """A shared pool's slot counts only while the attempt's lease runs: once it lapsed
