@@ -80,15 +80,19 @@ class Fleet:
         return process
 
     def start_worker(self) -> None:
+        """A worker process; every other one takes the kind as needing no GPU slot, so its
+        claims acquire at once while the others' tasks wait for a slot: both paths run."""
         seed = self.args.seed * 1000 + len(self.started)
+        free = len(self.started) % 2 == 1
         self.workers.append(
-            self._start("worker", [
+            self._start("worker-free" if free else "worker", [
                 sys.executable, str(WORKER_SCRIPT),
                 "--fault-rate", str(self.args.fault_rate),
                 "--fault-log", str(self.run_dir / "faults"),
                 "--seed", str(seed),
                 "--concurrency", str(self.args.concurrency),
                 "--gpus", str(self.args.gpus),
+                *(["--no-slot"] if free else []),
             ])
         )  # fmt: skip
 

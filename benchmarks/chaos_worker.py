@@ -68,10 +68,11 @@ class FaultyStorage(StorageWrapper):
             os.close(fd)
 
 
-def build_app(settings: Settings, storage: Storage) -> kiln.App:
-    """The app `kiln worker` builds (the built-in kinds), on the given storage."""
+def build_app(settings: Settings, storage: Storage, *, no_slot: bool = False) -> kiln.App:
+    """The app `kiln worker` builds (the built-in kinds), on the given storage; with
+    ``no_slot`` image.generate takes no GPU slot (a claim acquires its tasks at once)."""
     app = kiln.App(settings=settings, storage_backend=storage)
-    backends.register(app)
+    backends.register(app, resources={} if no_slot else None)
     transform.register(app)
     return app
 
@@ -95,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault dice")
     parser.add_argument("--concurrency", type=int, default=4, help="tasks run at once")
     parser.add_argument("--gpus", type=int, default=2, help="gpu slots")
+    parser.add_argument("--no-slot", action="store_true", help="image.generate takes no slot")
     return parser.parse_args(argv)
 
 
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         rng=random.Random(args.seed),
         log_path=args.fault_log / f"{os.getpid()}.log",
     )
-    asyncio.run(run(build_app(settings, storage), args.concurrency, args.gpus))
+    app = build_app(settings, storage, no_slot=args.no_slot)
+    asyncio.run(run(app, args.concurrency, args.gpus))
 
 
 if __name__ == "__main__":
