@@ -28,7 +28,7 @@ import os
 import random
 import socket
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln import canonical
@@ -38,10 +38,11 @@ from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
 from kiln.kinds import HandlerResult, TaskKind, call_review
 from kiln.models import JSON, Output, StoredOutput, Task
+from kiln.presence import identity, keep_present, models_loaded
 from kiln.retry import classify
 from kiln.states import RUNNING, Event, Status
 from kiln.storage import sha256_hex, verify, write_manifest
-from kiln.store import Progress
+from kiln.store import Progress, WorkerRecord
 from kiln.store.pools import PoolWait, units_needed
 
 log = logging.getLogger("kiln.worker")
@@ -205,6 +206,9 @@ class Worker:
         self._rng = random.Random()
         #: The circuit breakers of this worker's kinds, shared through the store.
         self.breakers = breakers if breakers is not None else Breakers(engine)
+        self._identity = identity(
+            self.worker_id, {k: engine.kinds[k] for k in self.kinds}, concurrency, self.needs
+        )
 
     # the claim loop
 
@@ -233,11 +237,22 @@ class Worker:
         self._slot_free.set()  # an idle claim loop notices at once
         self._drain_wake.set()
 
+    def presence(self) -> WorkerRecord:
+        """What this worker says of itself in the worker registry (``kiln workers``)."""
+        return replace(
+            self._identity, running=len(self.attempts),
+            models=models_loaded(self.engine.kinds[k] for k in self.kinds),
+        )  # fmt: skip
+
     async def run(self) -> None:
         """Claim and run tasks until :meth:`drain` ends or the call is cancelled; either
         way the running attempts are given back, not counted (see the module docstring)."""
         idle_s = self.idle_poll_s[0]
         self.engine.cancel_listeners.append(self._cancel_requested)
+        present = asyncio.create_task(keep_present(
+            self.engine.store, self.presence, interval_s=self._beat_interval_s,
+            ttl_s=self.lease_ttl_s,
+        ))  # fmt: skip
         try:
             while not self._stopping and not self.draining:
                 free = self.concurrency - len(self.attempts)
@@ -274,6 +289,8 @@ class Worker:
         finally:
             self.engine.cancel_listeners.remove(self._cancel_requested)
             await self.stop()
+            present.cancel()
+            await asyncio.wait([present])
 
     async def _drain(self) -> None:
         """Give back what waits for a resource, let the rest run until the grace ends,

@@ -23,6 +23,7 @@ from kiln.store.records import (
     Stats,
 )
 from kiln.store.sqlstore import Store
+from kiln.store.workers import WorkerRecord
 
 
 def open_store(
@@ -56,5 +57,6 @@ __all__ = [
     "Progress",
     "Stats",
     "Store",
+    "WorkerRecord",
     "open_store",
 ]

@@ -37,6 +37,7 @@ from kiln.store.rows import (
     task_from_row,
 )
 from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
+from kiln.store.workers import WorkerOps
 
 log = logging.getLogger("kiln.store")
 
@@ -464,7 +465,7 @@ def purge_candidates(
     return sql, args
 
 
-class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps):
+class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
     Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and

@@ -515,3 +515,29 @@ UNION SELECT sha256 FROM task_inputs WHERE sha256 {IN_LIST}
 -- Idempotency keys created before a time, oldest first: (created before, limit).
 DELETE FROM idempotency_keys WHERE (tenant, key) IN (SELECT tenant, key
     FROM idempotency_keys WHERE created_at < ? ORDER BY created_at LIMIT ?)
+
+-- workers (kiln/store/workers.py) ------------------------------------------------------
+
+-- worker_seen --
+-- A worker process says it is alive (the first time, it registers): (id, host, pid,
+-- version, kinds, slots, running, resources, models, started_at, seen_at, expires_at).
+INSERT INTO workers (id, host, pid, version, kinds, slots, running, resources, models,
+    started_at, seen_at, expires_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (id) DO UPDATE SET kinds = excluded.kinds, slots = excluded.slots,
+    running = excluded.running, resources = excluded.resources, models = excluded.models,
+    seen_at = excluded.seen_at, expires_at = excluded.expires_at
+
+-- forget_workers --
+-- The rows of workers gone long ago: (before).
+DELETE FROM workers WHERE expires_at < ?
+
+-- worker_gone --
+-- A worker that stopped cleanly: (id).
+DELETE FROM workers WHERE id = ?
+
+-- live_workers --
+-- The workers whose beat has not lapsed, in a stable order: (now).
+SELECT id, host, pid, version, kinds, slots, running, resources, models, started_at,
+    seen_at, expires_at
+FROM workers WHERE expires_at > ? ORDER BY host, pid, id

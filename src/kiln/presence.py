@@ -1,0 +1,79 @@
+"""A worker process in the store's worker registry (``store/workers.py``): registered
+when it starts, its row renewed every beat (attempts in hand, models loaded), deleted when
+it stops cleanly. A worker that dies stops beating; its row lapses after one lease.
+
+A task kind's handler may say which models it holds loaded with a ``loaded_models()``
+method (the ``image.generate`` handler asks its backend the same way); they are listed
+with the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
+
+from kiln.errors import StoreUnavailable
+from kiln.kinds import TaskKind
+from kiln.store import Store, WorkerRecord
+
+log = logging.getLogger("kiln.worker")
+
+
+@functools.cache
+def version() -> str:
+    """kiln's installed version ("0.0.0" when run from a source tree not installed)."""
+    try:
+        return metadata.version("kiln")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def models_loaded(kinds: Iterable[TaskKind]) -> tuple[str, ...]:
+    """The models the kinds' handlers hold loaded, each once, in the order they say."""
+    found: dict[str, None] = {}
+    for kind in kinds:
+        loaded = getattr(kind.handler, "loaded_models", None)
+        if callable(loaded):
+            found.update(dict.fromkeys(str(model) for model in loaded()))
+    return tuple(found)
+
+
+def identity(
+    worker_id: str, kinds: Mapping[str, TaskKind], slots: int, needs: Mapping[str, dict[str, int]]
+) -> WorkerRecord:
+    """What a worker says of itself but for what changes (attempts, models)."""
+    return WorkerRecord(
+        id=worker_id, host=socket.gethostname(), pid=os.getpid(), version=version(),
+        kinds=tuple(kinds), slots=slots,
+        resources={k: dict(n) for k, n in needs.items() if k in kinds and any(n.values())},
+    )  # fmt: skip
+
+
+async def keep_present(
+    store: Store,
+    record: Callable[[], WorkerRecord],
+    *,
+    interval_s: float,
+    ttl_s: float,
+) -> None:
+    """Say ``record()`` to the store now and every ``interval_s``, listed for ``ttl_s``
+    after each; until cancelled, then say the worker is gone (best effort)."""
+    try:
+        while True:
+            try:
+                await store.worker_seen(record(), ttl_s=ttl_s)
+            except StoreUnavailable as exc:  # the next beat tries again
+                log.warning("worker_beat_failed", extra={"error": exc.message})
+            await asyncio.sleep(interval_s)
+    finally:
+        worker_id = record().id
+        try:
+            async with asyncio.timeout(2.0):
+                await store.worker_gone(worker_id)
+        except (StoreUnavailable, TimeoutError):  # the row lapses by itself
+            pass
