@@ -304,6 +304,8 @@ async def test_worker_runs_a_task_on_the_pipeline_folder(
     assert steps == [(1, 3), (2, 3), (3, 3)]
     assert {e.stage for e in progress} == {"denoise"}
     assert any(e.preview for e in progress)
+    # And a worker of this process lists the pipeline folder among its loaded models
+    assert app.worker(concurrency=1).presence().models == (str(model_dir.resolve()),)
 
 
 @diffusers

@@ -133,6 +133,11 @@ class ImageGenerate:
         self.backend = backend
         self.metrics = metrics
 
+    def loaded_models(self) -> list[str]:
+        """The models the backend holds loaded, when it says (``loaded_models()``)."""
+        loaded = getattr(self.backend, "loaded_models", None)
+        return [str(model) for model in loaded()] if callable(loaded) else []
+
     async def __call__(self, ctx: Context, params: GenerateParams) -> Output:
         data = await self.backend.generate(ctx, params)
         if sniff(data) == params.format:

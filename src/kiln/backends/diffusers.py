@@ -194,6 +194,11 @@ class DiffusersBackend:
             preview_every=settings.diffusers_preview_every,
         )
 
+    def loaded_models(self) -> list[str]:
+        """The pipeline folder, once this process has loaded it (the worker registry)."""
+        folder = str(self.model_dir.resolve())
+        return [folder] if any(key[0] == folder for key in _LOADED) else []
+
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
         """Run the pipeline in a thread; progress goes back to ``ctx`` on the event loop."""
         loop = asyncio.get_running_loop()
