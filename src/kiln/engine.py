@@ -34,7 +34,7 @@ from kiln.models import JSON, Task, TaskEvent
 from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
-from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, open_store
+from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
 from kiln.store.claims import claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 
@@ -336,6 +336,10 @@ class Engine:
     async def shared_breakers(self) -> list[BreakerRecord]:
         """The circuit breakers' states as every process shares them."""
         return await self.store.breakers()
+
+    async def workers(self) -> list[WorkerRecord]:
+        """The worker processes whose beat has not lapsed (the worker registry)."""
+        return await self.store.workers()
 
     async def webhook_pending(self) -> int:
         """Webhook deliveries not yet delivered or given up."""

@@ -38,6 +38,7 @@ from kiln.counters import (
 )
 from kiln.engine import Engine
 from kiln.states import Status
+from kiln.store import WorkerRecord
 from kiln.store.pools import PoolUsage
 
 #: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
@@ -99,6 +100,8 @@ class StoreSnapshot:
     webhook_pending: int = 0
     #: Circuit breakers' shared states (closed, open, half_open), by name.
     breakers: dict[str, str] = field(default_factory=dict)
+    #: The live worker processes (the worker registry).
+    workers: list[WorkerRecord] = field(default_factory=list)
 
 
 #: Counters without labels: (counter, metric, help).
@@ -211,6 +214,29 @@ class StoreCollector:
             "Webhook deliveries not yet delivered or given up",
             value=self.snapshot.webhook_pending,
         )
+        yield from self._workers()
+
+    def _workers(self) -> Iterable[Metric]:
+        serving: dict[str, int] = {}
+        holding: dict[str, int] = {}
+        for worker in self.snapshot.workers:
+            for kind in worker.kinds:
+                serving[kind] = serving.get(kind, 0) + 1
+            for model in worker.models:
+                holding[model] = holding.get(model, 0) + 1
+        workers = GaugeMetricFamily(
+            "kiln_workers", "Live worker processes serving each kind", labels=["kind"]
+        )
+        for kind, n in sorted(serving.items()):
+            workers.add_metric([kind], n)
+        yield workers
+        models = GaugeMetricFamily(
+            "kiln_worker_models_loaded", "Live worker processes holding each model loaded",
+            labels=["model"],
+        )  # fmt: skip
+        for model, n in sorted(holding.items()):
+            models.add_metric([model], n)
+        yield models
 
     def _pairs(self, name: str, metric: str, doc: str) -> CounterMetricFamily:
         family = CounterMetricFamily(metric, doc, labels=["from", "to"])
@@ -271,6 +297,7 @@ class ApiMetrics:
         self.store_collector.snapshot.breakers = {
             record.name: shared_state(record, now) for record in await engine.shared_breakers()
         }
+        self.store_collector.snapshot.workers = await engine.workers()
         return generate_latest(self.registry)
 
 
