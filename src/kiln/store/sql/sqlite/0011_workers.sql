@@ -1,4 +1,4 @@
--- kiln schema v10: the worker processes, each a row it keeps fresh with its beat
+-- kiln schema v11: the worker processes, each a row it keeps fresh with its beat
 -- (kiln/store/workers.py). A row whose expires_at passed is a worker gone: it is no longer
 -- listed, and deleted an hour later.
 CREATE TABLE workers (
