@@ -121,8 +121,9 @@ async def upload(
     are stored. No outputs, no manifest: there is nothing for recovery to find.
 
     A local folder does it all in one call of a worker thread (:meth:`LocalStorage.upload`);
-    any other storage, wrappers of a local folder included, through its own put, stat and
-    get."""
+    any other storage, wrappers of a local folder included, through its own put and get:
+    an object just written is read back whole anyway, so no stat goes before the get (on
+    S3, one request less per output than :func:`verify`)."""
     if not outputs:
         return None
     manifest = (f"{prefix}/{MANIFEST}", manifest_bytes([o for o, _ in outputs], flagged=flagged))
@@ -132,10 +133,18 @@ async def upload(
         return await storage.upload(outputs, manifest)
     for output, data in outputs:
         await storage.put(output.key, data)
-        if not await verify(storage, output):
+        if not await _reads_back(storage, output):
             return output
     await storage.put(*manifest)
     return None
+
+
+async def _reads_back(storage: Storage, output: StoredOutput) -> bool:
+    try:
+        data = await storage.get(output.key)
+    except FileNotFoundError:
+        return False
+    return len(data) == output.size and sha256_hex(data) == output.sha256
 
 
 async def read_complete_manifest(storage: Storage, prefix: str) -> list[StoredOutput] | None:
