@@ -3,9 +3,9 @@
 Fills a store with N tasks (default 1,000,000) in a production-like mix: mostly final
 (SUCCESS, FAILED, CANCELLED, TIMEOUT), many PENDING and RETRYING whose deadlines are far
 off, a few thousand running with live leases (some asked to cancel, within the grace
-period). The rows go in with one bulk ``INSERT … SELECT`` on the driver's own connection:
-the point is the table, not the submit path. Then, with nothing due, it times, median of
-``--runs`` runs each:
+period). The rows go in by bulk ``INSERT … SELECT`` statements of 100,000 rows on the
+driver's own connection: the point is the table, not the submit path. Then, with nothing
+due, it times, median of ``--runs`` runs each:
 
 - each query the sweep reads, as the store writes it (``kiln/store/sql``), on the driver
   connection: ``due`` (expired leases, state timeouts, deadlines), ``due_cancel`` (forced

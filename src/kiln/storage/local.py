@@ -75,7 +75,9 @@ class LocalStorage:
         as :meth:`put` writes it and read back against its size and sha256, then the
         manifest, last. The folders are made once, and each folder written in (and the
         parent of each folder made) is fsynced once, at the end: when this returns, every
-        file and its name are durable, as after the same puts one by one."""
+        file and its name are durable, as after the same puts one by one. A crash before
+        that may leave the manifest's name on disk without an output's; recovery trusts a
+        manifest only once every output it lists verifies, so that attempt is not used."""
         files: builtins.list[tuple[Path, bytes, StoredOutput | None]] = [
             (self._path(output.key), data, output) for output, data in outputs
         ]
