@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers chaos docs clean
+.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers bench-sweep chaos docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ bench-pg: $(STAMP) ## the lifecycle on a throwaway PostgreSQL (3 worker processe
 
 bench-peers: $(STAMP) system-deps ## kiln beside Dramatiq (Redis) and Procrastinate (PostgreSQL), interleaved rounds
 	$(PY) benchmarks/peers.py
+
+bench-sweep: $(STAMP) ## the supervisor's sweep over 1,000,000 tasks, nothing due (SQLite and PostgreSQL), with plans
+	$(PY) benchmarks/sweep.py
 
 chaos: $(STAMP) ## the chaos run: 2,000 tasks, workers killed, writes failing, every invariant checked
 	$(PY) benchmarks/chaos.py

@@ -41,7 +41,7 @@ from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.presence import identity, keep_present, models_loaded
 from kiln.retry import classify
 from kiln.states import RUNNING, Event, Status
-from kiln.storage import sha256_hex, verify, write_manifest
+from kiln.storage import sha256_hex, upload
 from kiln.store import Progress, WorkerRecord
 from kiln.store.pools import PoolWait, units_needed
 
@@ -516,13 +516,9 @@ class Worker:
         )
         attempt.past_pools = True
         self._wake_pool_waiters()  # leaving GENERATING gave the shared slots back
-        stored = await self._upload(attempt, produced)
+        # The verdict goes into the manifest, which is written with the outputs.
         flagged = bool(kind.review) and await call_review(kind.review, params, produced)  # type: ignore[arg-type]
-        assert attempt.task.result_prefix is not None
-        if stored:  # the manifest lets recovery find this upload; nothing to find without outputs
-            await write_manifest(
-                self.engine.storage, attempt.task.result_prefix, stored, flagged=flagged
-            )
+        stored = await self._upload(attempt, produced, flagged=flagged)
         result = {"outputs": [o.to_json() for o in stored]}
         await self._transition(
             attempt,
@@ -580,24 +576,23 @@ class Worker:
         if self.engine.settings.pools:
             self._slot_free.set()
 
-    async def _upload(self, attempt: Attempt, produced: list[Output]) -> list[StoredOutput]:
+    async def _upload(
+        self, attempt: Attempt, produced: list[Output], *, flagged: bool
+    ) -> list[StoredOutput]:
+        """Store the outputs, each verified, then the manifest that lets recovery find them."""
         prefix = attempt.task.result_prefix
         assert prefix is not None
-        stored = []
-        for output in produced:
-            record = StoredOutput(
-                name=output.name,
-                key=f"{prefix}/{output.name}",
-                content_type=output.content_type,
-                size=len(output.data),
-                sha256=sha256_hex(output.data),
-            )
-            await self.engine.storage.put(record.key, output.data)
-            if not await verify(self.engine.storage, record):
-                raise Retryable(f"output {output.name} did not verify in storage",
-                                code="storage_verify_failed")  # fmt: skip
-            stored.append(record)
-        return stored
+        files = [
+            (StoredOutput(name=output.name, key=f"{prefix}/{output.name}",
+                          content_type=output.content_type, size=len(output.data),
+                          sha256=sha256_hex(output.data)), output.data)
+            for output in produced
+        ]  # fmt: skip
+        failed = await upload(self.engine.storage, prefix, files, flagged=flagged)
+        if failed is not None:
+            raise Retryable(f"output {failed.name} did not verify in storage",
+                            code="storage_verify_failed")  # fmt: skip
+        return [record for record, _ in files]
 
     async def _transition(
         self,

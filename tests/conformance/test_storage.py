@@ -4,6 +4,7 @@ session's SeaweedFS server, under a fresh prefix per test)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from kiln.storage import (
     open_storage,
     read_complete_manifest,
     sha256_hex,
+    upload,
     verify,
     write_manifest,
 )
@@ -79,6 +81,48 @@ async def test_verify_checks_size_and_sha256(storage: Storage) -> None:
     assert await verify(storage, output)
     await storage.put(output.key, b"pixelz")  # same size, other bytes
     assert not await verify(storage, output)
+
+
+async def test_upload_stores_each_output_then_a_manifest_that_recovery_recognises(
+    storage: Storage,
+) -> None:
+    # Given an attempt's two outputs
+    prefix = "tasks/t1/1-1"
+    files = [(_output(prefix, name, data), data) for name, data in [("a.png", b"A"), ("b", b"BB")]]
+    # When they are uploaded
+    assert await upload(storage, prefix, files, flagged=False) is None
+    # Then each is stored whole and the manifest lists them, and no temporary file is left
+    for output, data in files:
+        assert await storage.get(output.key) == data
+    assert await read_complete_manifest(storage, prefix) == [output for output, _ in files]
+    keys = [info.key async for info in storage.list("tasks/")]
+    assert keys == ["tasks/t1/1-1/a.png", "tasks/t1/1-1/b", f"tasks/t1/1-1/{MANIFEST}"]
+
+
+async def test_upload_stops_at_an_output_that_does_not_verify(storage: Storage) -> None:
+    # Given a second output whose recorded sha256 is not that of its bytes
+    prefix = "tasks/t1/2-2"
+    good = _output(prefix, "a.png", b"A")
+    bad = StoredOutput("b.png", f"{prefix}/b.png", "image/png", 2, sha256_hex(b"XX"))
+    # When they are uploaded
+    failed = await upload(storage, prefix, [(good, b"A"), (bad, b"BB")], flagged=False)
+    # Then the upload names it, and writes no manifest that recovery could trust
+    assert failed == bad
+    assert await storage.stat(f"{prefix}/{MANIFEST}") is None
+    assert await read_complete_manifest(storage, prefix) is None
+
+
+async def test_upload_of_no_outputs_writes_nothing(storage: Storage) -> None:
+    assert await upload(storage, "tasks/t1/1-1", [], flagged=False) is None
+    assert [info.key async for info in storage.list("")] == []
+
+
+async def test_a_flagged_upload_is_not_recovered(storage: Storage) -> None:
+    prefix = "tasks/t1/1-1"
+    output = _output(prefix, "a.png", b"A")
+    assert await upload(storage, prefix, [(output, b"A")], flagged=True) is None
+    assert await storage.get(output.key) == b"A"
+    assert await read_complete_manifest(storage, prefix) is None
 
 
 async def test_complete_manifest_is_recognised_and_a_torn_one_is_not(storage: Storage) -> None:
@@ -187,3 +231,42 @@ async def test_local_storage_reports_a_failing_disk_as_a_storage_error(tmp_path:
     with pytest.raises(FileNotFoundError):
         await storage.get("tasks/c/1-1/image.png")
     assert [i.key async for i in storage.list("tasks/")] == ["tasks/a/1-1/image.png", "tasks/b"]
+
+
+async def test_local_upload_makes_every_file_and_folder_durable_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a local storage that holds other tasks, whose fsyncs are recorded
+    storage = LocalStorage(tmp_path / "results")
+    await storage.put("tasks/t0/1-1/a.png", b"0")
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    prefix = "tasks/t1/1-1"
+    # When an attempt's output and manifest go up in one call
+    assert await upload(storage, prefix, [(_output(prefix, "a.png", b"A"), b"A")],
+                        flagged=False) is None  # fmt: skip
+    # Then both files were fsynced before their rename, and then, once each, the attempt's
+    # folder and the parents of the two folders it made (their names live there)
+    root = storage.root
+    files = [path for path in synced if ".tmp-" in path]
+    assert len(files) == 2
+    assert sorted(synced[2:]) == [str(root / "tasks"), str(root / "tasks/t1"), str(root / prefix)]
+
+
+async def test_local_upload_reports_a_failing_disk_as_a_storage_error(tmp_path: Path) -> None:
+    # Given a storage where a file stands where the task's folder should be
+    root = tmp_path / "results"
+    storage = LocalStorage(root)
+    (root / "tasks").mkdir()
+    (root / "tasks" / "b").write_bytes(b"not a folder")
+    prefix = "tasks/b/1-1"
+    # Then the upload fails as the storage's own error, naming the key
+    with pytest.raises(StorageError, match=r"writing 'tasks/b/1-1/image\.png'"):
+        await upload(storage, prefix, [(_output(prefix, "image.png", b"A"), b"A")],
+                     flagged=False)  # fmt: skip
