@@ -186,3 +186,51 @@ def test_every_line_is_written_before_a_process_exits(fmt: str) -> None:
         }  # fmt: skip
     else:
         assert [line.split()[4] for line in lines] == [f"task_id=tsk_{n}" for n in range(5000)]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_hot_path_line_is_the_line_log_info_writes(
+    fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given logs set up as `kiln worker` does
+    logs.setup(fmt=fmt, level="INFO")
+    log = logging.getLogger("kiln.store")
+
+    # When the same transition goes through log.info and through logs.line
+    log.info("transition", extra=TRANSITION)
+    logs.line(log, "transition", dict(TRANSITION))
+    logging.getLogger("kiln").handlers[0].flush()
+
+    # Then both lines are the same but for the time
+    first, second = capsys.readouterr().err.splitlines()
+    if fmt == "json":
+        assert {**json.loads(first), "ts": ""} == {**json.loads(second), "ts": ""}
+        assert list(json.loads(first)) == list(json.loads(second))
+    else:
+        assert first[12:] == second[12:]
+
+
+def test_a_hot_path_line_reaches_other_handlers_as_a_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given the kiln logger left to propagate, as a library in a host application
+    logger = logging.getLogger("kiln")
+    logger.handlers[:], logger.propagate = [], True
+
+    # When a transition is logged on the hot path
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        logs.line(logging.getLogger("kiln.store"), "transition", dict(TRANSITION))
+
+    # Then the host's handlers get the usual record, extras and all
+    (rec,) = caplog.records
+    assert rec.getMessage() == "transition" and rec.name == "kiln.store"
+    assert logs.extras(rec) == TRANSITION
+
+
+def test_a_hot_path_line_below_the_level_is_dropped(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup(fmt="text", level="WARNING")
+
+    logs.line(logging.getLogger("kiln.store"), "transition", dict(TRANSITION))
+    logging.getLogger("kiln").handlers[0].flush()
+
+    assert capsys.readouterr().err == ""

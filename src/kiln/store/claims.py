@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln import counters as names
+from kiln import logs
 from kiln.models import Task
 from kiln.states import CLAIMABLE, Event, Status
 from kiln.store.rows import task_from_row
@@ -362,7 +363,7 @@ class ClaimOps(Ops):
 
 def log_claim(task: Task, source: Status, dwell_s: float, worker_id: str) -> None:
     if log.isEnabledFor(logging.INFO):
-        log.info("transition", extra={
+        logs.line(log, "transition", {
             "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
             "from": str(source), "to": str(task.status), "event": "claim",
             "duration_s": dwell_s, "worker": worker_id,
