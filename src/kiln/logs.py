@@ -5,16 +5,19 @@ these formatters print the extras, so one line per transition carries task id, a
 epoch, from, to and the time spent in the previous status. Keys that could carry secrets
 are never printed.
 
-A busy worker logs thousands of lines a second, so the line is built in one pass over the
-record, and :class:`StderrHandler` writes lines in batches: within ``FLUSH_INTERVAL_S`` of
-the first one waiting, at once for a warning or worse, and all of them when the process
-exits (``logging.shutdown``, which runs at a normal exit and after kiln's commands handle
-SIGTERM). Only a process killed outright (SIGKILL, or a signal nothing handles) can lose
-the lines of its last ``FLUSH_INTERVAL_S``.
+A busy worker logs thousands of lines a second (docs/benchmarks.md, "Engine logs"). So
+a line is built in one pass over the record; the per-transition lines go through
+:func:`line`, which skips the LogRecord when kiln's own handler is their only sink; and
+:class:`StderrHandler` writes lines in batches: within ``FLUSH_INTERVAL_S`` of the first
+one waiting, at once for a warning or worse, and all of them when the process exits
+normally (kiln's commands handle SIGTERM and exit normally). Only a process killed
+outright (SIGKILL, or a signal nothing handles) can lose the lines of its last
+``FLUSH_INTERVAL_S``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import sys
@@ -34,6 +37,8 @@ REDACTED = "[redacted]"
 FLUSH_INTERVAL_S = 0.1
 #: Lines written at once, without waiting, when this many are waiting.
 FLUSH_LINES = 512
+#: The writer thread ends after this long with nothing to write.
+WRITER_IDLE_S = 30.0
 
 _encode = json.JSONEncoder(default=str).encode  # json.dumps(..., default=str), built once
 
@@ -146,9 +151,10 @@ class StderrHandler(logging.Handler):
 
     A line waits in a list, and a daemon thread writes the list ``FLUSH_INTERVAL_S`` after
     its first line. A warning or worse, ``FLUSH_LINES`` waiting lines, a change of
-    ``sys.stderr`` and :meth:`flush` (``logging.shutdown`` at exit) write them at once, in
-    the order they were logged. A record is formatted when it is logged; a line that came
-    through :func:`line` is formatted when it is written, with the others of its batch.
+    ``sys.stderr``, :meth:`flush` and the exit of the process write them at once, in the
+    order they were logged; after the exit has begun, each line is written as it comes. A
+    record is formatted when it is logged; a line that came through :func:`line` is
+    formatted when it is written, with the others of its batch.
     """
 
     def __init__(self) -> None:
@@ -159,13 +165,18 @@ class StderrHandler(logging.Handler):
         self._stream: Any = None
         self._due = threading.Event()
         self._writer: threading.Thread | None = None
-        self._closed = False
+        self._exiting = False
+        atexit.register(self._at_exit)  # runs before logging.shutdown, which was registered first
 
     def handle(self, record: logging.LogRecord) -> bool:
         # logging.Handler.handle holds the lock around emit; emit takes it itself, only
         # around the list, and not while it formats.
-        if self.filters and not self.filter(record):
-            return False
+        if self.filters:
+            kept = self.filter(record)
+            if not kept:
+                return False
+            if isinstance(kept, logging.LogRecord):  # Python 3.12+: a filter may replace it
+                record = kept
         self.emit(record)
         return True
 
@@ -189,27 +200,31 @@ class StderrHandler(logging.Handler):
                 self._stream = stream
             self._lines.append(item)
             waiting = len(self._lines)
-            if now or waiting >= FLUSH_LINES or self._closed:
+            if now or waiting >= FLUSH_LINES or self._exiting:
                 self._write()
-                return
-        if waiting == 1:
-            self._wake_writer()
+            elif waiting == 1:
+                self._wake_writer()
 
     def flush(self) -> None:
         with self._mutex:
             self._write()
 
     def close(self) -> None:
-        with self._mutex:
-            self._closed = True  # from now on every line is written at once
-            self._write()
+        # Not the end of the lines: logging.config.dictConfig (uvicorn at start) closes every
+        # handler, and kiln's loggers go on using this one.
+        self.flush()
         super().close()
+
+    def _at_exit(self) -> None:
+        with self._mutex:
+            self._exiting = True  # from now on every line is written at once
+            self._write()
 
     def _write(self) -> None:
         """Write the waiting lines (the caller holds the lock)."""
-        if not self._lines or self._stream is None:
-            return
         items, self._lines = self._lines, []
+        if not items or self._stream is None:  # no stderr at all (pythonw): lines are dropped
+            return
         try:
             self._stream.write("\n".join([self._text(item) for item in items]) + "\n")
             self._stream.flush()
@@ -227,18 +242,22 @@ class StderrHandler(logging.Handler):
         return self.format(logging.makeLogRecord({**fields, "name": logger, "msg": event}))
 
     def _wake_writer(self) -> None:
-        writer = self._writer
-        if writer is None or not writer.is_alive():  # first line, or after a fork
+        """Have the writer write the waiting lines soon (the caller holds the lock)."""
+        if self._writer is None or not self._writer.is_alive():  # none yet, idle, or forked
             self._due = threading.Event()
-            writer = threading.Thread(target=self._run_writer, name="kiln-logs", daemon=True)
-            self._writer = writer
-            writer.start()
+            self._writer = threading.Thread(
+                target=self._run_writer, args=(self._due,), name="kiln-logs", daemon=True
+            )
+            self._writer.start()
         self._due.set()
 
-    def _run_writer(self) -> None:
-        due = self._due
+    def _run_writer(self, due: threading.Event) -> None:
         while True:
-            due.wait()
+            if not due.wait(WRITER_IDLE_S):
+                with self._mutex:
+                    if not due.is_set():  # still nothing to write: end; the next line starts one
+                        self._writer = None
+                        return
             due.clear()
             time.sleep(FLUSH_INTERVAL_S)
             self.flush()

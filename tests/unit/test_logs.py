@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import re
 import subprocess
 import sys
@@ -143,6 +144,24 @@ def test_warnings_reach_stderr_at_once(capsys: pytest.CaptureFixture[str]) -> No
 
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[3] for line in lines] == ["attempt_released", "lease_lost"]
+
+
+def test_lines_wait_for_the_batch_even_after_dict_config_closed_the_handler(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given logs set up, then logging.config.dictConfig run (uvicorn does, at start): it
+    # closes every handler, kiln's included, and kiln's loggers go on using it
+    monkeypatch.setattr(logs, "FLUSH_INTERVAL_S", 5.0)
+    logs.setup(fmt="text", level="INFO")
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
+
+    # When an INFO line is logged
+    logs.line(logging.getLogger("kiln.store"), "transition", dict(TRANSITION))
+
+    # Then it still waits for its batch, and is written by the next flush
+    assert capsys.readouterr().err == ""
+    logging.getLogger("kiln").handlers[0].flush()
+    assert " transition task_id=tsk_01 " in capsys.readouterr().err
 
 
 def test_lines_below_the_level_are_not_written(capsys: pytest.CaptureFixture[str]) -> None:
