@@ -225,21 +225,29 @@ class StderrHandler(logging.Handler):
         items, self._lines = self._lines, []
         if not items or self._stream is None:  # no stderr at all (pythonw): lines are dropped
             return
+        texts = [text for text in map(self._text, items) if text is not None]
+        if not texts:
+            return
         try:
-            self._stream.write("\n".join([self._text(item) for item in items]) + "\n")
+            self._stream.write("\n".join(texts) + "\n")
             self._stream.flush()
         except (OSError, ValueError):  # stderr closed or gone: nowhere left to write
             pass
 
-    def _text(self, item: str | _Pending) -> str:
+    def _text(self, item: str | _Pending) -> str | None:
         if isinstance(item, str):
             return item
         created, logger, event, fields = item
-        formatter = self.formatter
-        if isinstance(formatter, LineFormatter):
-            msecs = (created - int(created)) * 1000
-            return formatter.build(created, msecs, "INFO", logger, event, fields.items())
-        return self.format(logging.makeLogRecord({**fields, "name": logger, "msg": event}))
+        record = None
+        try:
+            if isinstance(self.formatter, LineFormatter):
+                msecs = (created - int(created)) * 1000
+                return self.formatter.build(created, msecs, "INFO", logger, event, fields.items())
+            record = logging.makeLogRecord({**fields, "name": logger, "msg": event})
+            return self.format(record)
+        except Exception:  # as logging does with a record it cannot format
+            self.handleError(record or logging.makeLogRecord({"name": logger, "msg": event}))
+            return None
 
     def _wake_writer(self) -> None:
         """Have the writer write the waiting lines soon (the caller holds the lock)."""

@@ -253,3 +253,23 @@ def test_a_hot_path_line_below_the_level_is_dropped(capsys: pytest.CaptureFixtur
     logging.getLogger("kiln").handlers[0].flush()
 
     assert capsys.readouterr().err == ""
+
+
+def test_a_hot_path_line_that_cannot_be_formatted_leaves_the_others(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # as in production
+    logs.setup(fmt="json", level="INFO")
+    log = logging.getLogger("kiln.store")
+
+    logs.line(log, "transition", {"task_id": "a"})
+    logs.line(log, "transition", {"task_id": "b", "odd": Unprintable()})
+    logs.line(log, "transition", {"task_id": "c"})
+    logging.getLogger("kiln").handlers[0].flush()
+
+    lines = capsys.readouterr().err.splitlines()
+    assert [json.loads(line)["task_id"] for line in lines] == ["a", "c"]
