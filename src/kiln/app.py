@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import canonical, webhooks
+from kiln import canonical, logs, webhooks
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -316,7 +316,7 @@ class App:
         )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:
-            log.info("transition", extra={"task_id": result.task.id, "event": "submit",
+            logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
                                           "to": "PENDING", "attempt": 0})  # fmt: skip
             self.engine.submitted()
         return result

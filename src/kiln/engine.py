@@ -19,6 +19,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from kiln import logs
 from kiln.bus import EventHub, ProgressEvent
 from kiln.config import Settings
 from kiln.counters import (
@@ -376,11 +377,11 @@ class Engine:
 
 def _log_transitions(events: Sequence[TaskEvent]) -> None:
     for e in events:
-        log.info(
-            "transition",
-            extra={"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
-                   "from": e.from_status, "to": e.status, "event": str(e.event),
-                   "duration_s": e.dwell_s},
+        logs.line(
+            log, "transition",
+            {"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
+             "from": e.from_status, "to": e.status, "event": str(e.event),
+             "duration_s": e.dwell_s},
         )  # fmt: skip
 
 

@@ -111,3 +111,16 @@ def test_the_store_operations_benchmark_ends_with_its_json_line(tmp_path: Path) 
     summary = json.loads(completed.stdout.strip().splitlines()[-1])
     assert summary["database"] == "sqlite (FULL)" and summary["tasks"] == 50
     assert_positive(summary, ("submit_us", "claim_us_per_task", "acquire_us", "heartbeat_us"))
+
+
+def test_the_log_lines_benchmark_ends_with_its_json_line(tmp_path: Path) -> None:
+    script = BENCHMARK.parent / "log_lines.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--lines", "200"],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr == ""  # the lines went to the benchmark's own file
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"text log.info", "text logs.line", "json log.info", "json logs.line"}
+    assert_positive(summary, tuple(summary))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln import counters as names
+from kiln import logs
 from kiln.models import Task
 from kiln.states import CLAIMABLE, Event, Status
 from kiln.store.rows import task_from_row
@@ -382,7 +383,7 @@ class ClaimOps(Ops):
 def log_claim(task: Task, source: Status, target: Status, dwell_s: float, worker_id: str) -> None:
     """The transition line of a claim (``claim``, or the ``acquire`` that came with it)."""
     if log.isEnabledFor(logging.INFO):
-        log.info("transition", extra={
+        logs.line(log, "transition", {
             "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
             "from": str(source), "to": str(target),
             "event": "claim" if target is Status.WAITING_FOR_RESOURCE else "acquire",
