@@ -401,6 +401,11 @@ class Client(_Base):
         result: JSON = self.call(Call("GET", "/v1/stats"))
         return result
 
+    def workers(self) -> JSON:
+        """The live worker processes (admin key): ``{"workers": [...]}``."""
+        result: JSON = self.call(Call("GET", "/v1/workers"))
+        return result
+
     def wait(self, task_id: str, timeout_s: float | None = None) -> JSON:
         """Follow the task's events until it is final, then return the task.
 
@@ -524,6 +529,11 @@ class AsyncClient(_Base):
 
     async def stats(self) -> JSON:
         result: JSON = await self.call(Call("GET", "/v1/stats"))
+        return result
+
+    async def workers(self) -> JSON:
+        """See :meth:`Client.workers`."""
+        result: JSON = await self.call(Call("GET", "/v1/workers"))
         return result
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> JSON:

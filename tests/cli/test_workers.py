@@ -4,6 +4,9 @@ they beat, one SIGKILLed disappears once its lease lapsed, one stopped by SIGTER
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,15 @@ def listed(data_dir: Path) -> dict[int, WorkerRecord]:
             return await app.store.workers()
 
     return {w.pid: w for w in asyncio.run(read())}
+
+
+def kiln_workers(server: Server, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln", "workers", "--server", server.url, *args],
+        capture_output=True, text=True, timeout=30, env=server.env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.fixture
@@ -48,6 +60,11 @@ def test_workers_list_themselves_and_disappear_when_gone(
         assert "image.generate" in worker.kinds and worker.running == 0
         assert worker.resources.get("image.generate") == {"gpu": 1}
         assert worker.seen_at >= worker.started_at and worker.expires_at > worker.seen_at
+    # And `kiln workers` shows them, as a table and as the API's JSON
+    shown = kiln_workers(api_only, "--json")
+    assert {w["pid"] for w in json.loads(shown)["workers"]} >= both
+    table = kiln_workers(api_only)
+    assert "RUNNING" in table and f"{killed.pid}" in table and "0/3" in table
     # When one is SIGKILLed, it is listed until its lease lapses, then no more
     processes.kill(killed)
     wait_until(lambda: killed.pid not in listed(api_only.data_dir), 10, "the killed one gone")

@@ -231,6 +231,29 @@ class StatsOut(_Out):
     breakers: dict[str, BreakerOut] = Field(default_factory=dict)
 
 
+class WorkerOut(_Out):
+    id: str
+    host: str
+    pid: int
+    version: str
+    kinds: list[str]
+    slots: int
+    #: Attempts in the worker's hands at its last beat.
+    running: int
+    #: What each of its kinds takes ({kind: {pool: units}}); kinds that take none left out.
+    resources: dict[str, dict[str, int]]
+    #: The models it holds loaded.
+    models: list[str]
+    started_at: float
+    last_seen_at: float
+    #: When it stops being listed if it beats no more.
+    expires_at: float
+
+
+class WorkersOut(_Out):
+    workers: list[WorkerOut]
+
+
 class HealthOut(_Out):
     status: Literal["ok"]
 

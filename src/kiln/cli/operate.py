@@ -1,4 +1,5 @@
-"""The operator commands: ``kiln reconcile``, ``kiln settings``, ``kiln states``."""
+"""The operator commands: ``kiln workers``, ``kiln reconcile``, ``kiln settings``,
+``kiln states``."""
 
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ if TYPE_CHECKING:
     pass
 
 from kiln.cli.base import (
+    JSON,
+    ApiKey,
     DatabaseUrl,
     DataDir,
+    Server,
     StorageUrl,
     app_of,
     cli,
+    client_of,
     handled,
     option,
     settings_of,
@@ -35,6 +40,43 @@ from kiln.cli.base import (
 from kiln.cli.processes import opened
 
 # operator commands
+
+
+@cli.command("workers")
+@handled
+def workers_command(
+    as_json: Annotated[bool, typer.Option("--json", help="print the API's answer")] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List the live worker processes: kinds, attempts in hand, models loaded (admin key)."""
+    with client_of(server, api_key) as client:
+        found = client.workers()
+    if as_json:
+        tasks.print_json(found)
+        return
+    if not found["workers"]:
+        typer.echo("no live workers", err=True)
+        return
+    Console(highlight=False).print(worker_table(found["workers"]))
+
+
+def worker_table(workers: list[JSON]) -> Table:
+    """Workers as rows: where, what they claim, attempts in hand of their slots, models."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    table.add_column("HOST", no_wrap=True)
+    table.add_column("PID", no_wrap=True, justify="right")
+    table.add_column("RUNNING", no_wrap=True, justify="right")
+    table.add_column("KINDS", overflow="fold")
+    table.add_column("MODELS", overflow="fold")
+    table.add_column("VERSION", no_wrap=True)
+    for worker in workers:
+        table.add_row(
+            escape(str(worker["host"])), str(worker["pid"]),
+            f"{worker['running']}/{worker['slots']}", escape(", ".join(worker["kinds"])),
+            escape(", ".join(worker["models"]) or "-"), escape(str(worker["version"])),
+        )  # fmt: skip
+    return table
 
 
 @cli.command("reconcile")
