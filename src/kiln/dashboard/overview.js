@@ -33,6 +33,7 @@ import {
 import { on, publishTask, performAction, mergeTask, applyProgress, notes } from "./live.js";
 import { createUploadForm } from "./upload.js";
 import { createBreakerPanel } from "./breakers.js";
+import { createWorkerPanel } from "./workers.js";
 
 const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
@@ -56,6 +57,7 @@ export function createOverview() {
   const upload = createUploadForm();
   const charts = createCharts();
   const breakers = createBreakerPanel();
+  const workers = createWorkerPanel();
 
   root.append(
     counts.el,
@@ -64,7 +66,7 @@ export function createOverview() {
       { class: "overview-grid" },
       h("div", { class: "area-list" }, list.el),
       h("div", { class: "area-form" }, form.el, upload.el),
-      h("div", { class: "area-charts" }, breakers.el, charts.el),
+      h("div", { class: "area-charts" }, workers.el, breakers.el, charts.el),
     ),
   );
 
@@ -85,6 +87,11 @@ export function createOverview() {
       counts.setError(err);
       if (!statsFailed) showError(err, "Could not load stats");
       statsFailed = true;
+    }
+    try {
+      workers.render(await api("/v1/workers"), null);
+    } catch (err) {
+      workers.render(null, err);
     }
   }
 

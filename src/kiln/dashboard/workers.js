@@ -1,0 +1,51 @@
+// The workers panel: the live worker processes (GET /v1/workers, admin key), each with the
+// attempts it has in hand of its slots, its kinds and the models it holds loaded. Hidden
+// for a tenant's key, which may not list them.
+
+import { h, clear } from "./ui.js";
+
+function workerRow(worker) {
+  const models = worker.models.length ? worker.models.join(", ") : "no model loaded";
+  return h(
+    "li",
+    { class: "worker-row", dataset: { testid: "worker", pid: String(worker.pid), host: worker.host } },
+    h("span", { class: "worker-name mono", text: `${worker.host} · ${worker.pid}` }),
+    h("span", { class: "worker-load", text: `${worker.running}/${worker.slots} running` }),
+    h("span", { class: "worker-kinds muted small", text: worker.kinds.join(", ") }),
+    h("span", { class: "worker-models small", dataset: { testid: "worker-models" }, text: models }),
+  );
+}
+
+export function createWorkerPanel() {
+  const body = h("div", { class: "chart-body", text: "Loading…" });
+  const el = h(
+    "section",
+    { class: "card workers-card", dataset: { testid: "workers", count: "0" }, "aria-labelledby": "workers-title" },
+    h("h2", { id: "workers-title", text: "Workers" }),
+    h("p", {
+      class: "muted small",
+      text: "Worker processes whose beat holds: attempts in hand of their slots, models loaded",
+    }),
+    body,
+  );
+
+  return {
+    el,
+    render(found, err) {
+      clear(body);
+      if (err) {
+        el.hidden = err.status === 403; // a tenant's key: not its business
+        body.append(h("p", { class: "chart-empty", text: "Could not load the workers." }));
+        return;
+      }
+      el.hidden = false;
+      const workers = found.workers || [];
+      el.dataset.count = String(workers.length);
+      if (!workers.length) {
+        body.append(h("p", { class: "chart-empty", text: "No worker is running." }));
+        return;
+      }
+      body.append(h("ul", { class: "worker-list" }, ...workers.map(workerRow)));
+    },
+  };
+}
