@@ -33,7 +33,6 @@ from kiln.api.schemas import MAX_SEQ
 from kiln.api.state import ApiState, api_state
 from kiln.bus import Message
 from kiln.errors import InvalidRequest, NotFound, Unauthorized
-from kiln.models import TaskEvent
 
 log = logging.getLogger("kiln.api")
 
@@ -101,11 +100,11 @@ def reconnect_hint() -> ServerSentEvent:
     return ServerSentEvent(comment="kiln is shutting down: reconnect", retry=RECONNECT_MS)
 
 
-def sse_event(message: Message) -> ServerSentEvent:
-    data = json.dumps(message.to_json(), separators=(",", ":"))
-    if isinstance(message, TaskEvent):
-        return ServerSentEvent(data=data, id=str(message.seq), event="status")
-    return ServerSentEvent(data=data, event="progress")
+class _Ended:
+    """What :func:`until_stopped`'s reader hands over when ``messages`` ended or failed."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
 
 
 async def until_stopped(
@@ -113,30 +112,42 @@ async def until_stopped(
 ) -> AsyncIterator[Message]:
     """The messages, until ``stop`` or ``closing`` is set (the server is shutting down).
 
-    Each message is awaited in a task of its own; whichever way this ends (the stream's
-    end, shutdown, the client going away), that task is cancelled, so the subscription
-    behind ``messages`` is released.
+    One task reads ``messages`` and one waits for each event, all handing over through a
+    queue of one, so a message costs a put and a get (no task per message) and a slow
+    client still holds the subscription back. Whichever way this ends (the stream's end,
+    shutdown, the client going away), the reader is cancelled, so the subscription behind
+    ``messages`` is released.
     """
-    stopping: set[asyncio.Future[Any]] = {asyncio.ensure_future(stop.wait())}
+    handover: asyncio.Queue[Message | _Ended] = asyncio.Queue(maxsize=1)
+
+    async def read() -> None:
+        try:
+            async for message in messages:
+                await handover.put(message)
+        except Exception as exc:  # handed to the stream, which raises it
+            await handover.put(_Ended(exc))
+            return
+        await handover.put(_Ended())
+
+    async def end_on(event: anyio.Event | asyncio.Event) -> None:
+        await event.wait()
+        reader.cancel()
+        await handover.put(_Ended())
+
+    reader = asyncio.ensure_future(read())
+    waiters = [asyncio.ensure_future(end_on(stop))]
     if closing is not None:
-        stopping.add(asyncio.ensure_future(closing.wait()))
-    step: asyncio.Future[Message] | None = None
+        waiters.append(asyncio.ensure_future(end_on(closing)))
     try:
-        while True:
-            step = asyncio.ensure_future(anext(messages))
-            await asyncio.wait({step, *stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
+        while not isinstance(item := await handover.get(), _Ended):
+            if stop.is_set() or (closing is not None and closing.is_set()):
                 return
-            try:
-                message = step.result()
-            except StopAsyncIteration:
-                return
-            yield message
+            yield item
+        if item.error is not None:
+            raise item.error
     finally:
-        for waiter in stopping:
-            waiter.cancel()
-        if step is not None and not step.done():
-            step.cancel()
+        for job in (reader, *waiters):
+            job.cancel()
 
 
 async def _sse(
@@ -144,12 +155,12 @@ async def _sse(
     messages: AsyncIterator[Message],
     stop: anyio.Event,
     closing: asyncio.Event | None,
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[ServerSentEvent | bytes]:
     gauge = state.metrics.streams.labels("sse")
     gauge.inc()
     try:
         async for message in until_stopped(messages, stop, closing):
-            yield sse_event(message)
+            yield state.encoded_events(message)
         if stop.is_set() or (closing is not None and closing.is_set()):
             yield reconnect_hint()
     finally:

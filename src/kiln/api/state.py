@@ -1,4 +1,5 @@
-"""What the routes share: the kiln App, the settings in force, metrics, single-flight."""
+"""What the routes share: the kiln App, the settings in force, metrics, single-flight,
+the encoded events of the streams."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from starlette.requests import HTTPConnection
 
 from kiln.api.metrics import ApiMetrics
 from kiln.api.singleflight import SingleFlight
+from kiln.api.sse import EncodedEvents
 from kiln.app import App
 from kiln.config import Settings
 from kiln.models import SubmitResult
@@ -19,6 +21,7 @@ class ApiState:
     settings: Settings
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     submissions: SingleFlight[SubmitResult] = field(default_factory=SingleFlight)
+    encoded_events: EncodedEvents = field(default_factory=EncodedEvents)
     ping_interval_s: float = 15.0
 
 
