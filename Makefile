@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers bench-sweep chaos docs clean
+.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers bench-sweep bench-http chaos docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,10 @@ bench-peers: $(STAMP) system-deps ## kiln beside Dramatiq (Redis) and Procrastin
 
 bench-sweep: $(STAMP) ## the supervisor's sweep over 1,000,000 tasks, nothing due (SQLite and PostgreSQL), with plans
 	$(PY) benchmarks/sweep.py
+
+bench-http: $(STAMP) ## kiln serve's HTTP beside a bare FastAPI app (wrk), a burst, SSE fan-out
+	@command -v wrk >/dev/null || (export DEBIAN_FRONTEND=noninteractive && apt-get update -qq && apt-get install -y -qq --no-install-recommends wrk >/dev/null)
+	$(PY) benchmarks/http_bench.py
 
 chaos: $(STAMP) ## the chaos run: 2,000 tasks, workers killed, writes failing, every invariant checked
 	$(PY) benchmarks/chaos.py

@@ -189,7 +189,7 @@ HOT = {
     "claim a tenant's line": (Q.heads_of_tenant, ("k1", "t1", 1e9, 1e9, 8)),
     "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),
     "priority levels": (Q.levels_of_tenant, ("k1", "t1", "k1", "t1")),
-    "queue position": (Q.queue_ahead, ("k1", 1e9, 1e9, 2, 2, 500.0, 500.0, "tsk_x")),
+    "queue position": (Q.queue_ahead, ("k1", 2, 1e9, 1e9, "k1", 2, 500.0, "tsk_x", 1e9, 1e9)),
     "due": (Q.due, (100.0, 100)),
     "due cancels": (Q.due_cancel, (100.0, 100)),
     "ghosts": (Q.ghosts, (100.0, 100.0)),

@@ -94,7 +94,7 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
     ),
     "queue_position": (
         Q.queue_ahead,
-        ("kind.1", NOW, NOW, 1, 1, NOW - 500, NOW - 500, "tsk_00000500"),
+        ("kind.1", 1, NOW, NOW, "kind.1", 1, NOW - 500, "tsk_00000500", NOW, NOW),
         ("tasks_claim", "tasks_ready"),
     ),
 }

@@ -13,7 +13,8 @@ from typing import Annotated
 
 from fastapi import Depends, Query
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.requests import HTTPConnection
+from fastapi.security.base import SecurityBase
+from starlette.requests import HTTPConnection, Request
 
 from kiln.api.state import api_state
 from kiln.app import DEFAULT_TENANT
@@ -91,13 +92,23 @@ def _settings(connection: HTTPConnection) -> Settings:
     return api_state(connection).settings
 
 
-async def require_principal(
-    connection: HTTPConnection,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-) -> Principal:
-    """The caller of a ``/v1`` request (Authorization header)."""
-    key = credentials.credentials if credentials is not None else None
-    return authenticate(_settings(connection), key)
+class BearerPrincipal(SecurityBase):
+    """The caller of a ``/v1`` request (Authorization header), as a dependency that is
+    itself the ``HTTPBearer`` security scheme of the OpenAPI document: FastAPI solves one
+    dependency per request for it, not a principal over a scheme (two)."""
+
+    def __init__(self, scheme: HTTPBearer) -> None:
+        self.scheme = scheme
+        self.model = scheme.model
+        self.scheme_name = scheme.scheme_name
+
+    async def __call__(self, request: Request) -> Principal:
+        credentials = await self.scheme(request)
+        key = credentials.credentials if credentials is not None else None
+        return authenticate(_settings(request), key)
+
+
+require_principal = BearerPrincipal(bearer)
 
 
 async def require_stream_principal(

@@ -307,6 +307,9 @@ class RequestMetrics:
     def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        # The counter of each (method, route, status), looked up once: labels() checks
+        # and locks on every call.
+        self._counters: dict[tuple[str, str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -324,4 +327,8 @@ class RequestMetrics:
             await self.app(scope, receive, send_counted)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            key = (scope["method"], route, status)
+            counter = self._counters.get(key)
+            if counter is None:
+                counter = self._counters[key] = self.metrics.requests.labels(*key[:2], status)
+            counter.inc()

@@ -1,4 +1,5 @@
-"""What the routes share: the kiln App, the settings in force, metrics, single-flight."""
+"""What the routes share: the kiln App, the settings in force, metrics, single-flight (of
+:class:`Submitted` answers), the encoded events of the streams."""
 
 from __future__ import annotations
 
@@ -8,9 +9,28 @@ from starlette.requests import HTTPConnection
 
 from kiln.api.metrics import ApiMetrics
 from kiln.api.singleflight import SingleFlight
+from kiln.api.sse import EncodedEvents
 from kiln.app import App
 from kiln.config import Settings
-from kiln.models import SubmitResult
+from kiln.models import SubmitResult, Task
+from kiln.store.pools import PoolWait
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """A task with where it stands: its place in the queue and in a shared pool's line."""
+
+    task: Task
+    queue_position: int | None
+    resource_wait: PoolWait | None
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A submission's outcome, and where its task stood when the store answered."""
+
+    result: SubmitResult
+    standing: Standing
 
 
 @dataclass(slots=True)
@@ -18,7 +38,8 @@ class ApiState:
     app: App
     settings: Settings
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
-    submissions: SingleFlight[SubmitResult] = field(default_factory=SingleFlight)
+    submissions: SingleFlight[Submitted] = field(default_factory=SingleFlight)
+    encoded_events: EncodedEvents = field(default_factory=EncodedEvents)
     ping_interval_s: float = 15.0
 
 

@@ -21,7 +21,7 @@ from kiln import canonical, inputs, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
-from kiln.api.state import ApiState, api_state
+from kiln.api.state import ApiState, Standing, Submitted, api_state
 from kiln.api.strict_json import RenderedJSON, parse_json
 from kiln.api.uploads import read_upload
 from kiln.app import CURSOR_PATTERN
@@ -127,20 +127,27 @@ def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
 # Answers --------------------------------------------------------------------------------
 
 
-async def task_response(
-    state: ApiState,
-    task: Task,
+async def standing(state: ApiState, task: Task) -> Standing:
+    position = await state.app.queue_position(task)
+    return Standing(task, position, await state.app.pool_wait(task))
+
+
+def standing_response(
+    found: Standing,
     *,
     status_code: int = 200,
     deduplicated: bool = False,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    position = await state.app.queue_position(task)
-    waiting = await state.app.pool_wait(task)
     body = task_json(
-        task, queue_position=position, deduplicated=deduplicated, resource_wait=waiting
-    )
+        found.task, queue_position=found.queue_position, deduplicated=deduplicated,
+        resource_wait=found.resource_wait,
+    )  # fmt: skip
     return RenderedJSON(body, status_code=status_code, headers=headers)
+
+
+async def task_response(state: ApiState, task: Task) -> Response:
+    return standing_response(await standing(state, task))
 
 
 def _submit_answer(result: SubmitResult) -> tuple[int, dict[str, str]]:
@@ -170,13 +177,14 @@ async def submit(
     request: SubmitRequest,
     key: str | None,
     uploaded: list[JSON] | None = None,
-) -> SubmitResult:
-    """Submit through the store; identical concurrent requests share one round trip."""
+) -> Submitted:
+    """Submit through the store; identical concurrent requests share one round trip, and
+    the reading of where the task stands."""
     app = state.app
     timeouts = _timeouts(state, request)
 
-    async def call() -> SubmitResult:
-        return await app.submit(
+    async def call() -> Submitted:
+        result = await app.submit(
             request.kind,
             request.params,
             tenant=principal.tenant,
@@ -191,23 +199,25 @@ async def submit(
             webhook_url=request.webhook_url,
             webhook_events=request.webhook_events,
         )
+        return Submitted(result, await standing(state, result.task))
 
     if key is None and not request.dedup:
         return await call()
     contents = [f"{i['name']}:{i['sha256']}" for i in uploaded or []]
     flight = (principal.tenant, key, canonical.digest([request.model_dump(mode="json"), contents]))
-    result, led = await state.submissions.run(flight, call)
+    first, led = await state.submissions.run(flight, call)
     if led:
-        return result
+        return first
     # The store would have answered this copy the same way: a replay of the key, or the
-    # content-dedup hit on the task the first copy made.
+    # content-dedup hit on the task the first copy made, which stands where it was read.
     state.metrics.coalesced.inc()
-    return await app.coalesced(result, replayed=key is not None)
+    result = await app.coalesced(first.result, replayed=key is not None)
+    return Submitted(result, first.standing)
 
 
 async def submit_upload(
     request: Request, state: ApiState, principal: Principal, key: str | None
-) -> SubmitResult:
+) -> Submitted:
     """``multipart/form-data`` submissions: the ``request`` part plus the input files.
 
     Everything is checked before anything is stored (limits, types, the JSON, the kind,
@@ -271,17 +281,16 @@ async def submit_task(
 ) -> Response:
     state = api_state(request)
     if media_type(request) == "multipart/form-data":
-        result = await submit_upload(request, state, principal, idempotency_key)
+        submitted = await submit_upload(request, state, principal, idempotency_key)
     else:
         body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
         await state.app.check_rate(principal.tenant, body.kind, body.params)
-        result = await submit(state, principal, body, idempotency_key)
-    status_code, headers = _submit_answer(result)
-    return await task_response(
-        state,
-        result.task,
+        submitted = await submit(state, principal, body, idempotency_key)
+    status_code, headers = _submit_answer(submitted.result)
+    return standing_response(
+        submitted.standing,
         status_code=status_code,
-        deduplicated=result.deduplicated,
+        deduplicated=submitted.result.deduplicated,
         headers=headers,
     )
 

@@ -162,11 +162,11 @@ def room(
 def ahead_args(
     kind: str, tenant: str | None, level: int | None, task: Any, now: float, aging_s: float | None
 ) -> tuple[Any, ...]:
-    """Parameters of :func:`ahead_sql` for ``task`` (id, priority, ready_at)."""
+    """Parameters of the ``queue_ahead*`` queries for ``task`` (id, priority, ready_at)."""
     key: tuple[Any, ...] = (kind,) if tenant is None else (kind, tenant)
     if level is None:
-        return (*key, now, now, task.priority, task.priority, task.ready_at, task.ready_at,
-                task.id)  # fmt: skip
+        return (*key, task.priority, now, now, *key, task.priority, task.ready_at, task.id,
+                now, now)  # fmt: skip
     assert aging_s is not None
     bound = task.ready_at + (level - task.priority) * aging_s
     return (*key, level, now, now, bound, bound, task.id)

@@ -255,17 +255,20 @@ WITH RECURSIVE levels(p) AS (
 ) SELECT p FROM levels WHERE p IS NOT NULL
 
 -- queue_ahead --
--- Ready tasks of a kind claimed before a given one: (kind, now, now, priority, priority,
--- ready_at, ready_at, id).
-SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ?
-    AND deadline_at > ? AND (priority > ? OR (priority = ? AND (ready_at < ?
-    OR (ready_at = ? AND id < ?))))
+-- Ready tasks of a kind claimed before a given one: those of a higher priority, plus those
+-- of its priority ahead of it in (ready_at, id). Two index ranges, so a task near the head
+-- of its line costs little: (kind, priority, now, now, kind, priority, ready_at, id, now, now).
+SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority > ?
+        AND ready_at <= ? AND deadline_at > ?)
+    + (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
+        AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?)
 
 -- queue_ahead_of_tenant --
--- (kind, tenant, now, now, priority, priority, ready_at, ready_at, id).
-SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
-    AND ready_at <= ? AND deadline_at > ? AND (priority > ? OR (priority = ?
-    AND (ready_at < ? OR (ready_at = ? AND id < ?))))
+-- (kind, tenant, priority, now, now, kind, tenant, priority, ready_at, id, now, now).
+SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+        AND priority > ? AND ready_at <= ? AND deadline_at > ?)
+    + (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+        AND priority = ? AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?)
 
 -- queue_ahead_of_level --
 -- Those of one priority level that became ready before a bound (the ready time at which
