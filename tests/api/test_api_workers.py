@@ -43,7 +43,11 @@ async def test_the_admin_lists_the_live_workers_and_metrics_count_them(
     samples = await scrape(working_api)
     assert labelled(samples, "kiln_workers", "kind")[("image.generate",)] == 2
     assert labelled(samples, "kiln_worker_models_loaded", "model") == {("sdxl",): 1}
-    # And a tenant's key may not list them
+    # And the admin's stats carry the same list, for the dashboard
+    stats = (await working_api.client.get("/v1/stats", headers=admin)).json()
+    assert {w["id"] for w in stats["workers"]} == {w["id"] for w in workers}
+    # And a tenant's key may not list them, and its stats carry no list
+    assert "workers" not in (await working_api.client.get("/v1/stats")).json()
     refused = await working_api.client.get(
         "/v1/workers", headers={"Authorization": f"Bearer {BOB_KEY}"}
     )

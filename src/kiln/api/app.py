@@ -22,7 +22,6 @@ import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from types import FrameType
 
@@ -45,6 +44,7 @@ from kiln.api.server_limits import BodyDeadline
 from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
+from kiln.presence import version
 from kiln.process_metrics import LiveMetrics, supervisor_readings, worker_readings
 from kiln.worker import RELEASE_TIMEOUT_S, Worker
 
@@ -329,13 +329,6 @@ async def index() -> Response:
 # The app --------------------------------------------------------------------------------
 
 
-def _version() -> str:
-    try:
-        return metadata.version("kiln")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
-
-
 def create_app(
     app: App,
     *,
@@ -357,7 +350,7 @@ def create_app(
     state = ApiState(app, settings, ping_interval_s=ping_interval_s)
     api = FastAPI(
         title="kiln",
-        version=_version(),
+        version=version(),
         description="A durable job engine for AI generation work.",
         lifespan=_lifespan(state, workers=workers, gpus=gpus, supervisor=supervisor),
         redoc_url=None,

@@ -219,18 +219,6 @@ class BreakerOut(_Out):
     until: AwareDatetime | None
 
 
-class StatsOut(_Out):
-    counts: dict[str, int]
-    dwell_seconds: dict[str, Percentiles]
-    failures: dict[str, int]
-    failures_last_hour: dict[str, int]
-    ghosts: int
-    #: Shared resource pools (KILN_POOLS): capacity, units held, tasks waiting.
-    pools: dict[str, PoolOut] = Field(default_factory=dict)
-    #: Circuit breakers by name (a generator backend, ``storage``), as shared in the store.
-    breakers: dict[str, BreakerOut] = Field(default_factory=dict)
-
-
 class WorkerOut(_Out):
     id: str
     host: str
@@ -248,6 +236,20 @@ class WorkerOut(_Out):
     last_seen_at: float
     #: When it stops being listed if it beats no more.
     expires_at: float
+
+
+class StatsOut(_Out):
+    counts: dict[str, int]
+    dwell_seconds: dict[str, Percentiles]
+    failures: dict[str, int]
+    failures_last_hour: dict[str, int]
+    ghosts: int
+    #: Shared resource pools (KILN_POOLS): capacity, units held, tasks waiting.
+    pools: dict[str, PoolOut] = Field(default_factory=dict)
+    #: Circuit breakers by name (a generator backend, ``storage``), as shared in the store.
+    breakers: dict[str, BreakerOut] = Field(default_factory=dict)
+    #: The live worker processes, as ``GET /v1/workers`` lists them: for the admin only.
+    workers: list[WorkerOut] | None = None
 
 
 class WorkersOut(_Out):

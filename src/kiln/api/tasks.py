@@ -356,17 +356,18 @@ async def list_tasks(
 async def stats(request: Request, principal: Caller) -> Response:
     app = api_state(request).app
     found = await app.stats(principal.scope)
-    return JSONResponse(
-        {
-            "counts": found.counts,
-            "dwell_seconds": found.dwell_seconds,
-            "failures": found.failures,
-            "failures_last_hour": found.failures_last_hour,
-            "ghosts": found.ghosts,
-            "pools": {p.name: p.to_json() for p in await app.pools()},
-            "breakers": breakers_json(await app.shared_breakers(), app.now()),
-        }
-    )
+    body: JSON = {
+        "counts": found.counts,
+        "dwell_seconds": found.dwell_seconds,
+        "failures": found.failures,
+        "failures_last_hour": found.failures_last_hour,
+        "ghosts": found.ghosts,
+        "pools": {p.name: p.to_json() for p in await app.pools()},
+        "breakers": breakers_json(await app.shared_breakers(), app.now()),
+    }
+    if principal.may_review:  # the admin (or anyone, auth off): GET /v1/workers's list too
+        body["workers"] = [worker.to_json() for worker in await app.engine.workers()]
+    return JSONResponse(body)
 
 
 # Actions --------------------------------------------------------------------------------

@@ -82,16 +82,12 @@ export function createOverview() {
       counts.setStats(stats);
       charts.render(stats, null);
       breakers.render(stats);
+      workers.render(stats);
     } catch (err) {
       charts.render(null, err);
       counts.setError(err);
       if (!statsFailed) showError(err, "Could not load stats");
       statsFailed = true;
-    }
-    try {
-      workers.render(await api("/v1/workers"), null);
-    } catch (err) {
-      workers.render(null, err);
     }
   }
 

@@ -1,6 +1,6 @@
-// The workers panel: the live worker processes (GET /v1/workers, admin key), each with the
-// attempts it has in hand of its slots, its kinds and the models it holds loaded. Hidden
-// for a tenant's key, which may not list them.
+// The workers panel: the live worker processes (`workers` of GET /v1/stats, there for the
+// admin key only, as GET /v1/workers lists them), each with the attempts it has in hand of
+// its slots, its kinds and the models it holds loaded. Hidden when stats carry no list.
 
 import { h, clear } from "./ui.js";
 
@@ -20,7 +20,7 @@ export function createWorkerPanel() {
   const body = h("div", { class: "chart-body", text: "Loading…" });
   const el = h(
     "section",
-    { class: "card workers-card", dataset: { testid: "workers", count: "0" }, "aria-labelledby": "workers-title" },
+    { class: "card workers-card", hidden: true, dataset: { testid: "workers", count: "0" }, "aria-labelledby": "workers-title" },
     h("h2", { id: "workers-title", text: "Workers" }),
     h("p", {
       class: "muted small",
@@ -31,15 +31,12 @@ export function createWorkerPanel() {
 
   return {
     el,
-    render(found, err) {
+    render(stats) {
+      if (!stats) return;
+      el.hidden = !Array.isArray(stats.workers); // a tenant's key: not its business
+      if (el.hidden) return;
       clear(body);
-      if (err) {
-        el.hidden = err.status === 403; // a tenant's key: not its business
-        body.append(h("p", { class: "chart-empty", text: "Could not load the workers." }));
-        return;
-      }
-      el.hidden = false;
-      const workers = found.workers || [];
+      const workers = stats.workers;
       el.dataset.count = String(workers.length);
       if (!workers.length) {
         body.append(h("p", { class: "chart-empty", text: "No worker is running." }));
