@@ -23,6 +23,9 @@ from kiln.store import Store, WorkerRecord
 
 log = logging.getLogger("kiln.worker")
 
+#: How long a stopping worker waits to delete its row (else the row lapses by itself).
+GONE_TIMEOUT_S = 2.0
+
 
 @functools.cache
 def version() -> str:
@@ -67,13 +70,14 @@ async def keep_present(
         while True:
             try:
                 await store.worker_seen(record(), ttl_s=ttl_s)
-            except StoreUnavailable as exc:  # the next beat tries again
-                log.warning("worker_beat_failed", extra={"error": exc.message})
+            except Exception as exc:  # the next beat tries again; the claims go on meanwhile
+                error = exc.message if isinstance(exc, StoreUnavailable) else repr(exc)
+                log.warning("worker_beat_failed", extra={"error": error})
             await asyncio.sleep(interval_s)
     finally:
         worker_id = record().id
         try:
-            async with asyncio.timeout(2.0):
+            async with asyncio.timeout(GONE_TIMEOUT_S):
                 await store.worker_gone(worker_id)
-        except (StoreUnavailable, TimeoutError):  # the row lapses by itself
-            pass
+        except Exception as exc:  # a store closed or away: the row lapses by itself
+            log.debug("worker_gone_failed", extra={"error": str(exc) or type(exc).__name__})

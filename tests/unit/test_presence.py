@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
+import pytest
+
 import kiln
 from kiln.config import Settings
+from kiln.errors import StoreUnavailable
 from kiln.models import Output
+from kiln.presence import keep_present
+from kiln.store import WorkerRecord
 
 
 class Holding:
@@ -41,3 +47,40 @@ def test_a_worker_says_who_it_is_what_it_takes_and_the_models_its_kinds_hold(
     assert record.resources == {"b.kind": {"gpu": 1, "vram-gb": 12}}
     assert record.models == ("sdxl", "flux", "upscaler")
     assert record.running == 0 and record.version
+
+
+class FlakyStore:
+    """A store whose first beat fails (the database away), then answers."""
+
+    def __init__(self) -> None:
+        self.seen: list[WorkerRecord] = []
+        self.gone: list[str] = []
+        self.third = asyncio.Event()
+
+    async def worker_seen(self, record: WorkerRecord, *, ttl_s: float) -> WorkerRecord:
+        if not self.seen and not self.gone:
+            self.gone.append("")  # marks the failed first beat
+            raise StoreUnavailable("the database does not answer")
+        self.seen.append(record)
+        if len(self.seen) >= 2:
+            self.third.set()
+        return record
+
+    async def worker_gone(self, worker_id: str) -> None:
+        self.gone.append(worker_id)
+
+
+async def test_a_failed_beat_is_logged_the_next_goes_on_and_a_stop_says_gone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = FlakyStore()
+    record = WorkerRecord(id="w-9", host="h", pid=1, version="1", kinds=("k",), slots=1)
+    beating = asyncio.create_task(
+        keep_present(store, lambda: record, interval_s=0.001, ttl_s=1.0)  # type: ignore[arg-type]
+    )
+    await asyncio.wait_for(store.third.wait(), timeout=5)
+    beating.cancel()
+    await asyncio.wait([beating])
+    assert [r.id for r in store.seen][:2] == ["w-9", "w-9"]
+    assert store.gone == ["", "w-9"]
+    assert any(r.message == "worker_beat_failed" for r in caplog.records)
