@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,7 @@ from kiln.bus import ProgressEvent
 from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
 from kiln.kinds import HandlerResult, TaskKind, call_review
+from kiln.model_loads import LOADING_MODEL, ModelLoads
 from kiln.models import JSON, Output, StoredOutput, Task
 from kiln.presence import identity, keep_present, models_loaded
 from kiln.retry import classify
@@ -156,6 +158,16 @@ class Context:
         """
         await self._worker.report_progress(self._attempt, Progress(stage, step, total), preview)
 
+    @contextlib.asynccontextmanager
+    async def loading_model(self, model: str) -> AsyncIterator[None]:
+        """Mark the load of ``model`` as this attempt's ``loading_model`` stage; when it
+        loaded, its seconds go to ``kiln_model_load_seconds{model}`` and the log
+        (``model_loaded``). A load that fails records nothing."""
+        await self.progress(None, None, stage=LOADING_MODEL)
+        started = time.monotonic()
+        yield
+        self._worker.model_loaded(self._attempt, model, time.monotonic() - started)
+
 
 class Worker:
     """Claims tasks of its kinds and runs up to ``concurrency`` of them at once.
@@ -206,6 +218,8 @@ class Worker:
         self._rng = random.Random()
         #: The circuit breakers of this worker's kinds, shared through the store.
         self.breakers = breakers if breakers is not None else Breakers(engine)
+        #: The model loads this worker's attempts timed (``ctx.loading_model``).
+        self.model_loads = ModelLoads()
         self._identity = identity(
             self.worker_id, {k: engine.kinds[k] for k in self.kinds}, concurrency, self.needs
         )
@@ -710,6 +724,11 @@ class Worker:
             await self._beat(attempt, with_progress=True)
         if attempt.stop_reason is not None:
             raise asyncio.CancelledError
+
+    def model_loaded(self, attempt: Attempt, model: str, seconds: float) -> None:
+        self.model_loads.record(model, seconds)
+        log.info("model_loaded", extra={**self._ids(attempt), "model": model,
+                 "duration_s": round(seconds, 3)})  # fmt: skip
 
     @staticmethod
     def _ids(attempt: Attempt) -> dict[str, Any]:

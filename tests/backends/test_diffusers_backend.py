@@ -17,6 +17,7 @@ from PIL import Image
 import kiln
 from kiln import backends
 from kiln.app import running
+from kiln.backends import diffusers as diffusers_backend
 from kiln.backends.diffusers import DiffusersBackend, gpu_errors, load_pipeline
 from kiln.backends.upstream import UpstreamMetrics, sniff
 from kiln.bus import ProgressEvent
@@ -306,6 +307,38 @@ async def test_worker_runs_a_task_on_the_pipeline_folder(
     assert any(e.preview for e in progress)
     # And a worker of this process lists the pipeline folder among its loaded models
     assert app.worker(concurrency=1).presence().models == (str(model_dir.resolve()),)
+
+
+@diffusers
+@slow_start
+async def test_the_first_task_loads_the_pipeline_as_its_loading_model_stage(
+    settings: Settings, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a process that has loaded no pipeline yet
+    monkeypatch.setattr(diffusers_backend, "_LOADED", {})
+    app = kiln.App(settings=diffusers_settings(settings, model_dir))
+    backends.register(app)
+    stages: list[str | None] = []
+    publish = app.engine.publish_progress
+
+    def published(event: ProgressEvent) -> None:  # every live progress, as streams get it
+        stages.append(event.stage)
+        publish(event)
+
+    monkeypatch.setattr(app.engine, "publish_progress", published)
+    async with app:
+        # When a worker runs a task
+        params = {"prompt": "a red kite", "width": 64, "height": 64, "steps": 2, "seed": 5}
+        task_id = (await app.submit("image.generate", params)).task.id
+        worker = app.worker(concurrency=1, resources={"gpu": 1}, idle_poll_s=(0.01, 0.05))
+        async with running(worker.run()):
+            done = await app.wait(task_id, timeout_s=240)
+    # Then it loaded the pipeline first, as its own stage, and the load was timed once
+    assert done.status is Status.SUCCESS, done.error
+    assert stages[0] == "loading_model" and "denoise" in stages
+    folder = str(model_dir.resolve())
+    assert worker.model_loads.by_model[folder].count == 1
+    assert worker.model_loads.by_model[folder].total_s > 0
 
 
 @diffusers

@@ -44,6 +44,7 @@ from kiln.api.server_limits import BodyDeadline
 from kiln.api.state import ApiState, api_state
 from kiln.app import App
 from kiln.config import Settings
+from kiln.model_loads import ModelLoadMetrics
 from kiln.presence import version
 from kiln.process_metrics import LiveMetrics, supervisor_readings, worker_readings
 from kiln.worker import RELEASE_TIMEOUT_S, Worker
@@ -223,6 +224,7 @@ def _lifespan(
             if workers > 0:
                 worker = app.worker(concurrency=workers, resources={"gpu": gpus})
                 state.metrics.registry.register(LiveMetrics(*worker_readings(worker)))
+                state.metrics.registry.register(ModelLoadMetrics(worker.model_loads))
                 for collector in backends.collectors(app):  # upstream latency and breakers
                     state.metrics.registry.register(collector)
                 shutdown.workers.append(worker)

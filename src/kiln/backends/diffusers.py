@@ -200,8 +200,13 @@ class DiffusersBackend:
         return [folder] if any(key[0] == folder for key in _LOADED) else []
 
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
-        """Run the pipeline in a thread; progress goes back to ``ctx`` on the event loop."""
+        """Run the pipeline in a thread; progress goes back to ``ctx`` on the event loop.
+        The first task of a process loads the pipeline first, as its ``loading_model``
+        stage (timed in ``kiln_model_load_seconds``)."""
         loop = asyncio.get_running_loop()
+        if not self.loaded_models():
+            async with ctx.loading_model(str(self.model_dir.resolve())):
+                await loop.run_in_executor(None, load_pipeline, self.model_dir, self.device)
         stop = threading.Event()
 
         def report(step: int | None, total: int | None, stage: str, shown: str | None) -> None:

@@ -21,6 +21,7 @@ import kiln
 from kiln import backends, config
 from kiln.config import Settings
 from kiln.errors import ConfigError
+from kiln.model_loads import ModelLoadMetrics
 from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
 
 if TYPE_CHECKING:
@@ -341,7 +342,11 @@ async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
             concurrency=settings.concurrency, kinds=kinds, resources={"gpu": settings.gpus}
         )
         readings = worker_readings(process)
-        upstream: list[Collector] = [*backends.collectors(app), app.breakers]
+        upstream: list[Collector] = [
+            *backends.collectors(app),
+            app.breakers,
+            ModelLoadMetrics(process.model_loads),
+        ]
         with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
             await _until_signalled(process.run(), drain=process.drain)
 
