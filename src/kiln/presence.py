@@ -66,6 +66,7 @@ async def keep_present(
 ) -> None:
     """Say ``record()`` to the store now and every ``interval_s``, listed for ``ttl_s``
     after each; until cancelled, then say the worker is gone (best effort)."""
+    worker_id = record().id
     try:
         while True:
             try:
@@ -75,7 +76,6 @@ async def keep_present(
                 log.warning("worker_beat_failed", extra={"error": error})
             await asyncio.sleep(interval_s)
     finally:
-        worker_id = record().id
         try:
             async with asyncio.timeout(GONE_TIMEOUT_S):
                 await store.worker_gone(worker_id)

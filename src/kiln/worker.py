@@ -448,14 +448,16 @@ class Worker:
             # call completes can be lost on Python 3.11, and the slot must come back.
             attempt.ended = True
             start.cancel()
-            for heartbeat in beating:
-                heartbeat.cancel()
-                await asyncio.wait([heartbeat], timeout=1.0)
+            # The slot comes back before any await: a stop that cancels this runner while
+            # it waits for its heartbeat must not keep the slot.
             self.engine.hub.local_progress.discard(attempt.task.id)
             self.attempts.pop(attempt.task.id, None)
             self.completed += 1
             self._slot_free.set()
             self._wake_pool_waiters()
+            for heartbeat in beating:
+                heartbeat.cancel()
+                await asyncio.wait([heartbeat], timeout=1.0)
 
     async def _settle(self, attempt: Attempt, work: asyncio.Task[None]) -> None:
         try:

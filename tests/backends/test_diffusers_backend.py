@@ -8,7 +8,9 @@ this file without it. The others check the settings and need neither.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ class RecordingContext:
     def __init__(self) -> None:
         self.reports: list[tuple[int | None, int | None, str | None, str | None]] = []
         self.on_report: asyncio.Event | None = None
+        self.loads: list[str] = []
 
     async def progress(
         self,
@@ -53,6 +56,13 @@ class RecordingContext:
         self.reports.append((step, total, stage, preview))
         if self.on_report is not None:
             self.on_report.set()
+
+    @contextlib.asynccontextmanager
+    async def loading_model(self, model: str) -> AsyncIterator[None]:
+        """Kept apart from the reports: whether a test's backend loads depends on the tests
+        that ran before it in the process (a loaded pipeline is kept)."""
+        self.loads.append(model)
+        yield
 
 
 def make_params(**changes: object) -> GenerateParams:

@@ -388,6 +388,27 @@ async def test_steps_of_one_shape_share_a_statement_and_each_row_gets_its_own_va
     assert (stats.counts["GENERATING"], stats.counts["UPLOADING"]) == (8, 7)
 
 
+async def test_a_value_an_array_does_not_take_refuses_no_other_write_of_its_batch(
+    pg: PostgresStore,
+) -> None:
+    # Given five acquired tasks
+    for n in range(5):
+        await pg.submit(make_new_task({"n": n}))
+    claimed = await pg.claim(worker_id="w", kinds=[KIND], limit=5, lease_ttl_s=60)
+    running = [(await pg.apply(step_change(t, Event.ACQUIRE)))[0] for t in claimed]
+    # When their generated steps arrive at once, one with a progress step of 1.5 (a float
+    # for an integer column: a cast from text refuses it, a statement of its own rounds it)
+    results = await asyncio.gather(*(
+        pg.apply(step_change(t, Event.GENERATED, fields={"progress_step": 1.5 if n == 2 else n}))
+        for n, t in enumerate(running)
+    ), return_exceptions=True)  # fmt: skip
+    # Then every one of them committed
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        assert result[0].status is Status.UPLOADING
+    assert [r[0].progress_step for r in results] == [0, 1, 2, 3, 4]  # type: ignore[index]
+
+
 async def test_concurrent_submissions_share_transactions_and_dedup_still_holds(
     pg: PostgresStore,
 ) -> None:

@@ -197,7 +197,8 @@ class DiffusersBackend:
     def loaded_models(self) -> list[str]:
         """The pipeline folder, once this process has loaded it (the worker registry)."""
         folder = str(self.model_dir.resolve())
-        return [folder] if any(key[0] == folder for key in _LOADED) else []
+        loaded = list(_LOADED)  # a copy: a loading thread may add to it meanwhile
+        return [folder] if any(key[0] == folder for key in loaded) else []
 
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
         """Run the pipeline in a thread; progress goes back to ``ctx`` on the event loop.

@@ -173,7 +173,10 @@ class Batch:
             except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
                 if attempt == 3:
                     raise
-            except psycopg.errors.IntegrityError:  # one of them broke one: each on its own
+            except (psycopg.errors.IntegrityError, psycopg.errors.DataError):
+                # One of them broke a constraint, or a value its array's type does not take
+                # (1.5 for an integer column, which a statement of its own rounds): each on
+                # its own, so the others are not refused with it.
                 return await self._each(batch)
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 await self.store._drop_broken()
