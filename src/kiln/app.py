@@ -69,6 +69,9 @@ DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
 #: How many tasks' latest status a stream remembers to keep progress behind its status.
 STATUS_MEMORY = 10_000
+#: The statuses a task reaches GENERATING from: progress seen while a stream still knows
+#: the task in one of them waits for that event.
+BEFORE_GENERATING = frozenset({Status.PENDING, Status.RETRYING, Status.WAITING_FOR_RESOURCE})
 #: A list cursor is the id of the last task of the page before (kiln.canonical.new_task_id).
 CURSOR_PATTERN = re.compile(r"tsk_[0-9a-hjkmnp-tv-z]{26}")
 
@@ -92,6 +95,40 @@ def check_metadata(metadata: JSON | None) -> None:
             "metadata must be plain JSON with finite numbers",
             details=[{"loc": ["metadata"], "msg": "not plain JSON", "type": "json_invalid"}],
         ) from None
+
+
+class StreamOrder:
+    """What a stream shows of its messages, in an order a client can trust: progress only
+    once the task's GENERATING event was shown. Live progress may overtake that event (the
+    event comes through the log's tail, progress at once); the latest such progress is held
+    back and shown right after the event, and dropped if the task goes another way."""
+
+    def __init__(self) -> None:
+        self.status_of: dict[str, Status] = {}
+        self.held: dict[str, Message] = {}
+
+    def admit(self, message: Message) -> list[Message]:
+        """The messages to show now for ``message`` (none, it, or it and held progress)."""
+        shown: list[Message] = []
+        if isinstance(message, TaskEvent):
+            self.status_of[message.task_id] = message.status
+            shown.append(message)
+            if message.status is Status.GENERATING:
+                early = self.held.pop(message.task_id, None)
+                if early is not None:
+                    shown.append(early)
+            elif message.status not in BEFORE_GENERATING:
+                self.held.pop(message.task_id, None)
+        else:
+            status = self.status_of.get(message.task_id, Status.GENERATING)
+            if status == Status.GENERATING:
+                shown.append(message)
+            elif status in BEFORE_GENERATING:
+                self.held[message.task_id] = message
+        for memory in (self.status_of, self.held):  # a long-lived feed forgets old tasks
+            if len(memory) > STATUS_MEMORY:
+                del memory[next(iter(memory))]
+        return shown
 
 
 class App:
@@ -498,14 +535,14 @@ class App:
             if live_only:  # "from now": what committed before, even if the tail lags
                 last = max(self.hub.last_seq, await self.engine.store.last_seq())
             replayed, final_seen = False, False
-            status_of: dict[str, Status] = {}
+            order = StreamOrder()
             # A feed of many tasks replays up to where the tail stands and takes the rest
             # live: past that point a smaller seq may still commit (PostgreSQL). One
             # task's events commit in seq order, so its replay reads to the end.
             upto = None if task_id is not None else self.hub.last_seq
             async for event in self._history(task_id, tenant, last, upto):
                 last, replayed, final_seen = event.seq, True, event.final
-                status_of[event.task_id] = event.status
+                order.admit(event)
                 yield event
             if task_id is not None and await self._ended(task_id, replayed, final_seen):
                 return
@@ -513,14 +550,10 @@ class App:
                 async for message in self._next(sub, task_id, tenant, last):
                     if isinstance(message, TaskEvent):
                         last = message.seq
-                        status_of[message.task_id] = message.status
-                    elif status_of.get(message.task_id, Status.GENERATING) != Status.GENERATING:
-                        continue  # live progress overtook its GENERATING event: the next comes
-                    yield message
-                    if task_id is not None and message.final:
-                        return
-                    if len(status_of) > STATUS_MEMORY:  # a long-lived feed forgets old tasks
-                        del status_of[next(iter(status_of))]
+                    for shown in order.admit(message):
+                        yield shown
+                        if task_id is not None and shown.final:
+                            return
 
     async def _ended(self, task_id: str, replayed: bool, final_seen: bool) -> bool:
         """Whether a task stream is done after its replay: its latest event was final."""
