@@ -375,10 +375,10 @@ class PostgresStore(Store):
         batch = self._batches.get(loop)
         if batch is None:
             batch = self._batches[loop] = Batch(self)
-        step = Write(order, counted, bare, counts, notify, loop.create_future(), shape)
-        if values is not None:
-            step.values = values
-        return await batch.run(step)
+        future = loop.create_future()
+        return await batch.run(
+            Write(order, counted, bare, counts, notify, future, shape, values or [])
+        )
 
     async def _statement(
         self, sql: str, args: Sequence[Any], *, notify: bool = False
