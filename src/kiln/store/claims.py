@@ -228,7 +228,12 @@ class ClaimOps(Ops):
         self._claim_turn += 1
         turn_no = self._claim_turn
         lease = Lease(worker_id, lease_ttl_s, [k for k in acquire if k in kinds])
-        return await self._write(lambda tx: self._claim(tx, lease, kinds, limit, policy, turn_no))
+        claimed, events = await self._write(
+            lambda tx: self._claim(tx, lease, kinds, limit, policy, turn_no)
+        )
+        for row in events:  # once committed, in claim order
+            log_claim(row.task, row.source, row.target, row.dwell_s, worker_id)
+        return claimed
 
     async def _claim(
         self,
@@ -238,7 +243,7 @@ class ClaimOps(Ops):
         limit: int,
         policy: ClaimPolicy | None,
         turn_no: int,
-    ) -> list[Task]:
+    ) -> tuple[list[Task], list[EventRow]]:
         now = self.clock()
         if policy is None or policy.plain:
             found: list[Candidate] = []
@@ -248,7 +253,7 @@ class ClaimOps(Ops):
         else:
             chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no)
         if not chosen:
-            return []
+            return [], []
         acq = lease.acquire
         args = (acq, acq, lease.worker_id, now + lease.ttl_s, now, acq, now, now, now,
                 [c.id for c in chosen])  # fmt: skip
@@ -264,18 +269,16 @@ class ClaimOps(Ops):
             acquired = task.status is generating
             version = task.version - 1 if acquired else task.version
             events.append(EventRow(task, version, Event.CLAIM, source, waiting, None, now, dwell))
-            log_claim(task, source, waiting, dwell, lease.worker_id)
             tx.count_status(task.tenant, source, -1)
             tx.count_status(task.tenant, task.status, 1)
             tx.bump(names.TRANSITIONS, f"{source}>{waiting}")
             if acquired:
                 events.append(EventRow(task, task.version, Event.ACQUIRE, waiting, generating,
                                        None, now, 0.0))  # fmt: skip
-                log_claim(task, waiting, generating, 0.0, lease.worker_id)
                 tx.bump(names.TRANSITIONS, f"{waiting}>{generating}")
             claimed.append(task)
         await tx.insert_events(events)
-        return claimed
+        return claimed, events
 
     async def _policy_candidates(
         self, tx: Tx, kinds: list[str], limit: int, policy: ClaimPolicy, now: float, turn_no: int
@@ -380,7 +383,9 @@ class ClaimOps(Ops):
         return found
 
 
-def log_claim(task: Task, source: Status, target: Status, dwell_s: float, worker_id: str) -> None:
+def log_claim(
+    task: Task, source: Status | None, target: Status, dwell_s: float | None, worker_id: str
+) -> None:
     """The transition line of a claim (``claim``, or the ``acquire`` that came with it)."""
     if log.isEnabledFor(logging.INFO):
         logs.line(log, "transition", {
