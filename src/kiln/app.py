@@ -37,6 +37,7 @@ from kiln.kinds import (
     Handler,
     HandlerResult,
     InputCheck,
+    ModelOf,
     ReviewCheck,
     TaskKind,
     call_review,
@@ -57,6 +58,7 @@ __all__ = [
     "Handler",
     "HandlerResult",
     "InputCheck",
+    "ModelOf",
     "ReviewCheck",
     "TaskKind",
     "call_review",
@@ -175,11 +177,14 @@ class App:
         normalize: Callable[[JSON], JSON] | None = None,
         inputs: Sequence[str] = (),
         check: InputCheck | None = None,
+        model: str | ModelOf | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register ``handler(ctx, params)`` for tasks of kind ``name``.
 
         ``inputs`` names the files a task of this kind is submitted with; ``check`` refuses
-        params that do not fit them (see :meth:`TaskKind.check_inputs`).
+        params that do not fit them (see :meth:`TaskKind.check_inputs`). ``model`` says
+        which model a task needs: the name of a string param, or a function of the
+        validated params (warm-model routing, docs/scheduling.md).
         """
 
         def register(handler: Handler) -> Handler:
@@ -187,7 +192,7 @@ class App:
                 raise ValueError(f"task kind {name!r} is already registered")
             self.kinds[name] = TaskKind(
                 name, handler, params, dict(resources or {}), timeouts, retry, review, normalize,
-                tuple(inputs), check,
+                tuple(inputs), check, model,
             )  # fmt: skip
             return handler
 
@@ -350,6 +355,7 @@ class App:
             dedup_key=canonical.dedup_key(kind, clean, contents) if dedup else None,
             priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
             timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
+            model=task_kind.model_of(clean),
         )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:

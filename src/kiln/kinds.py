@@ -25,10 +25,14 @@ if TYPE_CHECKING:
     from kiln.storage import Storage
 
 HandlerResult = Output | Sequence[Output] | None
+#: The longest model name a task may need.
+MODEL_NAME_MAX = 200
 Handler = Callable[..., Awaitable[HandlerResult]]
 ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
 #: ``check(params, inputs)``: raises InvalidRequest when the params do not fit the inputs.
 InputCheck = Callable[[Any, list[JSON]], None]
+#: The model a task needs, from its validated params (None: it names none).
+ModelOf = Callable[[JSON], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,23 @@ class TaskKind:
     #: Names of the inputs a task of this kind is submitted with (uploaded files).
     inputs: tuple[str, ...] = ()
     check: InputCheck | None = None
+    #: Which model a task needs (warm-model routing, docs/scheduling.md): the name of a
+    #: string param, or a function of the validated params.
+    model: str | ModelOf | None = None
+
+    def model_of(self, params: JSON) -> str | None:
+        """The model a task with these (validated) params needs, or None."""
+        if self.model is None:
+            return None
+        found = params.get(self.model) if isinstance(self.model, str) else self.model(params)
+        if found is None:
+            return None
+        name = str(found)
+        if not name or len(name) > MODEL_NAME_MAX:
+            raise InvalidRequest(
+                f"the model a {self.name} task needs must be 1 to {MODEL_NAME_MAX} characters"
+            )
+        return name
 
     def validate(self, params: Any) -> JSON:
         """Validated, canonical params (defaults applied) as plain JSON.
@@ -165,4 +186,5 @@ class Registry(Protocol):
         normalize: Callable[[JSON], JSON] | None = None,
         inputs: Sequence[str] = (),
         check: InputCheck | None = None,
+        model: str | ModelOf | None = None,
     ) -> Callable[[Handler], Handler]: ...

@@ -55,6 +55,8 @@ class NewTask:
     inputs: list[JSON] = field(default_factory=list)
     #: ``{"url", "events"}`` when the task's changes are posted to a webhook (kiln.webhooks).
     webhook: JSON | None = None
+    #: The model the task needs, as its kind names it from the params (None: none named).
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class Task:
     started_at: float | None
     finished_at: float | None
     webhook: JSON | None = None
+    model: str | None = None
 
     @property
     def final(self) -> bool:

@@ -100,4 +100,5 @@ def task_json(
         "started_at": iso(task.started_at),
         "finished_at": iso(task.finished_at),
         "webhook": task.webhook,
+        "model": task.model,
     }

@@ -66,6 +66,7 @@ TASK_COLUMNS: tuple[str, ...] = (
     "finished_at",
     "due_at",
     "webhook",
+    "model",
 )
 _WEBHOOK = TASK_COLUMNS.index("webhook")
 STATUSES = {str(status): status for status in Status}
@@ -85,7 +86,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         cancel_requested_at=row[27], next_retry_at=row[28], result_prefix=row[29],
         error=loads(row[30]), result=loads(row[31]), created_at=row[32], updated_at=row[33],
         status_since=row[34], started_at=row[35], finished_at=row[36],
-        webhook=loads(row[_WEBHOOK]),
+        webhook=loads(row[_WEBHOOK]), model=row[_WEBHOOK + 1],
     )  # fmt: skip
 
 

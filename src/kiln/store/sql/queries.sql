@@ -20,11 +20,11 @@ SELECT status, epoch, version, status_since, tenant FROM tasks WHERE id = ? {FOR
 -- A new PENDING task, unless a live or successful task holds its content (then no row):
 -- (id, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint,
 -- idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,
--- created_at, updated_at, status_since, webhook).
+-- created_at, updated_at, status_since, webhook, model).
 INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
     fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at,
-    timeouts, created_at, updated_at, status_since, webhook)
-VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    timeouts, created_at, updated_at, status_since, webhook, model)
+VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
 DO NOTHING RETURNING *
 
