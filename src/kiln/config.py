@@ -91,6 +91,9 @@ class Settings:
     tenant_limits: dict[str, TenantLimit] = field(default_factory=dict)
     priority_aging_s: float | None = None
     claim_order: str = "fifo"
+    affinity_wait_s: float = 5.0
+    model_memory_gb: float | None = None
+    demo_model_load_s: float = 1.0
     backend: str = "demo"
     openai_base_url: str = "https://api.openai.com/v1"
     openai_api_key: str | None = field(default=None, repr=False)
@@ -280,6 +283,7 @@ RETRIES = "Leases and retries"
 BREAKERS = "Circuit breakers"
 LIMITS = "Pools and tenants"
 RETENTION = "Retention and reconciliation"
+SCHEDULING = "GPU scheduling"
 BACKENDS = "Backends"
 WEBHOOKS = "Webhooks"
 SERVER = "HTTP server"
@@ -416,6 +420,17 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_PRIORITY_AGING_S", "priority_aging_s", SECONDS, "seconds of waiting worth one "
        "priority point in the claim order", group=LIMITS, unit="s",
        shown="unset (strict priority)"),
+    _v("KILN_AFFINITY_WAIT_S", "affinity_wait_s", SECONDS_OR_OFF, "the most a task whose "
+       "model an idle worker holds loaded is left to that worker before any worker may take "
+       "it; a worker's claim puts the tasks of the models it holds this far ahead "
+       "(warm-model routing)", group=SCHEDULING, unit="s"),
+    _v("KILN_MODEL_MEMORY_GB", "model_memory_gb", values.number("a number of GiB", above=0),
+       "the memory a worker process's loaded models may take together; past it the least "
+       "recently used model is unloaded before another loads", group=SCHEDULING, unit="GiB",
+       shown="unset (no limit)"),
+    _v("KILN_DEMO_MODEL_LOAD_S", "demo_model_load_s", SECONDS_OR_ZERO, "how long the demo "
+       "backend takes to load a model a task names (`model` param), to show routing and "
+       "the `loading_model` stage", group=SCHEDULING, unit="s"),
     _v("KILN_RETENTION_S", "retention_s", SECONDS, "final tasks are purged this long after "
        "they finished (also the dedup window)", group=RETENTION, unit="s",
        shown="unset (kept forever)"),

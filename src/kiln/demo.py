@@ -49,6 +49,10 @@ OUTPUT_NAMES: dict[str, tuple[str, str]] = {
 }
 
 Dimension = Annotated[int, Field(ge=64, le=2048, multiple_of=8)]
+#: A model's name: a file or folder name, never a path.
+ModelName = Annotated[
+    str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+]
 
 
 class Simulate(BaseModel):
@@ -78,6 +82,9 @@ class GenerateParams(BaseModel):
     steps: Annotated[int, Field(ge=1, le=150)] = 30
     seed: Annotated[int | None, Field(ge=0, le=MAX_SEED)] = None
     format: Literal["png", "webp", "jpeg"] = "png"
+    #: The model to render with, as the backend names its models (the diffusers backend:
+    #: a pipeline folder; ComfyUI: a checkpoint); None: the backend's own.
+    model: ModelName | None = None
     simulate: Simulate | None = None
 
     def effective_seed(self) -> int:
@@ -88,7 +95,8 @@ class GenerateParams(BaseModel):
         """
         if self.seed is not None:
             return self.seed
-        return derive_seed(self.model_dump(mode="json", exclude={"seed", "format", "simulate"}))
+        unused = {"seed", "format", "simulate"} | ({"model"} if self.model is None else set())
+        return derive_seed(self.model_dump(mode="json", exclude=unused))
 
 
 def derive_seed(params_without_seed: Mapping[str, object]) -> int:
@@ -155,4 +163,5 @@ def register(app: Registry, *, resources: dict[str, int] | None = None) -> None:
         resources={"gpu": 1} if resources is None else resources,
         review=flagged_for_review,
         normalize=normalize,
+        model="model",
     )(generate)

@@ -36,7 +36,7 @@ from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
 from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
-from kiln.store.claims import claim_policy
+from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 
 log = logging.getLogger("kiln")
@@ -260,13 +260,15 @@ class Engine:
         limit: int,
         lease_ttl_s: float,
         acquire: Sequence[str] = (),
+        route: Route | None = None,
     ) -> Awaitable[list[Task]]:
         """Claim up to ``limit`` ready tasks of ``kinds`` under the claim policy
         (KILN_CLAIM_*: aging, fair turns, running caps); those of ``acquire`` kinds come
-        back acquired (GENERATING: they wait for no resource)."""
+        back acquired (GENERATING: they wait for no resource); ``route`` prefers the
+        tasks of the models the worker holds (warm-model routing)."""
         return self.store.claim(
             worker_id=worker_id, kinds=kinds, limit=limit, lease_ttl_s=lease_ttl_s,
-            policy=self.claim_policy, acquire=acquire,
+            policy=self.claim_policy, acquire=acquire, route=route,
         )  # fmt: skip
 
     async def request_cancel(self, task: Task) -> Task:

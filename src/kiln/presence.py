@@ -63,14 +63,18 @@ async def keep_present(
     *,
     interval_s: float,
     ttl_s: float,
+    peers: Callable[[list[WorkerRecord]], None] | None = None,
 ) -> None:
     """Say ``record()`` to the store now and every ``interval_s``, listed for ``ttl_s``
-    after each; until cancelled, then say the worker is gone (best effort)."""
+    after each, and hand ``peers`` the live workers read after each; until cancelled, then
+    say the worker is gone (best effort)."""
     worker_id = record().id
     try:
         while True:
             try:
                 await store.worker_seen(record(), ttl_s=ttl_s)
+                if peers is not None:
+                    peers(await store.workers())
             except Exception as exc:  # the next beat tries again; the claims go on meanwhile
                 error = exc.message if isinstance(exc, StoreUnavailable) else repr(exc)
                 log.warning("worker_beat_failed", extra={"error": error})

@@ -45,6 +45,7 @@ from kiln.retry import classify
 from kiln.states import RUNNING, Event, Status
 from kiln.storage import sha256_hex, upload
 from kiln.store import Progress, WorkerRecord
+from kiln.store.claims import Route
 from kiln.store.pools import PoolWait, units_needed
 
 log = logging.getLogger("kiln.worker")
@@ -223,6 +224,11 @@ class Worker:
         self._identity = identity(
             self.worker_id, {k: engine.kinds[k] for k in self.kinds}, concurrency, self.needs
         )
+        #: Whether a kind of this worker names the model its tasks need (routing applies).
+        self.routed = any(engine.kinds[k].model is not None for k in self.kinds)
+        #: The models other live workers of these kinds with a free slot hold loaded (as
+        #: the registry said at this worker's last beat): their tasks are left to them.
+        self.reserved: frozenset[str] = frozenset()
 
     # the claim loop
 
@@ -265,7 +271,7 @@ class Worker:
         self.engine.cancel_listeners.append(self._cancel_requested)
         present = asyncio.create_task(keep_present(
             self.engine.store, self.presence, interval_s=self._beat_interval_s,
-            ttl_s=self.lease_ttl_s,
+            ttl_s=self.lease_ttl_s, peers=self.peers_seen if self.routed else None,
         ))  # fmt: skip
         try:
             while not self._stopping and not self.draining:
@@ -279,6 +285,7 @@ class Worker:
                         claimed = await self.engine.claim(
                             worker_id=self.worker_id, kinds=kinds, limit=limit,
                             lease_ttl_s=self.lease_ttl_s, acquire=self._acquiring(kinds),
+                            route=self.route(),
                         ) if kinds else []  # fmt: skip
                         for task in claimed:  # claimed is committed: run it, whatever follows
                             self._start(task)
@@ -351,6 +358,26 @@ class Worker:
                 keep.append(kind)
                 free = min(free, room)
         return keep, free
+
+    def route(self) -> Route | None:
+        """How this worker's claims prefer tasks by model (KILN_AFFINITY_WAIT_S): the
+        models it holds go ahead, those other idle workers hold are left to them a while."""
+        wait_s = self.engine.settings.affinity_wait_s
+        if not self.routed or wait_s <= 0:
+            return None
+        held = frozenset(models_loaded(self.engine.kinds[k] for k in self.kinds))
+        return Route(held, self.reserved, wait_s)
+
+    def peers_seen(self, workers: Sequence[WorkerRecord]) -> None:
+        """The live workers, as read at a beat: note the models other workers of these
+        kinds hold with a slot free (see :meth:`route`)."""
+        mine = set(self.kinds)
+        self.reserved = frozenset(
+            model
+            for peer in workers
+            if peer.id != self.worker_id and peer.running < peer.slots and mine & set(peer.kinds)
+            for model in peer.models
+        )
 
     def _acquiring(self, kinds: list[str]) -> list[str]:
         """The kinds a claim acquires at once (one write, the wait recorded as zero):

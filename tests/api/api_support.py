@@ -37,7 +37,7 @@ TASK_FIELDS = {
     "id", "kind", "status", "final", "stage", "progress", "queue_position", "attempt",
     "max_attempts", "priority", "params", "metadata", "inputs", "idempotency_key",
     "deduplicated", "cancel_requested", "next_retry_at", "error", "result", "created_at",
-    "updated_at", "started_at", "finished_at", "webhook", "resource_wait",
+    "updated_at", "started_at", "finished_at", "webhook", "resource_wait", "model",
 }  # fmt: skip
 
 
@@ -49,8 +49,13 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def image_body(prompt: str = "a red fox in snow", **fields: Any) -> dict[str, Any]:
-    return {"kind": "image.generate", "params": {**FAST_IMAGE, "prompt": prompt}, **fields}
+def image_body(
+    prompt: str = "a red fox in snow", *, params_model: str | None = None, **fields: Any
+) -> dict[str, Any]:
+    params = {**FAST_IMAGE, "prompt": prompt}
+    if params_model is not None:
+        params["model"] = params_model
+    return {"kind": "image.generate", "params": params, **fields}
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

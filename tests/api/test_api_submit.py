@@ -198,6 +198,8 @@ INVALID_BODIES: list[tuple[str, Any]] = [
     ("body not an object", [image_body()]),
     ("bad params", {"kind": "image.generate", "params": {"prompt": "x", "width": 7}}),
     ("missing prompt", {"kind": "image.generate", "params": {"steps": 3}}),
+    ("model a path", {"kind": "image.generate", "params": {"prompt": "x", "model": "../sd"}}),
+    ("model empty", {"kind": "image.generate", "params": {"prompt": "x", "model": ""}}),
 ]
 
 
@@ -356,3 +358,10 @@ async def test_unexpected_exception_is_500_without_details(settings: Settings) -
 
     error = assert_error(response, 500, "internal_error")
     assert "secret" not in response.text and error["details"] == []
+
+
+async def test_a_task_shows_the_model_it_needs(api: ApiUnderTest) -> None:
+    named = (await api.submit(image_body(params_model="sdxl-base"))).json()
+    plain = (await api.submit(image_body("a plain fox"))).json()
+    assert named["model"] == "sdxl-base" and named["params"]["model"] == "sdxl-base"
+    assert plain["model"] is None and "model" not in plain["params"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,10 @@ from typing import Any
 import pytest
 from backend_support import kiln_on, kiln_settings, run_task
 from PIL import Image
-from upstream_fakes import FakeComfyUI
+from upstream_fakes import WORKFLOW, FakeComfyUI
 
 from kiln.bus import ProgressEvent
+from kiln.errors import InvalidRequest
 from kiln.states import Event, Status
 
 PARAMS: dict[str, Any] = {"prompt": "a red fox in snow", "width": 512, "height": 384,
@@ -190,3 +192,37 @@ async def test_an_unreachable_server_is_unavailable(workflow_path: Path, tmp_pat
     assert task.error is not None
     assert task.error["code"] == "upstream_unavailable"
     assert task.error["message"].startswith("comfyui could not be reached")
+
+
+async def test_a_task_runs_on_the_checkpoint_it_names_and_the_worker_says_it_holds_it(
+    comfyui_fake: tuple[FakeComfyUI, str], tmp_path: Path
+) -> None:
+    # Given a workflow whose checkpoint loader reads {{model}}
+    graph = json.loads(json.dumps(WORKFLOW))
+    graph["4"]["inputs"]["ckpt_name"] = "{{model}}"
+    path = tmp_path / "by_model.json"
+    path.write_text(json.dumps(graph), encoding="utf-8")
+    fake, url = comfyui_fake
+    async with kiln_on(kiln_settings(tmp_path, comfyui_env(url, path))) as (app, _):
+        handler = app.kinds["image.generate"].handler
+        # A task that names none is refused at submission, and nothing is stored
+        with pytest.raises(InvalidRequest, match=r"params\.model"):
+            await app.submit("image.generate", PARAMS)
+        # When a task names its checkpoint
+        task, _ = await run_task(app, {**PARAMS, "model": "sdxl-base.safetensors"})
+        # Then the task records it, ComfyUI loaded it, and the worker holds it now
+        assert task.status is Status.SUCCESS, task.error
+        assert task.model == "sdxl-base.safetensors"
+        assert fake.prompts[-1]["prompt"]["4"]["inputs"]["ckpt_name"] == "sdxl-base.safetensors"
+        assert handler.loaded_models() == ["sdxl-base.safetensors"]
+
+
+async def test_a_workflow_with_a_fixed_checkpoint_names_it_and_refuses_another(
+    comfyui_fake: tuple[FakeComfyUI, str], workflow_path: Path, tmp_path: Path
+) -> None:
+    _, url = comfyui_fake
+    async with kiln_on(kiln_settings(tmp_path, comfyui_env(url, workflow_path))) as (app, _):
+        submitted = await app.submit("image.generate", PARAMS)
+        assert submitted.task.model == "v1-5-pruned-emaonly.safetensors"
+        with pytest.raises(InvalidRequest, match="no \\{\\{model\\}\\} placeholder"):
+            await app.submit("image.generate", {**PARAMS, "model": "other.safetensors"})

@@ -185,6 +185,9 @@ def filled(postgres_server: PostgresServer) -> Iterator[psycopg.Connection[Any]]
 
 HOT = {
     "claim candidates": (Q.claim_candidates, ("k1", 1e9, 1e9, 8)),
+    "claim warm candidates": (Q.claim_warm, ("k1", "m1", 1e9, 1e9, 8)),
+    "claim routed candidates": (Q.claim_routed, ("k1", 1e9, 1e9, ["m1"], 1e9 - 5, 8)),
+    "a model's heads": (Q.heads_of_model, ("k1", "m1", 1e9, 1e9, 8)),
     "dedup lookup": (Q.dedup_lookup, ("t1", "d8")),
     "claim a tenant's line": (Q.heads_of_tenant, ("k1", "t1", 1e9, 1e9, 8)),
     "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),

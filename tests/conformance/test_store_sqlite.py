@@ -55,6 +55,13 @@ Q = queries("sqlite")
 #: name -> (query, parameters, the indexes it may use)
 HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
     "claim": (Q.claim_candidates, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
+    "claim_warm": (Q.claim_warm, ("kind.1", "m1", NOW, NOW, 16), ("tasks_claim_model",)),
+    "claim_routed": (
+        Q.claim_routed,
+        ("kind.1", NOW, NOW, '["m1"]', NOW - 5, 16),
+        ("tasks_claim",),
+    ),
+    "heads_of_model": (Q.heads_of_model, ("kind.1", "m1", NOW, NOW, 16), ("tasks_claim_model",)),
     "due": (Q.due, (NOW, 500), ("tasks_due",)),
     "due_cancel": (Q.due_cancel, (NOW - 10, 500), ("tasks_cancel_due",)),
     "ghosts": (Q.ghosts, (NOW - 30, NOW - 30), ("tasks_due",)),

@@ -195,6 +195,10 @@ class TaskOut(_Out):
     started_at: AwareDatetime | None
     finished_at: AwareDatetime | None
     webhook: WebhookOut | None
+    model: Annotated[
+        str | None,
+        Field(description="the model the task needs, as its kind names it (warm-model routing)"),
+    ] = None
 
 
 class TaskList(_Out):

@@ -36,7 +36,8 @@ from kiln.config import Settings
 from kiln.demo import OUTPUT_NAMES, GenerateParams
 from kiln.errors import InvalidRequest, Retryable
 from kiln.kinds import Registry
-from kiln.models import Output
+from kiln.model_cache import ModelCache
+from kiln.models import JSON, Output
 from kiln.paint import encode
 
 if TYPE_CHECKING:
@@ -77,17 +78,45 @@ Factory = Callable[[Settings, UpstreamMetrics], Backend]
 
 
 class DemoBackend:
-    """The procedural painter: deterministic from prompt and seed, no GPU, no network."""
+    """The procedural painter: deterministic from prompt and seed, no GPU, no network.
+
+    A task that names a ``model`` has it "loaded" first when this process does not hold
+    it (a pause of ``load_s``, the ``loading_model`` stage), each model taking
+    :data:`DEMO_MODEL_GB` of ``KILN_MODEL_MEMORY_GB``: warm-model routing, eviction and
+    the load metrics can be watched without a GPU. The picture does not depend on it.
+    """
 
     name = "demo"
     resources: Mapping[str, int] = {"gpu": 1}
 
+    def __init__(self, *, load_s: float = 0.0, memory_gb: float | None = None) -> None:
+        self.load_s = load_s
+        self.models: ModelCache[str] = ModelCache(memory_gb)
+
+    def model_of(self, params: JSON) -> str | None:
+        model = params.get("model")
+        return None if model is None else str(model)
+
+    def loaded_models(self) -> list[str]:
+        return self.models.loaded_models()
+
     async def generate(self, ctx: Context, params: GenerateParams) -> bytes:
-        return (await demo.generate(ctx, params)).data
+        if params.model is None:
+            return (await demo.generate(ctx, params)).data
+        async with self.models.use(ctx, params.model, self._load, size_gb=DEMO_MODEL_GB):
+            return (await demo.generate(ctx, params)).data
+
+    async def _load(self) -> str:
+        await asyncio.sleep(self.load_s)
+        return "loaded"
+
+
+#: The memory a demo model takes, for KILN_MODEL_MEMORY_GB.
+DEMO_MODEL_GB = 2.0
 
 
 def _demo(settings: Settings, metrics: UpstreamMetrics) -> Backend:
-    return DemoBackend()
+    return DemoBackend(load_s=settings.demo_model_load_s, memory_gb=settings.model_memory_gb)
 
 
 def _openai_images(settings: Settings, metrics: UpstreamMetrics) -> Backend:
@@ -132,6 +161,12 @@ class ImageGenerate:
     def __init__(self, backend: Backend, metrics: UpstreamMetrics) -> None:
         self.backend = backend
         self.metrics = metrics
+
+    def model_of(self, params: JSON) -> str | None:
+        """The model a task needs, as the backend names it (``model_of(params)``; None
+        for a backend that holds no model of its own, as a remote API)."""
+        found = getattr(self.backend, "model_of", None)
+        return found(params) if callable(found) else None
 
     def loaded_models(self) -> list[str]:
         """The models the backend holds loaded, when it says (``loaded_models()``)."""
@@ -184,6 +219,7 @@ def register(
         resources=dict(chosen.resources) if resources is None else resources,
         review=demo.flagged_for_review,
         normalize=demo.normalize,
+        model=handler.model_of,
     )(handler)
     return handler
 

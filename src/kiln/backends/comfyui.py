@@ -3,9 +3,15 @@
 The workflow (``KILN_COMFYUI_WORKFLOW``) is a graph saved with ComfyUI's "Save (API)":
 ``{"<node id>": {"class_type": "KSampler", "inputs": {...}}, ...}``. Its string values may
 hold placeholders: ``{{prompt}}``, ``{{negative_prompt}}``, ``{{seed}}``, ``{{steps}}``,
-``{{width}}``, ``{{height}}``. A value that is only a placeholder becomes the task's value
-with its type (``"seed": "{{seed}}"`` becomes ``"seed": 7``); inside longer text it is
-replaced as text (``"text": "{{prompt}}, film grain"``). ``{{prompt}}`` is required.
+``{{width}}``, ``{{height}}``, ``{{model}}``. A value that is only a placeholder becomes the
+task's value with its type (``"seed": "{{seed}}"`` becomes ``"seed": 7``); inside longer
+text it is replaced as text (``"text": "{{prompt}}, film grain"``). ``{{prompt}}`` is
+required.
+
+The checkpoint a task needs (warm-model routing) is its ``model`` param, for a workflow
+whose checkpoint loader reads ``"ckpt_name": "{{model}}"`` (a task without one is refused);
+else the workflow's own ``ckpt_name``, and a task may not name another. ComfyUI keeps the
+checkpoint it last ran loaded, so a worker says it holds the one its last run used.
 
 One generation, as ComfyUI's ``script_examples/websockets_api_example.py`` does it:
 
@@ -72,6 +78,7 @@ from kiln.circuit import CircuitBreaker
 from kiln.config import Settings
 from kiln.demo import GenerateParams
 from kiln.errors import InvalidRequest, Permanent, Retryable
+from kiln.models import JSON
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -79,7 +86,7 @@ if TYPE_CHECKING:
     from kiln.worker import Context
 
 NAME = "comfyui"
-PLACEHOLDER = re.compile(r"\{\{\s*(prompt|negative_prompt|seed|steps|width|height)\s*\}\}")
+PLACEHOLDER = re.compile(r"\{\{\s*(prompt|negative_prompt|seed|steps|width|height|model)\s*\}\}")
 #: Cleaning up an abandoned prompt (delete from the queue, interrupt) takes at most this.
 ABANDON_TIMEOUT_S = 2.0
 #: Largest WebSocket message accepted (previews are small, but not tiny).
@@ -99,9 +106,33 @@ class Workflow:
                 f"{source} is not an API-format ComfyUI workflow "
                 '({"<node id>": {"class_type": ..., "inputs": {...}}}); save it with "Save (API)"'
             )
-        if "prompt" not in PLACEHOLDER.findall(json.dumps(graph)):
+        found = PLACEHOLDER.findall(json.dumps(graph))
+        if "prompt" not in found:
             raise InvalidRequest(f"{source} has no {{{{prompt}}}} placeholder")
         self.graph = graph
+        #: Whether a task's ``model`` fills ``{{model}}``; else the workflow's checkpoint.
+        self.takes_model = "model" in found
+        self.checkpoint = next(
+            (str(node["inputs"]["ckpt_name"]) for node in graph.values()
+             if isinstance(node.get("inputs"), dict)
+             and isinstance(node["inputs"].get("ckpt_name"), str)
+             and not PLACEHOLDER.search(node["inputs"]["ckpt_name"])),
+            None,
+        )  # fmt: skip
+
+    def model_of(self, params: JSON) -> str | None:
+        """The checkpoint a task needs; InvalidRequest when its ``model`` does not fit
+        the workflow (one is needed for ``{{model}}``, none may be named without it)."""
+        model = params.get("model")
+        if self.takes_model and model is None:
+            raise InvalidRequest(
+                "the ComfyUI workflow loads the checkpoint {{model}}: name it in params.model"
+            )
+        if not self.takes_model and model is not None:
+            raise InvalidRequest(
+                "the ComfyUI workflow has no {{model}} placeholder: params.model cannot be set"
+            )
+        return str(model) if model is not None else self.checkpoint
 
     @classmethod
     def load(cls, path: Path) -> Workflow:
@@ -122,6 +153,7 @@ class Workflow:
             "steps": params.steps,
             "width": params.width,
             "height": params.height,
+            "model": params.model or "",
         }
 
         def fill(value: Any) -> Any:
@@ -164,6 +196,14 @@ class ComfyUIBackend:
         self.workflow = workflow
         self.timeout_s = timeout_s
         self.upstream = upstream
+        #: The checkpoint this worker's last generation ran (ComfyUI keeps it loaded).
+        self.last_model: str | None = None
+
+    def model_of(self, params: JSON) -> str | None:
+        return self.workflow.model_of(params)
+
+    def loaded_models(self) -> list[str]:
+        return [] if self.last_model is None else [self.last_model]
 
     @classmethod
     def from_settings(
@@ -211,6 +251,7 @@ class ComfyUIBackend:
                     run.prompt_id = await self._queue(http, graph, run.client_id)
                     await ctx.progress(None, None, stage="queued")
                     await self._follow(socket, ctx, run)
+                self.last_model = self.workflow.model_of(params.model_dump(exclude_none=True))
                 await ctx.progress(None, None, stage="download")
                 return await self._download(http, run.prompt_id)
             finally:

@@ -80,18 +80,63 @@ class Candidate:
     status_since: float
     version: int
     tenant: str
+    model: str | None = None
 
 
 def candidates(rows: Iterable[Sequence[Any]]) -> list[Candidate]:
-    return [Candidate(r[0], int(r[1]), float(r[2]), r[3], float(r[4]), int(r[5]), r[6])
+    return [Candidate(r[0], int(r[1]), float(r[2]), r[3], float(r[4]), int(r[5]), r[6], r[7])
             for r in rows]  # fmt: skip
 
 
-def order_key(policy: ClaimPolicy) -> Any:
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Warm-model routing of one worker's claim (docs/scheduling.md).
+
+    Among the tasks of a priority that became ready less than ``wait_s`` ago, those whose
+    model the worker holds loaded (``held``) go first; a task that has waited ``wait_s``
+    is back in plain order, ahead of every younger one, so no task starves behind a flood
+    of another model's work. A task whose model another idle worker holds (``reserved``)
+    is left to that worker until it has waited ``wait_s``; then any worker may take it.
+    """
+
+    held: frozenset[str] = frozenset()
+    reserved: frozenset[str] = frozenset()
+    wait_s: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.wait_s > 0 and bool(self.held or self.reserved)
+
+    def allows(self, cand: Candidate, now: float) -> bool:
+        """Whether this worker may take ``cand`` now."""
+        model = cand.model
+        return (
+            model is None
+            or model in self.held
+            or model not in self.reserved
+            or cand.ready_at <= now - self.wait_s
+        )
+
+    def rank(self, cand: Candidate, now: float) -> int:
+        """0: waited the affinity wait (plain order); 1: young, of a model held; 2: young."""
+        if cand.ready_at <= now - self.wait_s:
+            return 0
+        return 1 if cand.model is not None and cand.model in self.held else 2
+
+    def head_start(self, cand: Candidate) -> float:
+        """Under priority aging: seconds a task of a model held goes ahead of its place."""
+        return self.wait_s if cand.model is not None and cand.model in self.held else 0.0
+
+
+def order_key(policy: ClaimPolicy, route: Route | None = None, now: float = 0.0) -> Any:
+    routed = route if route is not None and route.active else None
     if policy.aging_s is None:
-        return lambda c: (-c.priority, c.ready_at, c.id)
+        if routed is None:
+            return lambda c: (-c.priority, c.ready_at, c.id)
+        return lambda c: (-c.priority, routed.rank(c, now), c.ready_at, c.id)
     aging_s = policy.aging_s
-    return lambda c: (c.ready_at - c.priority * aging_s, c.ready_at, c.id)
+    ahead = routed.head_start if routed is not None else (lambda c: 0.0)
+    return lambda c: (c.ready_at - c.priority * aging_s - ahead(c), c.ready_at, c.id)
 
 
 def turn(tenants: Sequence[str], offset: int) -> list[str]:
@@ -126,12 +171,17 @@ def choose(
     policy: ClaimPolicy,
     room: Mapping[str, int | None],
     tenants: Sequence[str] = (),
+    route: Route | None = None,
+    now: float = 0.0,
 ) -> list[Candidate]:
     """The candidates a claim takes, in claim order: ``room`` is how many more tasks each
     tenant may have claimed (None: no cap); with fair turns, ``tenants`` is this claim's
-    turn order (see :func:`turn`)."""
-    key = order_key(policy)
-    ordered = sorted({c.id: c for c in found}.values(), key=key)
+    turn order (see :func:`turn`); ``route`` leaves and orders tasks by their model."""
+    key = order_key(policy, route, now)
+    unique: Iterable[Candidate] = {c.id: c for c in found}.values()
+    if route is not None and route.active:
+        unique = [c for c in unique if route.allows(c, now)]
+    ordered = sorted(unique, key=key)
     left = _Room(room)
     if not policy.fair:
         return [c for c in ordered if left.take(c.tenant)][:limit]
@@ -197,6 +247,7 @@ class Lease:
     worker_id: str
     ttl_s: float
     acquire: list[str]
+    route: Route | None = None
 
 
 #: The PostgreSQL advisory lock namespace of capped tenants' claims ("kcap").
@@ -217,17 +268,20 @@ class ClaimOps(Ops):
         lease_ttl_s: float,
         policy: ClaimPolicy | None = None,
         acquire: Sequence[str] = (),
+        route: Route | None = None,
     ) -> list[Task]:
         """Claim up to ``limit`` ready tasks of ``kinds``: in priority, then ready-time
         order, or as ``policy`` says (aging, fair turns, running caps: store/claims.py).
         A task of a kind in ``acquire`` (one that waits for no resource) is acquired in
-        the same write: it comes back GENERATING, with both events and a wait of zero."""
+        the same write: it comes back GENERATING, with both events and a wait of zero.
+        ``route`` prefers the tasks whose model the worker holds (:class:`Route`)."""
 
         if not kinds or limit <= 0:
             return []
         self._claim_turn += 1
         turn_no = self._claim_turn
-        lease = Lease(worker_id, lease_ttl_s, [k for k in acquire if k in kinds])
+        route = route if route is not None and route.active else None
+        lease = Lease(worker_id, lease_ttl_s, [k for k in acquire if k in kinds], route)
         claimed, events = await self._write(
             lambda tx: self._claim(tx, lease, kinds, limit, policy, turn_no)
         )
@@ -245,13 +299,16 @@ class ClaimOps(Ops):
         turn_no: int,
     ) -> tuple[list[Task], list[EventRow]]:
         now = self.clock()
-        if policy is None or policy.plain:
+        route = lease.route
+        if route is not None and (policy is None or policy.plain):
+            chosen = await self._routed_candidates(tx, kinds, limit, route, now)
+        elif policy is None or policy.plain:
             found: list[Candidate] = []
             for kind in kinds:  # locked on PostgreSQL (SKIP LOCKED)
                 found += candidates(await tx.all(self.q.claim_candidates, (kind, now, now, limit)))
             chosen = sorted(found, key=lambda c: (-c.priority, c.ready_at, c.id))[:limit]
         else:
-            chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no)
+            chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no, route)
         if not chosen:
             return [], []
         acq = lease.acquire
@@ -280,8 +337,34 @@ class ClaimOps(Ops):
         await tx.insert_events(events)
         return claimed, events
 
+    async def _routed_candidates(
+        self, tx: Tx, kinds: list[str], limit: int, route: Route, now: float
+    ) -> list[Candidate]:
+        """What a routed claim takes in the default order, locked: the first ready tasks
+        of each model the worker holds (one index range each) and the first it may take
+        of each kind, in the order :class:`Route` gives. Any task of the claim's first
+        ``limit`` is in one of those reads: a task ahead of it in plain order (priority,
+        ready time) is ahead of it in that order too, but for younger warm ones, which
+        the model's own read finds."""
+        reserved, ready_by = sorted(route.reserved - route.held), now - route.wait_s
+        found: list[Candidate] = []
+        for kind in kinds:  # locked on PostgreSQL (SKIP LOCKED)
+            for model in sorted(route.held):
+                found += candidates(await tx.all(self.q.claim_warm, (kind, model, now, now, limit)))
+            args = (kind, now, now, reserved, ready_by, limit)
+            found += candidates(await tx.all(self.q.claim_routed, args))
+        unique = {c.id: c for c in found}.values()
+        return sorted(unique, key=order_key(ClaimPolicy(), route, now))[:limit]
+
     async def _policy_candidates(
-        self, tx: Tx, kinds: list[str], limit: int, policy: ClaimPolicy, now: float, turn_no: int
+        self,
+        tx: Tx,
+        kinds: list[str],
+        limit: int,
+        policy: ClaimPolicy,
+        now: float,
+        turn_no: int,
+        route: Route | None = None,
     ) -> list[Candidate]:
         """What a claim under ``policy`` takes, in claim order, locked: rows are read
         unlocked, chosen, then locked (SKIP LOCKED: another claim's pick is left to it).
@@ -301,7 +384,10 @@ class ClaimOps(Ops):
                 spare = rooms.get(tenant) if tenant is not None else None
                 take = limit if spare is None else min(limit, spare)
                 found += await self._line(tx, kind, tenant, policy.aging_s, now, take)
-        picked = choose(found, limit, policy, rooms, tenants)
+            for model in sorted(route.held) if route is not None else ():
+                args = (kind, model, now, now, limit)
+                found += candidates(await tx.all(self.q.heads_of_model, args))
+        picked = choose(found, limit, policy, rooms, tenants, route, now)
         locking = sorted({c.tenant for c in picked if policy.cap(c.tenant) is not None})
         if locking:
             waited = [t for t in locking if await tx.lock_tenant(t)]  # in name order
@@ -311,7 +397,7 @@ class ClaimOps(Ops):
                 for kind in kinds:
                     take = min(limit, rooms[tenant] or 0)
                     found += await self._line(tx, kind, tenant, policy.aging_s, now, take)
-            picked = choose(found if waited else picked, limit, policy, rooms, tenants)
+            picked = choose(found if waited else picked, limit, policy, rooms, tenants, route, now)
         if not picked:
             return []
         rows = await tx.all(self.q.lock_candidates, ([c.id for c in picked], now, now))

@@ -195,38 +195,60 @@ DELETE FROM tasks WHERE id {IN_LIST}
 
 -- claim_candidates --
 -- Claim candidates of one kind, in claim order, locked: (kind, now, now, limit).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
+
+-- claim_warm --
+-- Claim candidates of one kind that need one model (warm-model routing: the claiming
+-- worker holds it loaded), in claim order, locked: (kind, model, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
+WHERE kind = ? AND model = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
+
+-- claim_routed --
+-- Claim candidates of one kind a routed claim may take, in claim order, locked: a task
+-- whose model another idle worker holds loaded is left to that worker until it has been
+-- ready for the affinity wait: (kind, now, now, [reserved models], ready by, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
+WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+    AND (model IS NULL OR NOT (model {IN_LIST}) OR ready_at <= ?)
 ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
 
 -- lock_candidates --
 -- Chosen candidates that are still ready, locked: ([ids], now, now).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE id {IN_LIST} AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
 {SKIP_LOCKED}
 
 -- heads --
 -- The first ready tasks of a kind: (kind, now, now, limit).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ?
+
+-- heads_of_model --
+-- The first ready tasks of a kind that need one model: (kind, model, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
+WHERE kind = ? AND model = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
 ORDER BY priority DESC, ready_at, id LIMIT ?
 
 -- heads_of_tenant --
 -- (kind, tenant, now, now, limit).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
 ORDER BY priority DESC, ready_at, id LIMIT ?
 
 -- heads_of_level --
 -- One priority level's first ready tasks: (kind, priority, now, now, limit).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ? AND ready_at <= ?
     AND deadline_at > ?
 ORDER BY ready_at, id LIMIT ?
 
 -- heads_of_tenant_level --
 -- (kind, tenant, priority, now, now, limit).
-SELECT id, priority, ready_at, status, status_since, version, tenant FROM tasks
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE} AND priority = ? AND ready_at <= ?
     AND deadline_at > ?
 ORDER BY ready_at, id LIMIT ?
