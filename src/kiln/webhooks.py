@@ -9,7 +9,8 @@ Delivery never touches the transition path. The event log is the outbox's source
 reads the events after its persisted cursor, turns those a task's webhook wants into
 ``webhook_deliveries`` rows and moves the cursor, in one transaction (one row per event
 id, so a re-run adds nothing). It then POSTs the due rows, a bounded number at once and
-one at a time per task, in seq order, signed with ``KILN_WEBHOOK_SECRET``; a failed
+one at a time per task, in seq order, signed with ``KILN_WEBHOOK_SECRET`` (kiln's own
+``Kiln-Webhook-Signature`` and the Standard Webhooks ``webhook-signature``); a failed
 attempt is retried with exponential backoff and jitter until ``KILN_WEBHOOK_MAX_ATTEMPTS``.
 
 The SSRF guard refuses loopback, private, link-local, multicast, unspecified, reserved
@@ -21,6 +22,7 @@ cannot swap it), unless ``KILN_WEBHOOK_ALLOW_PRIVATE`` is set. See docs/webhooks
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -35,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from kiln.config_values import webhook_key
 from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import InvalidRequest
 from kiln.models import JSON, Task, TaskEvent
@@ -233,9 +236,39 @@ def payload(event: TaskEvent, task: Task) -> str:
 
 
 def signature(secret: str, timestamp: int, body: bytes) -> str:
-    """``v1=<hex HMAC-SHA256 of "<timestamp>.<body>">``."""
+    """``v1=<hex HMAC-SHA256 of "<timestamp>.<body>">``, keyed with the secret's UTF-8
+    bytes as they are (a ``whsec_`` secret too: this header never decodes it)."""
     mac = hmac.new(secret.encode("utf-8"), f"{timestamp}.".encode() + body, hashlib.sha256)
     return f"v1={mac.hexdigest()}"
+
+
+def standard_signature(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header of the Standard Webhooks spec:
+    ``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`` (one signature: kiln signs
+    with one key; a receiver reads the header as a space-separated list)."""
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
+    mac = hmac.new(key, signed, hashlib.sha256).digest()
+    return f"v1,{base64.b64encode(mac).decode('ascii')}"
+
+
+def signed_headers(
+    secret: str | None, webhook_id: str, timestamp: int, body: bytes
+) -> dict[str, str]:
+    """Every header that names or signs a delivery: kiln's own (``Kiln-Webhook-*``, as
+    they always were) and the Standard Webhooks ones (``webhook-*``); no signature
+    without a secret."""
+    headers = {
+        "Kiln-Webhook-Id": webhook_id,
+        "Kiln-Webhook-Timestamp": str(timestamp),
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(timestamp),
+    }
+    if secret:
+        headers["Kiln-Webhook-Signature"] = signature(secret, timestamp, body)
+        headers["webhook-signature"] = standard_signature(
+            webhook_key(secret), webhook_id, timestamp, body
+        )
+    return headers
 
 
 def verify(
@@ -482,13 +515,8 @@ class Dispatcher:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "kiln-webhooks",
-            "Kiln-Webhook-Id": delivery.event_id,
-            "Kiln-Webhook-Timestamp": str(sent_at),
+            **signed_headers(self.settings.webhook_secret, delivery.event_id, sent_at, body),
         }
-        if self.settings.webhook_secret:
-            headers["Kiln-Webhook-Signature"] = signature(
-                self.settings.webhook_secret, sent_at, body
-            )
         request = await pinned_request(
             self.client, delivery.url, body, headers, self.resolve,
             allow_private=self.settings.webhook_allow_private,
