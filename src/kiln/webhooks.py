@@ -40,7 +40,7 @@ import httpx
 from kiln.config_values import webhook_key
 from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import InvalidRequest
-from kiln.models import JSON, Task, TaskEvent
+from kiln.models import JSON, Task, TaskEvent, iso
 from kiln.states import Event
 from kiln.store import LeaderToken
 from kiln.store.outbox import (
@@ -295,6 +295,22 @@ def retry_delay_s(attempts: int, base_s: float, max_s: float, jitter: float) -> 
 def retry_after_s(response: httpx.Response) -> float | None:
     raw = response.headers.get("retry-after", "")
     return float(raw) if raw.strip().isdigit() else None
+
+
+def delivery_json(delivery: WebhookDelivery) -> JSON:
+    """A delivery as ``GET /v1/tasks/{id}/webhooks`` shows it: ``id`` (the event id: the
+    ``webhook-id`` of every attempt) and how its attempts went; ``next_attempt_at`` only
+    while it is pending. The body sent is not shown (it holds the task, which the caller
+    can read)."""
+    pending = delivery.status == PENDING
+    return {
+        "id": delivery.event_id, "event_id": delivery.event_id, "task_id": delivery.task_id,
+        "seq": delivery.seq, "event": delivery.event, "url": delivery.url,
+        "status": delivery.status, "attempts": delivery.attempts,
+        "last_response_status": delivery.response_status, "last_error": delivery.last_error,
+        "next_attempt_at": iso(delivery.next_attempt_at) if pending else None,
+        "created_at": iso(delivery.created_at), "updated_at": iso(delivery.updated_at),
+    }  # fmt: skip
 
 
 # Where it goes --------------------------------------------------------------------------

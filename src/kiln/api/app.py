@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from kiln import backends
-from kiln.api import errors, events, tasks
+from kiln.api import deliveries, errors, events, tasks
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
@@ -363,6 +363,7 @@ def create_app(
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     api.include_router(tasks.router)
+    api.include_router(deliveries.router)
     api.include_router(events.router)
     api.include_router(worker_routes.router)
     api.include_router(ops)
