@@ -457,7 +457,8 @@ VARIABLES: tuple[Variable, ...] = (
        "denoising steps between live previews (`0`: none)", group=BACKENDS, unit="steps",
        old="KILN_DIFFUSERS_PREVIEW_EVERY"),
     _v("KILN_WEBHOOK_SECRET", "webhook_secret", WEBHOOK_SECRET, "the HMAC-SHA256 key that signs "
-       "webhook deliveries", group=WEBHOOKS, secret=True, shown="unset (unsigned)"),
+       "webhook deliveries (`whsec_<base64>`: a Standard Webhooks key)", group=WEBHOOKS,
+       secret=True, shown="unset (unsigned)"),
     _v("KILN_WEBHOOK_MAX_ATTEMPTS", "webhook_max_attempts", COUNT, "attempts per delivery "
        "before it is marked failed", group=WEBHOOKS, unit="attempts"),
     _v("KILN_WEBHOOK_TIMEOUT_S", "webhook_timeout_s", SECONDS, "the most one delivery attempt"
