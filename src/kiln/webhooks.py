@@ -547,8 +547,10 @@ class Dispatcher:
     ) -> WebhookAttempt:  # fmt: skip
         settings = self.settings
         attempts = delivery.attempts + 1
-        if attempts >= settings.webhook_max_attempts:
-            why = f"{why} (attempt {attempts} of {settings.webhook_max_attempts}: gave up)"
+        limit = settings.webhook_max_attempts
+        if attempts >= limit:  # past the limit only after a redelivery: one more attempt
+            done = f"of {limit}" if attempts == limit else f"past the {limit} allowed"
+            why = f"{why} (attempt {attempts} {done}: gave up)"
             return WebhookAttempt(
                 delivery.event_id, FAILED, "failed", error=why, response_status=status
             )

@@ -209,6 +209,39 @@ async def test_the_admin_redelivers_a_delivered_webhook_with_the_same_id(
     ]
 
 
+async def test_a_redelivery_past_the_last_attempt_gets_one_more_attempt(
+    store_settings: Settings,
+) -> None:
+    # Given a delivery that failed its 2 allowed attempts
+    settings = store_settings.with_(webhook_max_attempts=2)
+    with receiving(500, 500, 500) as receiver:
+        async with running_api(settings, key=ALICE_KEY) as api:
+            task_id = await a_task_with_a_tried_delivery(api, receiver)
+            dispatcher = Dispatcher(api.kiln, owner="first")
+            deadline = time.monotonic() + 10
+            while (await rows(api, task_id))[0].status != "failed":
+                assert time.monotonic() < deadline, "the delivery did not fail"
+                await dispatch(dispatcher)
+                await asyncio.sleep(0.01)
+            [failed] = await rows(api, task_id)
+            assert failed.attempts == 2 and "attempt 2 of 2: gave up" in str(failed.last_error)
+            redeliver = f"/v1/tasks/{task_id}/webhooks/{failed.event_id}/redeliver"
+            # When the admin redelivers it and the receiver fails it again
+            again = await api.client.post(redeliver, headers=bearer(ADMIN_KEY))
+            assert again.json()["status"] == "pending"
+            await dispatch(dispatcher)
+            # Then that one attempt is all it gets: failed again, no retry planned
+            [row] = await rows(api, task_id)
+            assert (row.status, row.attempts) == ("failed", 3)
+            assert "attempt 3 past the 2 allowed: gave up" in str(row.last_error)
+            # And a redelivery the receiver takes is delivered
+            await api.client.post(redeliver, headers=bearer(ADMIN_KEY))
+            await dispatch(dispatcher)
+            [row] = await rows(api, task_id)
+            assert (row.status, row.attempts, row.response_status) == ("delivered", 4, 200)
+            assert len(receiver.received) == 4
+
+
 async def test_without_keys_anyone_may_list_and_redeliver(
     settings: Settings, receiver: Receiver
 ) -> None:
