@@ -30,6 +30,7 @@ from kiln.errors import (
     Conflict,
     InvalidCursor,
     InvalidRequest,
+    NotFound,
     NotInReview,
     NotRetryable,
 )
@@ -48,6 +49,7 @@ from kiln.retry import RetryPolicy
 from kiln.states import RUNNING, Event, Status
 from kiln.storage import Storage, verify
 from kiln.store import BreakerRecord, LeaderToken, Stats, Store
+from kiln.store.outbox import WebhookDelivery
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.supervisor import Supervisor
 from kiln.worker import Worker
@@ -69,6 +71,8 @@ log = logging.getLogger("kiln")
 
 DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
+#: The most webhook deliveries one task's listing shows (a task has one per event it sent).
+MAX_DELIVERIES_SHOWN = 1000
 #: How many tasks' latest status a stream remembers to keep progress behind its status.
 STATUS_MEMORY = 10_000
 #: The statuses a task reaches GENERATING from: progress seen while a stream still knows
@@ -426,6 +430,30 @@ class App:
     async def queue_position(self, task: Task) -> int | None:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.engine.queue_position(task)
+
+    async def webhook_deliveries(
+        self, task_id: str, tenant: str | None = None
+    ) -> list[WebhookDelivery]:
+        """The task's webhook deliveries in event order (at most ``MAX_DELIVERIES_SHOWN``);
+        NotFound as :meth:`get`."""
+        task = await self.get(task_id, tenant)
+        return await self.store.webhook_deliveries(task_id=task.id, limit=MAX_DELIVERIES_SHOWN)
+
+    async def redeliver(
+        self, task_id: str, delivery_id: str, tenant: str | None = None
+    ) -> WebhookDelivery:
+        """Send one of the task's deliveries again (the same event id and body), due now,
+        whatever its status; NotFound for an unknown task or delivery. A delivery that had
+        used up its attempts gets one more; one that had attempts left keeps its backoff."""
+        task = await self.get(task_id, tenant)
+        found = await self.store.webhook_redeliver(delivery_id, task_id=task.id)
+        if found is None:
+            raise NotFound(f"task {task.id} has no webhook delivery {delivery_id!r}")
+        log.info(
+            "webhook_redelivery_asked",
+            extra={"task_id": task.id, "event_id": found.event_id, "attempts": found.attempts},
+        )
+        return found
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""

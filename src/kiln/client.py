@@ -179,6 +179,10 @@ def review_call(task_id: str, decision: str, reason: str | None) -> Call:
     return Call("POST", wire.task_path(task_id, "review"), body=body)
 
 
+def redeliver_call(task_id: str, delivery_id: str) -> Call:
+    return Call("POST", wire.task_path(task_id, "webhooks", delivery_id, "redeliver"))
+
+
 # event streams
 
 
@@ -393,6 +397,16 @@ class Client(_Base):
         result: JSON = self.call(review_call(task_id, decision, reason))
         return result
 
+    def webhooks(self, task_id: str) -> JSON:
+        """The task's webhook deliveries: ``{"task_id", "webhook", "items": [...]}``."""
+        result: JSON = self.call(Call("GET", wire.task_path(task_id, "webhooks")))
+        return result
+
+    def redeliver(self, task_id: str, delivery_id: str) -> JSON:
+        """Send one of the task's webhook deliveries again (admin key); the delivery."""
+        result: JSON = self.call(redeliver_call(task_id, delivery_id))
+        return result
+
     def download(self, task_id: str, name: str) -> bytes:
         result: bytes = self.call(Call("GET", wire.task_path(task_id, "outputs", name), read_bytes))
         return result
@@ -520,6 +534,16 @@ class AsyncClient(_Base):
 
     async def review(self, task_id: str, decision: str, reason: str | None = None) -> JSON:
         result: JSON = await self.call(review_call(task_id, decision, reason))
+        return result
+
+    async def webhooks(self, task_id: str) -> JSON:
+        """See :meth:`Client.webhooks`."""
+        result: JSON = await self.call(Call("GET", wire.task_path(task_id, "webhooks")))
+        return result
+
+    async def redeliver(self, task_id: str, delivery_id: str) -> JSON:
+        """See :meth:`Client.redeliver`."""
+        result: JSON = await self.call(redeliver_call(task_id, delivery_id))
         return result
 
     async def download(self, task_id: str, name: str) -> bytes:

@@ -271,6 +271,7 @@ COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
 PORT = values.number("a port number", least=0, most=65535, whole=True)
 TEXT = values.text()
 SECRET = values.text()
+WEBHOOK_SECRET = values.webhook_secret()
 KEY = values.key()
 PATH = values.path()
 FLAG = values.flag()
@@ -470,8 +471,9 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_DIFFUSERS_PREVIEW_EVERY_STEPS", "diffusers_preview_every", COUNT_OR_ZERO,
        "denoising steps between live previews (`0`: none)", group=BACKENDS, unit="steps",
        old="KILN_DIFFUSERS_PREVIEW_EVERY"),
-    _v("KILN_WEBHOOK_SECRET", "webhook_secret", SECRET, "the HMAC-SHA256 key that signs "
-       "webhook deliveries", group=WEBHOOKS, secret=True, shown="unset (unsigned)"),
+    _v("KILN_WEBHOOK_SECRET", "webhook_secret", WEBHOOK_SECRET, "the HMAC-SHA256 key that signs "
+       "webhook deliveries (`whsec_<base64>`: a Standard Webhooks key)", group=WEBHOOKS,
+       secret=True, shown="unset (unsigned)"),
     _v("KILN_WEBHOOK_MAX_ATTEMPTS", "webhook_max_attempts", COUNT, "attempts per delivery "
        "before it is marked failed", group=WEBHOOKS, unit="attempts"),
     _v("KILN_WEBHOOK_TIMEOUT_S", "webhook_timeout_s", SECONDS, "the most one delivery attempt"

@@ -8,6 +8,8 @@ environment: :mod:`kiln.config` does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +114,37 @@ def flag() -> Parser:
 def text(*, lower: bool = False) -> Parser:
     """Any text (a URL, a name, a key); ``lower`` folds it to lower case."""
     return Parser("some text", lambda raw: raw.strip().lower() if lower else raw)
+
+
+#: The prefix of a Standard Webhooks secret: the key follows, in base64.
+WHSEC_PREFIX = "whsec_"
+
+
+def webhook_key(secret: str) -> bytes:
+    """The HMAC key of the Standard Webhooks signature (``webhook-signature``): the
+    base64-decoded text after ``whsec_`` for a secret in that form (padding optional),
+    else the secret's own UTF-8 bytes. ValueError for a ``whsec_`` secret whose rest is
+    not base64 (the reason never repeats the secret)."""
+    if not secret.startswith(WHSEC_PREFIX):
+        return secret.encode("utf-8")
+    encoded = secret[len(WHSEC_PREFIX) :]
+    try:
+        key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if not key:
+        raise ValueError("the text after whsec_ is not a non-empty base64 key")
+    return key
+
+
+def webhook_secret() -> Parser:
+    """A webhook secret: any text, but one starting ``whsec_`` must carry base64 after it."""
+
+    def convert(raw: str) -> str:
+        webhook_key(raw)
+        return raw
+
+    return Parser("some text (whsec_ followed by base64, or any other text)", convert)
 
 
 def key_refusal(key: str) -> str | None:

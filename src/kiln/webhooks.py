@@ -9,7 +9,8 @@ Delivery never touches the transition path. The event log is the outbox's source
 reads the events after its persisted cursor, turns those a task's webhook wants into
 ``webhook_deliveries`` rows and moves the cursor, in one transaction (one row per event
 id, so a re-run adds nothing). It then POSTs the due rows, a bounded number at once and
-one at a time per task, in seq order, signed with ``KILN_WEBHOOK_SECRET``; a failed
+one at a time per task, in seq order, signed with ``KILN_WEBHOOK_SECRET`` (kiln's own
+``Kiln-Webhook-Signature`` and the Standard Webhooks ``webhook-signature``); a failed
 attempt is retried with exponential backoff and jitter until ``KILN_WEBHOOK_MAX_ATTEMPTS``.
 
 The SSRF guard refuses loopback, private, link-local, multicast, unspecified, reserved
@@ -21,6 +22,7 @@ cannot swap it), unless ``KILN_WEBHOOK_ALLOW_PRIVATE`` is set. See docs/webhooks
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -35,9 +37,10 @@ from typing import Any
 
 import httpx
 
+from kiln.config_values import webhook_key
 from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import InvalidRequest
-from kiln.models import JSON, Task, TaskEvent
+from kiln.models import JSON, Task, TaskEvent, iso
 from kiln.states import Event
 from kiln.store import LeaderToken
 from kiln.store.outbox import (
@@ -233,9 +236,39 @@ def payload(event: TaskEvent, task: Task) -> str:
 
 
 def signature(secret: str, timestamp: int, body: bytes) -> str:
-    """``v1=<hex HMAC-SHA256 of "<timestamp>.<body>">``."""
+    """``v1=<hex HMAC-SHA256 of "<timestamp>.<body>">``, keyed with the secret's UTF-8
+    bytes as they are (a ``whsec_`` secret too: this header never decodes it)."""
     mac = hmac.new(secret.encode("utf-8"), f"{timestamp}.".encode() + body, hashlib.sha256)
     return f"v1={mac.hexdigest()}"
+
+
+def standard_signature(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header of the Standard Webhooks spec:
+    ``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`` (one signature: kiln signs
+    with one key; a receiver reads the header as a space-separated list)."""
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
+    mac = hmac.new(key, signed, hashlib.sha256).digest()
+    return f"v1,{base64.b64encode(mac).decode('ascii')}"
+
+
+def signed_headers(
+    secret: str | None, webhook_id: str, timestamp: int, body: bytes
+) -> dict[str, str]:
+    """Every header that names or signs a delivery: kiln's own (``Kiln-Webhook-*``, as
+    they always were) and the Standard Webhooks ones (``webhook-*``); no signature
+    without a secret."""
+    headers = {
+        "Kiln-Webhook-Id": webhook_id,
+        "Kiln-Webhook-Timestamp": str(timestamp),
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(timestamp),
+    }
+    if secret:
+        headers["Kiln-Webhook-Signature"] = signature(secret, timestamp, body)
+        headers["webhook-signature"] = standard_signature(
+            webhook_key(secret), webhook_id, timestamp, body
+        )
+    return headers
 
 
 def verify(
@@ -262,6 +295,22 @@ def retry_delay_s(attempts: int, base_s: float, max_s: float, jitter: float) -> 
 def retry_after_s(response: httpx.Response) -> float | None:
     raw = response.headers.get("retry-after", "")
     return float(raw) if raw.strip().isdigit() else None
+
+
+def delivery_json(delivery: WebhookDelivery) -> JSON:
+    """A delivery as ``GET /v1/tasks/{id}/webhooks`` shows it: ``id`` (the event id: the
+    ``webhook-id`` of every attempt) and how its attempts went; ``next_attempt_at`` only
+    while it is pending. The body sent is not shown (it holds the task, which the caller
+    can read)."""
+    pending = delivery.status == PENDING
+    return {
+        "id": delivery.event_id, "event_id": delivery.event_id, "task_id": delivery.task_id,
+        "seq": delivery.seq, "event": delivery.event, "url": delivery.url,
+        "status": delivery.status, "attempts": delivery.attempts,
+        "last_response_status": delivery.response_status, "last_error": delivery.last_error,
+        "next_attempt_at": iso(delivery.next_attempt_at) if pending else None,
+        "created_at": iso(delivery.created_at), "updated_at": iso(delivery.updated_at),
+    }  # fmt: skip
 
 
 # Where it goes --------------------------------------------------------------------------
@@ -482,13 +531,8 @@ class Dispatcher:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "kiln-webhooks",
-            "Kiln-Webhook-Id": delivery.event_id,
-            "Kiln-Webhook-Timestamp": str(sent_at),
+            **signed_headers(self.settings.webhook_secret, delivery.event_id, sent_at, body),
         }
-        if self.settings.webhook_secret:
-            headers["Kiln-Webhook-Signature"] = signature(
-                self.settings.webhook_secret, sent_at, body
-            )
         request = await pinned_request(
             self.client, delivery.url, body, headers, self.resolve,
             allow_private=self.settings.webhook_allow_private,
@@ -503,8 +547,10 @@ class Dispatcher:
     ) -> WebhookAttempt:  # fmt: skip
         settings = self.settings
         attempts = delivery.attempts + 1
-        if attempts >= settings.webhook_max_attempts:
-            why = f"{why} (attempt {attempts} of {settings.webhook_max_attempts}: gave up)"
+        limit = settings.webhook_max_attempts
+        if attempts >= limit:  # past the limit only after a redelivery: one more attempt
+            done = f"of {limit}" if attempts == limit else f"past the {limit} allowed"
+            why = f"{why} (attempt {attempts} {done}: gave up)"
             return WebhookAttempt(
                 delivery.event_id, FAILED, "failed", error=why, response_status=status
             )

@@ -191,6 +191,44 @@ async def test_recording_counts_each_outcome_and_leaves_a_settled_delivery_alone
     ] == [1, 1, 1]
 
 
+async def test_a_settled_delivery_can_be_put_back_in_line_for_its_own_task_only(
+    store: Store, clock: SettableClock
+) -> None:
+    # Given a delivery that failed for good after two attempts, and another task
+    task = await drive(store, hooked("a"), Status.SUCCESS)
+    other = await drive(store, hooked("b"), Status.SUCCESS)
+    await fill_outbox(store, clock())
+    [failed] = await store.webhook_deliveries(task_id=task.id)
+    await store.webhook_record(
+        WebhookAttempt(failed.event_id, PENDING, "retrying", next_attempt_at=clock() + 5)
+    )
+    await store.webhook_record(
+        WebhookAttempt(failed.event_id, FAILED, "failed", error="410", response_status=410)
+    )
+    await store.webhook_record(
+        WebhookAttempt(
+            (await store.webhook_deliveries(task_id=other.id))[0].event_id, DELIVERED,
+            "delivered", response_status=200,
+        )
+    )  # fmt: skip
+    assert await store.webhook_due(limit=10) == []
+    # When it is asked for under another task's id
+    assert await store.webhook_redeliver(failed.event_id, task_id=other.id) is None
+    # Then nothing changed
+    assert await store.webhook_due(limit=10) == []
+    # When it is asked for under its own task, later
+    clock.advance(30)
+    again = await store.webhook_redeliver(failed.event_id, task_id=task.id)
+    # Then it is pending and due now, its attempts and last answer kept, the same event
+    assert again is not None
+    assert (again.event_id, again.status, again.attempts) == (failed.event_id, PENDING, 2)
+    assert (again.response_status, again.last_error) == (410, "410")
+    assert again.next_attempt_at == again.updated_at == clock()
+    assert again.payload == failed.payload
+    assert [d.event_id for d in await store.webhook_due(limit=10)] == [failed.event_id]
+    assert await store.webhook_redeliver("tsk_none:1", task_id=task.id) is None
+
+
 async def test_a_purge_takes_a_tasks_deliveries_along(
     store: Store, clock: SettableClock, truth: Truth
 ) -> None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from standardwebhooks import Webhook, WebhookVerificationError
 
 import kiln
 from kiln import demo, retention
@@ -29,6 +30,8 @@ from .conftest import AdvancingClock, wait_for_status, wait_until
 from .webhook_receiver import receiving
 
 SECRET = "whsec-test-0123456789"
+#: A secret in the Standard Webhooks form: ``whsec_`` and a base64 key (24 random bytes).
+WHSEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 def fast(prompt: str) -> dict[str, Any]:
@@ -122,6 +125,55 @@ async def test_a_finished_task_is_posted_once_signed_and_the_signature_verifies(
     # And the delivery is kept as delivered
     [row] = await deliveries_of(hook_app, task_id)
     assert (row.status, row.attempts, row.response_status) == (DELIVERED, 1, 200)
+
+
+@pytest.mark.parametrize(
+    ("secret", "receiver_key"),
+    [(WHSEC_SECRET, WHSEC_SECRET), (SECRET, SECRET.encode())],
+    ids=["whsec", "plain"],
+)
+async def test_the_standard_webhooks_library_verifies_a_real_delivery(
+    hook_settings: Settings, secret: str, receiver_key: str | bytes
+) -> None:
+    # Given kiln signing with a whsec_ secret (or a plain one, whose bytes are the key)
+    app = await open_app(hook_settings.with_(webhook_secret=secret))
+    try:
+        with receiving() as receiver:
+            async with running(app.worker(concurrency=1).run(), app.supervisor().run()):
+                submitted = await app.submit(
+                    "image.generate", fast("a fox"), webhook_url=receiver.url,
+                    webhook_events=["submit", "final"],
+                )  # fmt: skip
+                task_id = submitted.task.id
+                await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=30)
+                await wait_settled(app, task_id, count=2)
+            requests = list(receiver.received)
+        event_ids = {event.seq: event.id for event in await app.store.events(task_id=task_id)}
+    finally:
+        await app.close()
+    # When the receiver checks each delivery with the standardwebhooks library
+    assert len(requests) == 2
+    receiver_side = Webhook(receiver_key)
+    for request in requests:
+        body = receiver_side.verify(request.body, request.headers)
+        # Then it verifies, with the event id as webhook-id, and reads the event
+        assert request.headers["webhook-id"] == request.headers["kiln-webhook-id"]
+        assert request.headers["webhook-id"] == event_ids[body["seq"]]
+        assert request.headers["webhook-timestamp"] == request.headers["kiln-webhook-timestamp"]
+        assert body["task_id"] == task_id
+        # And kiln's own signature, keyed with the secret's text, is still there and verifies
+        stamp = request.headers["kiln-webhook-timestamp"]
+        assert verify(secret, request.body, stamp, request.headers["kiln-webhook-signature"],
+                      now=time.time())  # fmt: skip
+    assert [r.json()["event"] for r in requests] == ["submit", "uploaded"]
+    # But a tampered body, or another key, does not verify
+    final = requests[-1]
+    tampered = final.body.replace(b'"SUCCESS"', b'"FAILED"', 1)
+    assert tampered != final.body
+    with pytest.raises(WebhookVerificationError):
+        receiver_side.verify(tampered, final.headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(b"another key").verify(final.body, final.headers)
 
 
 async def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_2xx(

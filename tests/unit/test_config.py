@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The parsers that take any text but blanks: no value of theirs is refused.
 FREE_TEXT = (
     "some text",
+    "some text (whsec_ followed by base64, or any other text)",
     "a path",
     "comma-separated names",
     "a key of printable characters without spaces",

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kiln.config import Settings
+from kiln.config_values import webhook_key
 from kiln.errors import ConfigError, InvalidRequest
 from kiln.models import TaskEvent
 from kiln.states import Event, Status
 from kiln.webhooks import (
     retry_delay_s,
     signature,
+    signed_headers,
+    standard_signature,
     verify,
     wants,
     webhook_spec,
@@ -140,6 +143,53 @@ def test_the_signature_covers_the_timestamp_and_the_exact_body() -> None:
     assert not verify("s3cret", body, "1800000001", signed, now=1_800_000_100)
     assert not verify("s3cret", body, "not-a-number", signed, now=1_800_000_100)
     assert not verify("s3cret", body, "1800000000", signed, now=1_800_000_301)
+
+
+#: The example of the Standard Webhooks reference libraries (their tests check it too).
+SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+SPEC_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"
+SPEC_TIMESTAMP = 1614265330
+SPEC_BODY = b'{"test": 2432232314}'
+SPEC_SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+def test_the_standard_signature_matches_the_specs_example() -> None:
+    key = webhook_key(SPEC_SECRET)
+    assert standard_signature(key, SPEC_ID, SPEC_TIMESTAMP, SPEC_BODY) == SPEC_SIGNATURE
+
+
+def test_a_whsec_secret_is_a_base64_key_and_any_other_secret_its_own_bytes() -> None:
+    assert webhook_key("whsec_c2VjcmV0") == b"secret"
+    assert webhook_key("whsec_c2VjcmV0LQ") == b"secret-"  # padding is optional
+    assert webhook_key("plain-secret") == b"plain-secret"
+    assert webhook_key("whsec-not-the-prefix") == b"whsec-not-the-prefix"
+    for bad in ("whsec_", "whsec_not base64!", "whsec_===="):
+        with pytest.raises(ValueError, match="base64"):
+            webhook_key(bad)
+
+
+def test_a_bad_whsec_secret_is_refused_by_the_settings_without_showing_it() -> None:
+    with pytest.raises(ConfigError, match="KILN_WEBHOOK_SECRET") as refused:
+        Settings.from_env({"KILN_WEBHOOK_SECRET": "whsec_*s3cr3t-v4lue*"})
+    assert "s3cr3t-v4lue" not in str(refused.value)
+    assert Settings.from_env({"KILN_WEBHOOK_SECRET": SPEC_SECRET}).webhook_secret == SPEC_SECRET
+
+
+def test_kilns_own_signature_is_unchanged_beside_the_standard_one() -> None:
+    # Given a whsec_ secret: kiln's header keys with its text, the standard one with its key
+    body = b'{"seq":1}'
+    headers = signed_headers(SPEC_SECRET, "tsk_1:1", 1_800_000_000, body)
+    assert headers["Kiln-Webhook-Signature"] == signature(SPEC_SECRET, 1_800_000_000, body)
+    assert headers["webhook-signature"] == standard_signature(
+        webhook_key(SPEC_SECRET), "tsk_1:1", 1_800_000_000, body
+    )
+    assert headers["Kiln-Webhook-Id"] == headers["webhook-id"] == "tsk_1:1"
+    assert headers["Kiln-Webhook-Timestamp"] == headers["webhook-timestamp"] == "1800000000"
+    # And without a secret nothing is signed, but the id and timestamp are still sent
+    unsigned = signed_headers(None, "tsk_1:1", 1_800_000_000, body)
+    assert set(unsigned) == {
+        "Kiln-Webhook-Id", "Kiln-Webhook-Timestamp", "webhook-id", "webhook-timestamp",
+    }  # fmt: skip
 
 
 def test_the_retry_delay_doubles_up_to_its_cap() -> None:

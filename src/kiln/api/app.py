@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from kiln import backends
-from kiln.api import errors, events, tasks
+from kiln.api import deliveries, docs, errors, events, tasks
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
@@ -355,6 +355,7 @@ def create_app(
         version=version(),
         description="A durable job engine for AI generation work.",
         lifespan=_lifespan(state, workers=workers, gpus=gpus, supervisor=supervisor),
+        docs_url=None,  # served by kiln.api.docs, without a CDN
         redoc_url=None,
     )
     api.state.kiln = state
@@ -363,9 +364,11 @@ def create_app(
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     api.include_router(tasks.router)
+    api.include_router(deliveries.router)
     api.include_router(events.router)
     api.include_router(worker_routes.router)
     api.include_router(ops)
+    docs.install(api)
     if DASHBOARD_DIR.is_dir():
         api.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR), name="dashboard")
     api.openapi = openapi_builder(api, app, settings)  # type: ignore[method-assign]

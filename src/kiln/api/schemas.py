@@ -260,6 +260,38 @@ class WorkersOut(_Out):
     workers: list[WorkerOut]
 
 
+class DeliveryOut(_Out):
+    """A webhook delivery: one event of the task POSTed to its webhook, and its attempts."""
+
+    #: The delivery's id: the event's id, sent as ``webhook-id`` and ``Kiln-Webhook-Id``.
+    id: str
+    event_id: str
+    task_id: str
+    seq: int
+    event: str
+    url: str
+    #: The outbox's status: ``pending`` (waiting for its next attempt), ``delivered`` (a
+    #: 2xx answer) or ``failed`` (410, refused address, or its last attempt failed).
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    #: The HTTP status of the last answer, if one came.
+    last_response_status: int | None
+    last_error: str | None
+    #: When the next attempt is due; null unless pending.
+    next_attempt_at: AwareDatetime | None
+    created_at: AwareDatetime
+    updated_at: AwareDatetime
+
+
+class DeliveriesOut(_Out):
+    """``GET /v1/tasks/{id}/webhooks``: the task's webhook and its deliveries, in event
+    order."""
+
+    task_id: str
+    webhook: WebhookOut | None
+    items: list[DeliveryOut]
+
+
 class HealthOut(_Out):
     status: Literal["ok"]
 

@@ -1,11 +1,12 @@
-"""The operator commands: ``kiln workers``, ``kiln reconcile``, ``kiln settings``,
-``kiln states``."""
+"""The operator commands: ``kiln workers``, ``kiln webhooks``, ``kiln redeliver``,
+``kiln reconcile``, ``kiln settings``, ``kiln states``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -77,6 +78,75 @@ def worker_table(workers: list[JSON]) -> Table:
             escape(", ".join(worker["models"]) or "-"), escape(str(worker["version"])),
         )  # fmt: skip
     return table
+
+
+@cli.command("webhooks")
+@handled
+def webhooks_command(
+    task_id: Annotated[str, typer.Argument(metavar="TASK_ID")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the API's answer")] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List a task's webhook deliveries: status, attempts, last answer, next attempt."""
+    with client_of(server, api_key) as client:
+        found = client.webhooks(task_id)
+    if as_json:
+        tasks.print_json(found)
+        return
+    if not found["items"]:
+        note = "" if found.get("webhook") else " (the task has no webhook)"
+        typer.echo(f"no webhook deliveries{note}", err=True)
+        return
+    Console(highlight=False).print(delivery_table(found["items"]))
+
+
+def delivery_table(deliveries: list[JSON], now: datetime | None = None) -> Table:
+    """Deliveries as rows: the id to redeliver, the event, how its attempts went, and for
+    a pending one how soon the next attempt is due (fits 80 columns)."""
+    now = now or datetime.now(UTC)
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    table.add_column("ID", no_wrap=True)
+    table.add_column("EVENT", no_wrap=True)
+    table.add_column("STATUS", no_wrap=True)
+    table.add_column("TRIES", no_wrap=True, justify="right")
+    table.add_column("NEXT", no_wrap=True)
+    table.add_column("LAST ANSWER", overflow="fold")
+    for item in deliveries:
+        answer = item["last_error"] or item["last_response_status"] or "-"
+        table.add_row(
+            escape(str(item["id"])), escape(str(item["event"])), str(item["status"]),
+            str(item["attempts"]), _due_in(item["next_attempt_at"], now), escape(str(answer)),
+        )  # fmt: skip
+    return table
+
+
+def _due_in(stamp: str | None, now: datetime) -> str:
+    """How soon an API time comes: ``now``, ``12s``, ``3m``; ``-`` for none."""
+    if stamp is None:
+        return "-"
+    seconds = (datetime.fromisoformat(stamp) - now).total_seconds()
+    if seconds <= 0:
+        return "now"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+@cli.command("redeliver")
+@handled
+def redeliver_command(
+    task_id: Annotated[str, typer.Argument(metavar="TASK_ID")],
+    delivery_id: Annotated[str, typer.Argument(metavar="DELIVERY_ID")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the delivery as JSON")] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Send a webhook delivery again now, with the same webhook-id (admin key)."""
+    with client_of(server, api_key) as client:
+        found = client.redeliver(task_id, delivery_id)
+    if as_json:
+        tasks.print_json(found)
+        return
+    typer.echo(f"{found['id']} {found['status']} (attempts so far: {found['attempts']})")
 
 
 @cli.command("reconcile")

@@ -166,5 +166,19 @@ class OutboxOps(Ops):
 
         return await self._rows(sql, args, delivery_from_row)
 
+    async def webhook_redeliver(self, event_id: str, *, task_id: str) -> WebhookDelivery | None:
+        """Put one delivery of a task back in line, due now (pending again, whatever its
+        status), as it is after; None when the task has no such delivery. The next attempt
+        sends the same event id and body."""
+
+        now = self.clock()
+
+        async def write(tx: Tx) -> WebhookDelivery | None:
+            await tx.run(self.q.redeliver, (PENDING, now, now, event_id, task_id))
+            row = await tx.one(self.q.delivery_of_task, (event_id, task_id))
+            return None if row is None else delivery_from_row(row)
+
+        return await self._write(write)
+
     async def webhook_pending(self) -> int:
         return await self._count(self.q.pending_deliveries, (PENDING,))

@@ -445,6 +445,18 @@ SELECT event_id, seq, task_id, tenant, event, url, payload, status, attempts,
     next_attempt_at, last_error, response_status, created_at, updated_at
 FROM webhook_deliveries WHERE task_id = ? ORDER BY seq LIMIT ?
 
+-- delivery_of_task --
+-- (event_id, task_id).
+SELECT event_id, seq, task_id, tenant, event, url, payload, status, attempts,
+    next_attempt_at, last_error, response_status, created_at, updated_at
+FROM webhook_deliveries WHERE event_id = ? AND task_id = ?
+
+-- redeliver --
+-- Send a delivery again, due now; its attempts, last error and answer stay:
+-- (pending, now, now, event_id, task_id).
+UPDATE webhook_deliveries SET status = ?, next_attempt_at = ?, updated_at = ?
+WHERE event_id = ? AND task_id = ?
+
 -- pending_deliveries --
 -- (pending).
 SELECT COUNT(*) FROM webhook_deliveries WHERE status = ?
