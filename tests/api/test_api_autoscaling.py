@@ -12,7 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_support import ADMIN_KEY, ALICE_KEY, ApiUnderTest, running_api, with_keys
+from api_support import (
+    ADMIN_KEY,
+    ALICE_KEY,
+    ApiUnderTest,
+    running_api,
+    wait_until,
+    with_keys,
+)
 from test_api_metrics import labelled, scrape
 
 import kiln
@@ -115,6 +122,26 @@ async def test_signals_count_every_state_and_the_registered_workers(
     assert pool_age == {(POOL,): clock.now - (started + 10)}
     # And the existing deployment-wide gauge keeps its meaning (ready tasks only)
     assert samples[("kiln_queue_oldest_age_seconds", ())] == clock.now - (started + 20)
+
+
+async def test_a_running_worker_process_offers_its_slots(working_api: ApiUnderTest) -> None:
+    # Given the API's in-process worker, registered as it started
+    async def registered() -> bool:
+        answer = await working_api.client.get("/v1/workers", headers=ADMIN)
+        return len(answer.json()["workers"]) == 1
+
+    await wait_until(registered, timeout_s=10)
+    [worker] = (await working_api.client.get("/v1/workers", headers=ADMIN)).json()["workers"]
+    # When Prometheus scrapes and the admin reads the stats
+    samples = await scrape(working_api)
+    body = (await working_api.client.get("/v1/stats", headers=ADMIN)).json()
+    # Then its slots are offered to each kind it serves, and nothing waits or runs
+    slots = labelled(samples, "kiln_worker_slots", "kind")
+    for kind in worker["kinds"]:
+        assert slots[(kind,)] == worker["slots"]
+        found = body["autoscaling"]["kinds"][kind]
+        assert (found["workers"], found["worker_slots"]) == (1, worker["slots"])
+        assert (found["waiting"], found["running"]) == (0, 0)
 
 
 async def test_a_tenant_sees_no_autoscaling_signals(settings: Settings) -> None:
