@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from kiln import logs
+from kiln.autoscaling import Autoscaling, signals
 from kiln.bus import EventHub, ProgressEvent
 from kiln.config import Settings
 from kiln.counters import (
@@ -343,6 +344,21 @@ class Engine:
     async def workers(self) -> list[WorkerRecord]:
         """The worker processes whose beat has not lapsed (the worker registry)."""
         return await self.store.workers()
+
+    async def autoscaling(
+        self,
+        *,
+        workers: Sequence[WorkerRecord] | None = None,
+        pools: Sequence[PoolUsage] | None = None,
+    ) -> Autoscaling:
+        """The autoscaling signals of every kind (registered or seen) and pool; pass the
+        live workers and the pools when already read, so a scrape reads each once."""
+        load = await self.store.queue_load()
+        if workers is None:
+            workers = await self.workers()
+        if pools is None:
+            pools = await self.pools()
+        return signals(load, workers, pools, self.kinds)
 
     async def webhook_pending(self) -> int:
         """Webhook deliveries not yet delivered or given up."""

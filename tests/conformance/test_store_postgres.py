@@ -193,6 +193,8 @@ HOT = {
     "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),
     "priority levels": (Q.levels_of_tenant, ("k1", "t1", "k1", "t1")),
     "queue position": (Q.queue_ahead, ("k1", 2, 1e9, 1e9, "k1", 2, 500.0, "tsk_x", 1e9, 1e9)),
+    "autoscaling: ready by kind": (Q.ready_by_kind, (1e9,)),
+    "autoscaling: claimed tasks": (Q.claimed_tasks, ()),
     "due": (Q.due, (100.0, 100)),
     "due cancels": (Q.due_cancel, (100.0, 100)),
     "ghosts": (Q.ghosts, (100.0, 100.0)),
@@ -216,6 +218,17 @@ def test_hot_query_reads_through_an_index(filled: psycopg.Connection[Any], name:
     sql, args = HOT[name]
     found = plan(filled, sql, args)
     assert "Seq Scan" not in found, found
+    assert "Index" in found, found
+
+
+def test_the_pools_lines_are_read_without_scanning_the_tasks(
+    filled: psycopg.Connection[Any],
+) -> None:
+    # Given the autoscaling read of the pools' live lines (pool_slots holds only the rows of
+    # tasks waiting for or holding a slot: a scan of it is the cheap way)
+    found = plan(filled, Q.pool_line_rows, (1e9,))
+    # Then the tasks are reached through an index, never scanned
+    assert "Seq Scan on tasks" not in found, found
     assert "Index" in found, found
 
 

@@ -104,6 +104,13 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("kind.1", 1, NOW, NOW, "kind.1", 1, NOW - 500, "tsk_00000500", NOW, NOW),
         ("tasks_claim", "tasks_ready"),
     ),
+    # The autoscaling signals (store/load.py): live tasks only, whatever the history.
+    "autoscaling_ready_by_kind": (Q.ready_by_kind, (NOW,), ("tasks_claim",)),
+    "autoscaling_pool_lines": (
+        Q.pool_line_rows,
+        (NOW,),
+        ("tasks_claimed", "tasks_tenant_status_id", "tasks_pkey", "pool_slots_task"),
+    ),
 }
 
 
@@ -141,6 +148,16 @@ def test_hot_query_reads_through_its_index(filled: sqlite3.Connection, name: str
     assert any(f"INDEX {index} " in d for d in uses_index for index in indexes), details
     assert not [d for d in details if d.startswith("SCAN tasks")], details
     assert not [d for d in details if "TEMP B-TREE" in d], details
+
+
+def test_the_claimed_tasks_are_read_from_their_own_index_alone(
+    filled: sqlite3.Connection,
+) -> None:
+    # Given the autoscaling read of every claimed task (WAITING_FOR_RESOURCE, GENERATING,
+    # UPLOADING: as many as the workers' slots)
+    details = plan(filled, Q.claimed_tasks, ())
+    # Then it walks the partial index that holds exactly those tasks, never the table
+    assert details == ["SCAN tasks USING COVERING INDEX tasks_claimed"], details
 
 
 def test_dwell_of_all_tenants_reads_only_the_latest_events(filled: sqlite3.Connection) -> None:

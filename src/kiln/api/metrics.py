@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.autoscaling import Autoscaling, KindSignals, PoolSignals
 from kiln.breakers import STATE_VALUES, shared_state
 from kiln.counters import (
     BREAKER_TRANSITIONS,
@@ -102,6 +103,8 @@ class StoreSnapshot:
     breakers: dict[str, str] = field(default_factory=dict)
     #: The live worker processes (the worker registry).
     workers: list[WorkerRecord] = field(default_factory=list)
+    #: What each kind and pool asks of the workers, and what they offer.
+    autoscaling: Autoscaling = field(default_factory=lambda: Autoscaling({}, {}))
 
 
 #: Counters without labels: (counter, metric, help).
@@ -111,6 +114,30 @@ _PLAIN_COUNTERS = (
     (RECOVERED, "kiln_recovered", "Outputs recovered after a lost lease"),
     (RATE_LIMITED, "kiln_rate_limited", "Submissions refused by a tenant's rate limit (429)"),
 )
+
+#: The autoscaling gauges per kind: (metric, help, value).
+_KIND_GAUGES: tuple[tuple[str, str, Callable[[KindSignals], float]], ...] = (
+    ("kiln_queue_waiting",
+     "Tasks of each kind waiting: ready to claim (PENDING, due RETRYING) or WAITING_FOR_RESOURCE",
+     lambda k: k.waiting),
+    ("kiln_queue_running", "Tasks of each kind running (GENERATING, UPLOADING)",
+     lambda k: k.running),
+    ("kiln_queue_oldest_waiting_age_seconds",
+     "How long the oldest waiting task of each kind has waited since it became ready; 0 when none",
+     lambda k: k.oldest_waiting_age_s),
+    ("kiln_worker_slots", "Slots (--concurrency) of the live workers serving each kind",
+     lambda k: k.worker_slots),
+)  # fmt: skip
+
+#: The autoscaling gauges per pool: (metric, help, value).
+_POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolSignals], float]], ...] = (
+    ("kiln_pool_running", "Tasks holding a slot of each shared pool", lambda p: p.running),
+    ("kiln_pool_oldest_waiting_age_seconds",
+     "How long the oldest task in each shared pool's line has waited in it; 0 when none",
+     lambda p: p.oldest_waiting_age_s),
+    ("kiln_pool_worker_slots", "Slots of the live workers whose kinds take each shared pool",
+     lambda p: p.worker_slots),
+)  # fmt: skip
 
 #: Outcomes of webhook delivery attempts (kiln.webhooks), each shown even at zero.
 WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
@@ -175,8 +202,24 @@ class StoreCollector:
                 family.add_metric([pool.name], getattr(pool, field_name))
             yield family
         yield from self._webhooks()
+        yield from self._autoscaling()
         yield from self._breakers()
         yield self.histogram.family()
+
+    def _autoscaling(self) -> Iterable[Metric]:
+        """docs/autoscaling.md's signals: per kind, then per pool (kiln_pool_capacity,
+        _held and _waiting are above)."""
+        signals = self.snapshot.autoscaling
+        for name, doc, value in _KIND_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["kind"])
+            for kind, found in sorted(signals.kinds.items()):
+                family.add_metric([kind], value(found))
+            yield family
+        for name, doc, pool_value in _POOL_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["pool"])
+            for pool, usage in sorted(signals.pools.items()):
+                family.add_metric([pool], pool_value(usage))
+            yield family
 
     def _breakers(self) -> Iterable[Metric]:
         state = GaugeMetricFamily(
@@ -289,15 +332,18 @@ class ApiMetrics:
         await self.histogram.catch_up(engine)
         oldest = stats.oldest_ready_at
         age_s = max(0.0, engine.now() - oldest) if oldest is not None else 0.0
-        self.store_collector.snapshot = StoreSnapshot(
-            dict(stats.counts), stats.ghosts, counters, age_s, await engine.pools(),
+        pools, workers = await engine.pools(), await engine.workers()
+        snapshot = StoreSnapshot(
+            dict(stats.counts), stats.ghosts, counters, age_s, pools,
             await engine.webhook_pending(),
         )  # fmt: skip
         now = engine.now()
-        self.store_collector.snapshot.breakers = {
+        snapshot.breakers = {
             record.name: shared_state(record, now) for record in await engine.shared_breakers()
         }
-        self.store_collector.snapshot.workers = await engine.workers()
+        snapshot.workers = workers
+        snapshot.autoscaling = await engine.autoscaling(workers=workers, pools=pools)
+        self.store_collector.snapshot = snapshot
         return generate_latest(self.registry)
 
 

@@ -242,6 +242,33 @@ class WorkerOut(_Out):
     expires_at: float
 
 
+class KindLoadOut(_Out):
+    """One kind's autoscaling signals (docs/autoscaling.md)."""
+
+    waiting: int
+    ready: int
+    waiting_for_resource: int
+    running: int
+    oldest_waiting_age_s: float
+    workers: int
+    worker_slots: int
+
+
+class PoolLoadOut(_Out):
+    """One shared pool's autoscaling signals (docs/autoscaling.md)."""
+
+    capacity: int
+    waiting: int
+    running: int
+    oldest_waiting_age_s: float
+    worker_slots: int
+
+
+class AutoscalingOut(_Out):
+    kinds: dict[str, KindLoadOut]
+    pools: dict[str, PoolLoadOut]
+
+
 class StatsOut(_Out):
     counts: dict[str, int]
     dwell_seconds: dict[str, Percentiles]
@@ -254,6 +281,8 @@ class StatsOut(_Out):
     breakers: dict[str, BreakerOut] = Field(default_factory=dict)
     #: The live worker processes, as ``GET /v1/workers`` lists them: for the admin only.
     workers: list[WorkerOut] | None = None
+    #: What each kind and pool asks of the workers and what they offer: for the admin only.
+    autoscaling: AutoscalingOut | None = None
 
 
 class WorkersOut(_Out):

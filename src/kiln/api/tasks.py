@@ -356,17 +356,21 @@ async def list_tasks(
 async def stats(request: Request, principal: Caller) -> Response:
     app = api_state(request).app
     found = await app.stats(principal.scope)
+    pools = await app.pools()
     body: JSON = {
         "counts": found.counts,
         "dwell_seconds": found.dwell_seconds,
         "failures": found.failures,
         "failures_last_hour": found.failures_last_hour,
         "ghosts": found.ghosts,
-        "pools": {p.name: p.to_json() for p in await app.pools()},
+        "pools": {p.name: p.to_json() for p in pools},
         "breakers": breakers_json(await app.shared_breakers(), app.now()),
     }
     if principal.may_review:  # the admin (or anyone, auth off): GET /v1/workers's list too
-        body["workers"] = [worker.to_json() for worker in await app.engine.workers()]
+        workers = await app.engine.workers()
+        body["workers"] = [worker.to_json() for worker in workers]
+        load = await app.engine.autoscaling(workers=workers, pools=pools)
+        body["autoscaling"] = load.to_json()
     return JSONResponse(body)
 
 

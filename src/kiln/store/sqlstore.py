@@ -23,6 +23,7 @@ from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import CLAIMABLE, FINAL, Event, Status
 from kiln.store.claims import ClaimOps
 from kiln.store.inputs import InputOps
+from kiln.store.load import LoadOps
 from kiln.store.outbox import OutboxOps
 from kiln.store.pools import PoolOps
 from kiln.store.queries import Queries
@@ -465,7 +466,7 @@ def purge_candidates(
     return sql, args
 
 
-class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps):
+class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
     Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and

@@ -578,3 +578,22 @@ DELETE FROM workers WHERE id = ?
 SELECT id, host, pid, version, kinds, slots, running, resources, models, started_at,
     seen_at, expires_at
 FROM workers WHERE expires_at > ? ORDER BY host, pid, id
+
+-- autoscaling signals (kiln/store/load.py) -------------------------------------------------
+
+-- ready_by_kind --
+-- Ready tasks (PENDING, due RETRYING) of each kind and the oldest one's ready time, read
+-- from the claim index (only live tasks, never the finished history): (now).
+SELECT kind, COUNT(*), MIN(ready_at) FROM tasks
+WHERE status IN {CLAIMABLE} AND ready_at <= ? GROUP BY kind
+
+-- claimed_tasks --
+-- The claimed tasks (waiting for a resource, generating, uploading), one row each, read
+-- from the lease index: at most the live workers' slots plus the dead ones' not yet swept.
+SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING}
+
+-- pool_line_rows --
+-- The live rows of every pool's line (as pool_usage counts them): (pool, held, since); (now).
+SELECT pool_slots.pool, pool_slots.held, pool_slots.since FROM pool_slots
+JOIN tasks t ON t.id = pool_slots.task_id AND t.epoch = pool_slots.epoch
+    AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?
