@@ -55,6 +55,8 @@ class NewTask:
     inputs: list[JSON] = field(default_factory=list)
     #: ``{"url", "events"}`` when the task's changes are posted to a webhook (kiln.webhooks).
     webhook: JSON | None = None
+    #: A delayed task: not claimable before this moment (unix seconds); None means now.
+    run_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

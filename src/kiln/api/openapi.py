@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kiln.api.schedules import ScheduleRequest
 from kiln.api.schemas import ReviewRequest, SubmitRequest
 from kiln.app import App
 from kiln.config import Settings
@@ -97,6 +98,7 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
             body["content"]["multipart/form-data"] = upload
         components["ReviewRequest"] = _model_schema(ReviewRequest, components)
+        components["ScheduleRequest"] = _model_schema(ScheduleRequest, components)
         if not settings.auth_enabled:
             _without_security(schema)
         api.openapi_schema = schema

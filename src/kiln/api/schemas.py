@@ -76,6 +76,18 @@ class SubmitRequest(BaseModel):
     dedup: bool = True
     timeouts: TimeoutsIn | None = None
     metadata: JSONObject = Field(default_factory=dict)
+    run_at: Annotated[
+        float | str | None,
+        Field(
+            description="run no earlier than this: unix seconds or an RFC 3339 time "
+            "(at most a year ahead; not with delay_s)",
+            examples=["2026-01-01T09:00:00Z"],
+        ),
+    ] = None
+    delay_s: Annotated[
+        float | None,
+        Field(ge=0, le=31_622_400, description="run no earlier than this many seconds from now"),
+    ] = None
     webhook_url: Annotated[
         str | None,
         Field(
@@ -195,6 +207,10 @@ class TaskOut(_Out):
     started_at: AwareDatetime | None
     finished_at: AwareDatetime | None
     webhook: WebhookOut | None
+    scheduled_for: Annotated[
+        AwareDatetime | None,
+        Field(description="a delayed task not yet claimed: when it becomes claimable"),
+    ] = None
 
 
 class TaskList(_Out):
