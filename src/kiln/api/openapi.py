@@ -91,6 +91,8 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             title=api.title, version=api.version, description=api.description, routes=api.routes
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
+        # First: its task's plain SubmitRequest is then replaced by the one with variants.
+        components["ScheduleRequest"] = _model_schema(ScheduleRequest, components)
         components["SubmitRequest"] = submit_schema(app, components)
         upload = upload_body(app)
         if upload is not None:
@@ -98,7 +100,6 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
             body["content"]["multipart/form-data"] = upload
         components["ReviewRequest"] = _model_schema(ReviewRequest, components)
-        components["ScheduleRequest"] = _model_schema(ScheduleRequest, components)
         if not settings.auth_enabled:
             _without_security(schema)
         api.openapi_schema = schema
