@@ -9,6 +9,7 @@ The leading supervisor fires the ticks (:mod:`kiln.scheduler`).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -30,7 +31,15 @@ router = APIRouter(prefix="/v1")
 
 SCHEDULES_PATH = "/v1/schedules"
 #: A schedule's id, which is also a page's cursor.
-SCHEDULE_ID_PATTERN = r"^sch_[0-9a-hjkmnp-tv-z]{26}$"
+SCHEDULE_ID = re.compile(r"sch_[0-9a-hjkmnp-tv-z]{26}")
+_EVERY = r"\*(/[1-9])?"
+#: The cron expressions the OpenAPI document promises are taken: one value or every n per
+#: field, with a day of the month every month has. The server takes all of cron: ranges,
+#: lists, names (MON, JAN), L and # (docs/schedules.md).
+CRON_DOC_PATTERN = (
+    rf"^(({_EVERY}|[1-5]?[0-9]) )?({_EVERY}|[1-5]?[0-9]) ({_EVERY}|1?[0-9]|2[0-3])"
+    rf" ({_EVERY}|[1-9]|1[0-9]|2[0-8]) ({_EVERY}|[1-9]|1[0-2]) (\*(/[1-6])?|[0-6])$"
+)
 
 
 class ScheduleRequest(BaseModel):
@@ -45,7 +54,8 @@ class ScheduleRequest(BaseModel):
             min_length=1,
             max_length=200,
             description="five fields (minute hour day month weekday), or six with seconds first",
-            examples=["0 9 * * 1-5"],
+            examples=["0 9 * * 1"],
+            json_schema_extra={"pattern": CRON_DOC_PATTERN},
         ),
     ]
     timezone: Annotated[
@@ -170,9 +180,17 @@ async def list_schedules(
     cursor: Annotated[
         str | None,
         BeforeValidator(_blank_to_none),
-        Query(pattern=SCHEDULE_ID_PATTERN, description="next_cursor of the previous page"),
+        Query(
+            description="next_cursor of the previous page",
+            json_schema_extra={"pattern": f"^{SCHEDULE_ID.pattern}$"},
+        ),
     ] = None,
 ) -> Response:
+    if cursor is not None and SCHEDULE_ID.fullmatch(cursor) is None:
+        raise InvalidRequest(
+            "the cursor is not one a page gave: pass next_cursor of the previous page as is",
+            details=[{"loc": ["query", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
+        )
     store = api_state(request).app.store
     found = await store.schedules(tenant=principal.scope, limit=limit + 1, after=cursor)
     page = found[:limit]
