@@ -209,7 +209,7 @@ class ScheduleOps(Ops):
             else:
                 outcome, task = await self._fire(tx, tick.task)
         fired = 1 if outcome == "fired" else 0
-        skipped = tick.missed + (1 - fired if tick.task is not None else 1)
+        skipped = tick.missed + 1 - fired
         if tick.missed:
             tx.bump(SCHEDULE_FIRES, "skipped_missed", tick.missed)
         tx.bump(SCHEDULE_FIRES, outcome)
