@@ -387,8 +387,8 @@ class Client(_Base):
         **fields: Any,
     ) -> JSON:
         """Submit a task (``fields``: priority, max_attempts, deadline_s, dedup, timeouts,
-        metadata, webhook_url, webhook_events). The task JSON plus ``created``, ``replayed``
-        and ``deduplicated``.
+        metadata, webhook_url, webhook_events, run_at or delay_s to run it later). The task
+        JSON plus ``created``, ``replayed`` and ``deduplicated``.
 
         ``files`` uploads inputs, as ``multipart/form-data``: ``{"image": ("fox.png", data)}``
         (a name and bytes or an open binary file, as httpx takes them)."""

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_support import ADMIN_KEY, BOB_KEY, ApiUnderTest, assert_error, bearer, image_body
+from api_support import (
+    ADMIN_KEY,
+    BOB_KEY,
+    ApiUnderTest,
+    assert_error,
+    bearer,
+    image_body,
+    running_api,
+)
 from test_api_metrics import labelled, scrape
+from test_api_transform import kiln_with_transform
 
 from images import png
+from kiln.config import Settings
 from kiln.store import LeaderToken
 
 SCHEDULE_FIELDS = {
@@ -137,15 +148,38 @@ async def test_a_refused_delay_stores_nothing(keyed_api: ApiUnderTest, fields: A
     assert await keyed_api.task_count() == 0
 
 
-async def test_a_refused_delay_on_an_upload_stores_nothing(keyed_api: ApiUnderTest) -> None:
+@pytest.fixture
+async def upload_api(settings: Settings) -> AsyncIterator[ApiUnderTest]:
+    """The API with image.transform registered too, no keys."""
+    async with running_api(settings, kiln_app=kiln_with_transform(settings)) as under_test:
+        yield under_test
+
+
+async def test_a_refused_delay_on_an_upload_stores_nothing(upload_api: ApiUnderTest) -> None:
     body = {"kind": "image.transform", "params": {"op": "convert", "format": "png"},
             "delay_s": -3}  # fmt: skip
     files = {"image": ("in.png", png(), "image/png")}
-    response = await keyed_api.client.post(
+    response = await upload_api.client.post(
         "/v1/tasks", data={"request": json.dumps(body)}, files=files
     )
     assert_error(response, 422, "invalid_request")
-    assert await keyed_api.task_count() == 0
+    assert await upload_api.task_count() == 0
+    assert [
+        p for p in (upload_api.kiln.settings.data_dir / "results").rglob("*") if p.is_file()
+    ] == []
+
+
+async def test_a_delayed_upload_is_scheduled(upload_api: ApiUnderTest) -> None:
+    body = {"kind": "image.transform", "params": {"op": "convert", "format": "png"},
+            "delay_s": 600}  # fmt: skip
+    files = {"image": ("in.png", png(), "image/png")}
+    response = await upload_api.client.post(
+        "/v1/tasks", data={"request": json.dumps(body)}, files=files
+    )
+    assert response.status_code == 201, response.text
+    task = response.json()
+    assert task["scheduled_for"] is not None and task["queue_position"] is None
+    assert [i["name"] for i in task["inputs"]] == ["image"]
 
 
 async def test_fired_ticks_are_counted_in_metrics(keyed_api: ApiUnderTest) -> None:
