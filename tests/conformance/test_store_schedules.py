@@ -156,3 +156,27 @@ async def test_schedules_are_listed_per_tenant_and_deleted(store: Store) -> None
     assert await store.delete_schedule(theirs.id)
     assert not await store.delete_schedule(theirs.id)
     assert await store.schedule(theirs.id) is None
+
+
+async def test_a_tick_whose_advance_fails_leaves_no_task_and_fires_once_later(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a due schedule, and a fault between the tick's submit and the schedule's advance
+    # (a crash there, as a leader SIGKILLed mid-fire would leave it)
+    schedule = await store.create_schedule(make_schedule())
+    token = await store.lead("supervisor", "s1", 30)
+    assert token is not None
+    monkeypatch.setattr(store.q, "advance_schedule", "UPDATE no_such_table SET x = 1")
+
+    # When the tick is handled: the transaction fails as a whole
+    with pytest.raises(Exception):  # noqa: B017 - the driver's own error, whichever it is
+        await store.handle_tick(fire(schedule, NOW), token)
+    assert await tasks_of(store) == []
+    still = await store.schedule(schedule.id)
+    assert still is not None and still.next_at == NOW and still.fired == 0
+
+    # Then the next handler fires the tick, once
+    monkeypatch.undo()
+    done = await store.handle_tick(fire(schedule, NOW), token)
+    assert done is not None and done.outcome == "fired"
+    assert [t.idempotency_key for t in await tasks_of(store)] == [tick_key(schedule.id, NOW)]
