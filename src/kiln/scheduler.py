@@ -83,6 +83,11 @@ class PassReport:
     skipped_overlap: int = 0
     skipped_missed: int = 0
 
+    def add(self, other: PassReport) -> None:
+        self.fired += other.fired
+        self.skipped_overlap += other.skipped_overlap
+        self.skipped_missed += other.skipped_missed
+
 
 class Scheduler:
     """Fires due ticks for the leader; :meth:`run_pass` once per sweep."""
@@ -91,13 +96,18 @@ class Scheduler:
         self.engine = engine
         self.grace_s = grace_s
         self.batch = batch
+        #: What this process's passes did, for its own metrics.
+        self.totals = PassReport()
 
     async def run_pass(self, token: LeaderToken) -> PassReport:
         """Handle every due tick of every due schedule (up to :data:`TICKS_PER_PASS` per
         schedule). A lost leadership raises NotLeader and stops the pass."""
         report = PassReport()
-        for schedule in await self.engine.store.due_schedules(limit=self.batch):
-            await self._schedule_pass(schedule, token, report)
+        try:
+            for schedule in await self.engine.store.due_schedules(limit=self.batch):
+                await self._schedule_pass(schedule, token, report)
+        finally:
+            self.totals.add(report)
         return report
 
     async def _schedule_pass(

@@ -21,6 +21,7 @@ from kiln.app import running
 from kiln.config import Settings
 from kiln.counters import SCHEDULE_FIRES
 from kiln.models import Task
+from kiln.process_metrics import supervisor_readings
 from kiln.scheduler import tick_key
 from kiln.states import Event, Status
 from kiln.store import ScheduleRecord
@@ -87,6 +88,8 @@ async def test_a_schedule_every_second_fires_each_tick_once(
     after = await fake_app.store.schedule(schedule.id)
     assert after is not None and after.fired == 10 and after.next_at == start + 11
     assert (await fake_app.store.counters())[(SCHEDULE_FIRES, "fired")] == 10
+    counters, _ = supervisor_readings(sup)
+    assert counters['kiln_supervisor_schedule_ticks{outcome="fired"}']() == 10
 
 
 async def test_a_second_supervisor_fires_nothing_while_the_first_leads(
