@@ -22,6 +22,7 @@ from test_api_metrics import labelled, scrape
 from test_api_transform import kiln_with_transform
 
 from images import png
+from kiln.api.schedules import ScheduleOut
 from kiln.config import Settings
 from kiln.store import LeaderToken
 
@@ -46,6 +47,7 @@ async def test_a_schedule_is_created_read_listed_paused_resumed_and_deleted(
     assert created.status_code == 201, created.text
     schedule = created.json()
     assert set(schedule) == SCHEDULE_FIELDS
+    ScheduleOut.model_validate(schedule)  # the documented shape
     assert created.headers["Location"] == f"/v1/schedules/{schedule['id']}"
     assert schedule["kind"] == "image.generate" and schedule["timezone"] == "Europe/Berlin"
     assert schedule["overlap"] == "skip" and schedule["missed"] == "fire_once"
