@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import canonical, logs, webhooks
+from kiln import canonical, logs, timing, webhooks
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -325,11 +325,17 @@ class App:
         inputs: list[JSON] | None = None,
         webhook_url: str | None = None,
         webhook_events: Sequence[str] | None = None,
+        run_at: float | str | None = None,
+        delay_s: float | None = None,
     ) -> SubmitResult:
         """Create a task, or return the one this request already made (see API.md).
 
         ``webhook_url`` and ``webhook_events`` ask for its status changes to be POSTed
-        (see :mod:`kiln.webhooks`)."""
+        (see :mod:`kiln.webhooks`). ``run_at`` (unix seconds or RFC 3339) or ``delay_s``
+        delay it: it stays PENDING, with no queue position, until then; its deadline
+        counts from then (docs/schedules.md)."""
+        now = self.engine.now()
+        when = timing.run_at_of(run_at, delay_s, now)
         task_kind = self.kind(kind)
         clean = task_kind.validate(params)
         check_metadata(metadata)
@@ -353,6 +359,12 @@ class App:
         }
         if webhook is not None:  # only then: a body without one keeps its old fingerprint
             body["webhook"] = webhook
+        # The request as given (delay_s, not the moment it gives), so that a retry with the
+        # same Idempotency-Key and body is a replay; a delayed task shares content only with
+        # a task of the same content for the same moment.
+        body.update({k: v for k, v in (("run_at", run_at), ("delay_s", delay_s)) if v is not None})
+        if when is not None and when > now:
+            contents = [*contents, f"run_at:{round(when * 1000)}"]
         new = NewTask(
             id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
             fingerprint=canonical.digest(body), idempotency_key=idempotency_key,
@@ -360,6 +372,7 @@ class App:
             priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
             timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
             model=task_kind.model_of(clean),
+            run_at=when,
         )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:
@@ -393,9 +406,13 @@ class App:
         inputs: list[JSON] | None = None,
         webhook_url: str | None = None,
         webhook_events: Sequence[str] | None = None,
+        run_at: float | str | None = None,
+        delay_s: float | None = None,
     ) -> None:
         """Refuse (InvalidRequest, UnknownKind) what :meth:`submit` would refuse, before
-        anything is stored: the kind, its params against its inputs, the webhook."""
+        anything is stored: the moment, the kind, its params against its inputs, the
+        webhook."""
+        timing.run_at_of(run_at, delay_s, self.engine.now())
         task_kind = self.kind(kind)
         task_kind.check_inputs(task_kind.validate(params), inputs or [])
         webhooks.webhook_spec(

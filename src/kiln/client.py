@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -172,6 +173,23 @@ def submit_call(
 def list_call(status: str | None, kind: str | None, limit: int, cursor: str | None) -> Call:
     query = {"status": status, "kind": kind, "limit": limit, "cursor": cursor}
     return Call("GET", wire.TASKS_PATH, params={k: v for k, v in query.items() if v is not None})
+
+
+#: Where schedules live in the HTTP API.
+SCHEDULES_PATH = "/v1/schedules"
+
+
+def schedule_path(schedule_id: str, *rest: str) -> str:
+    return "/".join([SCHEDULES_PATH, quote(schedule_id, safe=""), *rest])
+
+
+def schedule_create_call(cron: str, task: Mapping[str, Any], fields: Mapping[str, Any]) -> Call:
+    return Call("POST", SCHEDULES_PATH, body={"cron": cron, "task": dict(task), **fields})
+
+
+def schedule_list_call(limit: int, cursor: str | None) -> Call:
+    query = {"limit": limit} | ({"cursor": cursor} if cursor is not None else {})
+    return Call("GET", SCHEDULES_PATH, params=query)
 
 
 def review_call(task_id: str, decision: str, reason: str | None) -> Call:
@@ -373,8 +391,8 @@ class Client(_Base):
         **fields: Any,
     ) -> JSON:
         """Submit a task (``fields``: priority, max_attempts, deadline_s, dedup, timeouts,
-        metadata, webhook_url, webhook_events). The task JSON plus ``created``, ``replayed``
-        and ``deduplicated``.
+        metadata, webhook_url, webhook_events, run_at or delay_s to run it later). The task
+        JSON plus ``created``, ``replayed`` and ``deduplicated``.
 
         ``files`` uploads inputs, as ``multipart/form-data``: ``{"image": ("fox.png", data)}``
         (a name and bytes or an open binary file, as httpx takes them)."""
@@ -469,6 +487,34 @@ class Client(_Base):
     ) -> JSON:
         """One page, newest first: ``{"items": [...], "next_cursor": ...}``."""
         result: JSON = self.call(list_call(status, kind, limit, cursor))
+        return result
+
+    def create_schedule(self, cron: str, task: Mapping[str, Any], **fields: Any) -> JSON:
+        """Create a schedule: ``cron`` (five fields, or six with seconds first), ``task`` (a
+        submission body: kind, params, priority, ...), ``fields``: timezone, overlap
+        (skip, queue), missed (fire_once, skip), paused."""
+        result: JSON = self.call(schedule_create_call(cron, task, fields))
+        return result
+
+    def schedules(self, limit: int = 50, cursor: str | None = None) -> JSON:
+        """One page of schedules, oldest first: ``{"items": [...], "next_cursor": ...}``."""
+        result: JSON = self.call(schedule_list_call(limit, cursor))
+        return result
+
+    def schedule(self, schedule_id: str) -> JSON:
+        result: JSON = self.call(Call("GET", schedule_path(schedule_id)))
+        return result
+
+    def pause_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = self.call(Call("POST", schedule_path(schedule_id, "pause")))
+        return result
+
+    def resume_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = self.call(Call("POST", schedule_path(schedule_id, "resume")))
+        return result
+
+    def delete_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = self.call(Call("DELETE", schedule_path(schedule_id)))
         return result
 
 
@@ -605,4 +651,32 @@ class AsyncClient(_Base):
     ) -> JSON:
         """See :meth:`Client.list`."""
         result: JSON = await self.call(list_call(status, kind, limit, cursor))
+        return result
+
+    async def create_schedule(self, cron: str, task: Mapping[str, Any], **fields: Any) -> JSON:
+        """Create a schedule: ``cron`` (five fields, or six with seconds first), ``task`` (a
+        submission body: kind, params, priority, ...), ``fields``: timezone, overlap
+        (skip, queue), missed (fire_once, skip), paused."""
+        result: JSON = await self.call(schedule_create_call(cron, task, fields))
+        return result
+
+    async def schedules(self, limit: int = 50, cursor: str | None = None) -> JSON:
+        """One page of schedules, oldest first: ``{"items": [...], "next_cursor": ...}``."""
+        result: JSON = await self.call(schedule_list_call(limit, cursor))
+        return result
+
+    async def schedule(self, schedule_id: str) -> JSON:
+        result: JSON = await self.call(Call("GET", schedule_path(schedule_id)))
+        return result
+
+    async def pause_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = await self.call(Call("POST", schedule_path(schedule_id, "pause")))
+        return result
+
+    async def resume_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = await self.call(Call("POST", schedule_path(schedule_id, "resume")))
+        return result
+
+    async def delete_schedule(self, schedule_id: str) -> JSON:
+        result: JSON = await self.call(Call("DELETE", schedule_path(schedule_id)))
         return result

@@ -33,3 +33,6 @@ RATE_LIMITED = "rate_limited"
 BREAKER_TRANSITIONS = "breaker_transitions"
 #: Webhook delivery attempts, labels the outcome.
 WEBHOOK_DELIVERIES = "webhook_deliveries"
+#: Ticks of recurring schedules handled by the leading supervisor, labels the outcome
+#: (``fired``, ``skipped_overlap``, ``skipped_missed``).
+SCHEDULE_FIRES = "schedule_fires"

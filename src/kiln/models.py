@@ -57,6 +57,8 @@ class NewTask:
     webhook: JSON | None = None
     #: The model the task needs, as its kind names it from the params (None: none named).
     model: str | None = None
+    #: A delayed task: not claimable before this moment (unix seconds); None means now.
+    run_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

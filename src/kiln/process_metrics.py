@@ -37,6 +37,12 @@ def supervisor_readings(process: Supervisor) -> Readings:
         "kiln_supervisor_webhooks_leading": lambda: int(process.webhooks.token is not None),
         "kiln_supervisor_webhooks_in_flight": lambda: len(process.webhooks.inflight),
     }
+    ticks = process.scheduler.totals  # this process's; the API's /metrics has everyone's
+    counters |= {
+        'kiln_supervisor_schedule_ticks{outcome="fired"}': lambda: ticks.fired,
+        'kiln_supervisor_schedule_ticks{outcome="skipped_overlap"}': lambda: ticks.skipped_overlap,
+        'kiln_supervisor_schedule_ticks{outcome="skipped_missed"}': lambda: ticks.skipped_missed,
+    }
     more_counters, more_gauges = reconcile_readings(process)
     return counters | more_counters, gauges | more_gauges
 

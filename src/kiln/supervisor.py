@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kiln import canonical, counters, reconcile, retention, webhooks
+from kiln import canonical, counters, reconcile, retention, scheduler, webhooks
 from kiln.engine import Engine, SupportsEngine, engine_of, failure, ghost_after_s
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
@@ -44,6 +44,9 @@ class SweepReport:
     conflicts: int = 0
     ghosts: int = 0
     purged: int = 0
+    #: Schedule ticks handled: fired, skipped (overlap or missed).
+    fired: int = 0
+    skipped: int = 0
     duration_s: float = 0.0
 
 
@@ -63,6 +66,7 @@ class Supervisor:
         owner: str | None = None,
         batch: int = 500,
         leader_ttl_s: float | None = None,
+        schedule_grace_s: float = scheduler.GRACE_S,
     ) -> None:
         self.engine = engine = engine_of(engine)
         self.interval_s = interval_s or engine.settings.supervisor_interval_s
@@ -80,6 +84,7 @@ class Supervisor:
         self.reconciles = ReconcileTotals()
         self._reconcile_due: float | None = None
         self.webhooks = webhooks.Dispatcher(engine, owner=self.owner, interval_s=self.interval_s)
+        self.scheduler = scheduler.Scheduler(engine, grace_s=schedule_grace_s)
 
     @property
     def ghost_after_s(self) -> float:
@@ -148,11 +153,26 @@ class Supervisor:
                 await self._act(task, seen, report, self._lease_expired)
             for task in due.state_expired:
                 await self._act(task, seen, report, self._state_expired)
+            await self._schedules_pass(report)
         report.ghosts = await store.count_ghosts(older_than_s=self.ghost_after_s)
         await self._retention_pass(report)
         self._start_reconcile_pass()
         report.duration_s = time.perf_counter() - started
         return report
+
+    async def _schedules_pass(self, report: SweepReport) -> None:
+        """Fire the schedules' due ticks (kiln.scheduler); NotLeader stops the sweep."""
+        if self.token is None:
+            return
+        try:
+            done = await self.scheduler.run_pass(self.token)
+        except NotLeader:
+            raise
+        except Exception:
+            log.exception("schedules_failed")
+            return
+        report.fired = done.fired
+        report.skipped = done.skipped_overlap + done.skipped_missed
 
     async def _retention_pass(self, report: SweepReport) -> None:
         now = self.engine.now()

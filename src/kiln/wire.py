@@ -101,4 +101,13 @@ def task_json(
         "finished_at": iso(task.finished_at),
         "webhook": task.webhook,
         "model": task.model,
+        "scheduled_for": iso(scheduled_for(task)),
     }
+
+
+def scheduled_for(task: Task) -> float | None:
+    """When a delayed task not yet claimed becomes claimable (its ``ready_at``, while it
+    is PENDING with no attempt made and was made ready later than it was created)."""
+    if task.status is Status.PENDING and task.attempt == 0 and task.ready_at > task.created_at:
+        return task.ready_at
+    return None

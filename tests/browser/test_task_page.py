@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
@@ -193,3 +194,24 @@ def test_retry_button_runs_a_failed_task_again(page: Page, server: Server) -> No
     expect(task_page).to_have_attribute("data-status", "FAILED")
     expect(page.get_by_test_id("error-code")).to_have_text("simulated_failure")
     assert server.task(task["id"])["attempt"] == 2
+
+
+def test_a_delayed_task_shows_when_it_is_scheduled_in_the_list_and_on_its_page(
+    page: Page, server: Server
+) -> None:
+    # Given a task delayed by an hour
+    body = {"kind": "image.generate", "params": {"prompt": unique_prompt("a sunrise")},
+            "delay_s": 3600}  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/tasks", json=body, headers=server.headers())
+    assert response.status_code == 201, response.text
+    task = response.json()
+
+    # When its page is open: it says when it runs
+    open_task(page, task["id"])
+    expect(page.get_by_test_id("scheduled")).to_contain_text("Scheduled — runs at")
+
+    # And the task list says it is scheduled, not queued
+    page.goto("/")
+    row = page.locator(f'[data-testid="task-row"][data-task-id="{task["id"]}"]')
+    expect(row).to_contain_text("scheduled in")
+    httpx.post(f"{server.url}/v1/tasks/{task['id']}/cancel", headers=server.headers())

@@ -33,6 +33,7 @@ from kiln.counters import (
     LEASE_RENEWALS,
     RATE_LIMITED,
     RECOVERED,
+    SCHEDULE_FIRES,
     STALE_WRITES,
     TRANSITIONS,
     WEBHOOK_DELIVERIES,
@@ -41,6 +42,7 @@ from kiln.engine import Engine
 from kiln.states import Status
 from kiln.store import WorkerRecord
 from kiln.store.pools import PoolUsage
+from kiln.store.schedules import OUTCOMES as SCHEDULE_OUTCOMES
 
 #: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
 STATE_BUCKETS_S: tuple[float, ...] = (
@@ -258,6 +260,18 @@ class StoreCollector:
             value=self.snapshot.webhook_pending,
         )
         yield from self._workers()
+        yield self._schedules()
+
+    def _schedules(self) -> Metric:
+        fires = CounterMetricFamily(
+            "kiln_schedule_fires",
+            "Ticks of recurring schedules by outcome (fired; skipped_overlap: the last tick's "
+            "task was not final; skipped_missed: missed by more than the grace)",
+            labels=["outcome"],
+        )
+        for outcome in SCHEDULE_OUTCOMES:  # each shown even at zero
+            fires.add_metric([outcome], self.snapshot.counters.get((SCHEDULE_FIRES, outcome), 0))
+        return fires
 
     def _workers(self) -> Iterable[Metric]:
         serving: dict[str, int] = {}

@@ -10,6 +10,7 @@ variants are ``SubmitUploadRequest``, the schema of the ``request`` part.
 from __future__ import annotations
 
 import copy
+import zoneinfo
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kiln.api.schedules import ScheduleRequest
 from kiln.api.schemas import ReviewRequest, SubmitRequest
 from kiln.app import App
 from kiln.config import Settings
@@ -72,6 +74,21 @@ def upload_body(app: App) -> dict[str, Any] | None:
     }
 
 
+def _schedule_schemas(components: dict[str, Any]) -> None:
+    """A schedule's task is a submission without ``run_at`` and ``delay_s`` (its ticks say
+    when), in a zone the server knows."""
+    task = copy.deepcopy(components["SubmitRequest"])
+    for variant in task.get("oneOf", [task]):
+        for name in ("run_at", "delay_s"):
+            variant.get("properties", {}).pop(name, None)
+        variant.pop("not", None)
+    task["title"] = "ScheduleTask"
+    components["ScheduleTask"] = task
+    properties = components["ScheduleRequest"]["properties"]
+    properties["task"] = {"$ref": REF_TEMPLATE.format(model="ScheduleTask")}
+    properties["timezone"]["enum"] = sorted(zoneinfo.available_timezones())
+
+
 def _without_security(schema: dict[str, Any]) -> None:
     """With no keys configured nothing asks for a key: say so in the document."""
     schema.get("components", {}).pop("securitySchemes", None)
@@ -90,7 +107,10 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             title=api.title, version=api.version, description=api.description, routes=api.routes
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
+        # First: its task's plain SubmitRequest is then replaced by the one with variants.
+        components["ScheduleRequest"] = _model_schema(ScheduleRequest, components)
         components["SubmitRequest"] = submit_schema(app, components)
+        _schedule_schemas(components)
         upload = upload_body(app)
         if upload is not None:
             components["SubmitUploadRequest"] = submit_schema(app, components, uploads=True)

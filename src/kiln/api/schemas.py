@@ -7,6 +7,8 @@ itself is built in one place, :func:`kiln.wire.task_json`.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
@@ -14,6 +16,7 @@ from pydantic.config import JsonDict
 
 from kiln import webhooks
 from kiln.states import Status
+from kiln.timing import MAX_DELAY_S
 
 JSONObject = dict[str, Any]
 #: The largest event seq (a signed 64-bit integer in both databases): a larger resume
@@ -25,6 +28,19 @@ WEBHOOK_URL_PATTERN = (
     r"^https?://[a-z][a-z0-9-]{0,30}(\.[a-z][a-z0-9-]{0,30}){1,3}(:[1-9][0-9]{0,3})?"
     r"(/[A-Za-z0-9._~/-]{0,200})?$"
 )
+
+
+def _run_at_schema(schema: JsonDict) -> None:
+    """``run_at`` as the OpenAPI document shows it: unix seconds, no further ahead than a
+    year from when the document was built (a bound that only loosens as time passes). The
+    server also takes an RFC 3339 time with an offset (docs/schedules.md)."""
+    schema.clear()
+    schema.update({
+        "anyOf": [{"type": "number", "minimum": 0,
+                   "maximum": math.floor(time.time() + MAX_DELAY_S)}, {"type": "null"}],
+        "description": "run no earlier than this: unix seconds, or an RFC 3339 time with an "
+        "offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s",
+    })  # fmt: skip
 
 
 def _integral(value: Any) -> Any:
@@ -61,7 +77,10 @@ class SubmitRequest(BaseModel):
         extra="forbid",
         strict=True,
         allow_inf_nan=False,
-        json_schema_extra={"dependentSchemas": {"webhook_events": _WITH_WEBHOOK_URL}},
+        json_schema_extra={
+            "dependentSchemas": {"webhook_events": _WITH_WEBHOOK_URL},
+            "not": {"required": ["run_at", "delay_s"]},
+        },
     )
 
     kind: Annotated[str, Field(examples=["image.generate"])]
@@ -76,6 +95,11 @@ class SubmitRequest(BaseModel):
     dedup: bool = True
     timeouts: TimeoutsIn | None = None
     metadata: JSONObject = Field(default_factory=dict)
+    run_at: Annotated[float | str | None, Field(json_schema_extra=_run_at_schema)] = None
+    delay_s: Annotated[
+        float | None,
+        Field(ge=0, le=31_622_400, description="run no earlier than this many seconds from now"),
+    ] = None
     webhook_url: Annotated[
         str | None,
         Field(
@@ -198,6 +222,10 @@ class TaskOut(_Out):
     model: Annotated[
         str | None,
         Field(description="the model the task needs, as its kind names it (warm-model routing)"),
+    ] = None
+    scheduled_for: Annotated[
+        AwareDatetime | None,
+        Field(description="a delayed task not yet claimed: when it becomes claimable"),
     ] = None
 
 

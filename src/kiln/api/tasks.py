@@ -198,6 +198,8 @@ async def submit(
             inputs=uploaded,
             webhook_url=request.webhook_url,
             webhook_events=request.webhook_events,
+            run_at=request.run_at,
+            delay_s=request.delay_s,
         )
         return Submitted(result, await standing(state, result.task))
 
@@ -232,7 +234,7 @@ async def submit_upload(
     uploaded = [f.record() for f in upload.files]
     state.app.check_submission(  # refused before any input is stored
         body.kind, body.params, inputs=uploaded, webhook_url=body.webhook_url,
-        webhook_events=body.webhook_events,
+        webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
     )  # fmt: skip
     await state.app.check_rate(principal.tenant)
     store, storage = state.app.store, state.app.storage

@@ -25,7 +25,9 @@ from kiln.cli import processes  # isort: split
 
 from kiln.cli import tasks  # isort: split
 
+from kiln.cli import schedules  # isort: split
+
 from kiln.cli import operate
 from kiln.cli.base import cli, main
 
-__all__ = ["cli", "main", "operate", "processes", "tasks"]
+__all__ = ["cli", "main", "operate", "processes", "schedules", "tasks"]

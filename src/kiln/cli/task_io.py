@@ -199,7 +199,20 @@ def _status(task: JSON) -> str:
         return f"{task['status']} {progress['step']}/{progress['total']}"
     if task.get("queue_position"):
         return f"{task['status']} #{task['queue_position']}"
+    if task.get("scheduled_for"):
+        return f"{task['status']} @{task['scheduled_for']}"
     return str(task["status"])
+
+
+def moment_of(raw: str | None) -> float | str | None:
+    """``--run-at`` as the API takes it: unix seconds when it is a number, else the text
+    (an RFC 3339 time, which the server checks)."""
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return raw
 
 
 def _age(stamp: str, now: datetime) -> str:

@@ -89,6 +89,13 @@ def submit(
     priority: Annotated[int | None, typer.Option(help="-100..100, higher first")] = None,
     max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
+    run_at: Annotated[
+        str | None,
+        typer.Option(help="run no earlier than this: unix seconds or RFC 3339 (2027-01-01T09:00Z)"),
+    ] = None,
+    delay: Annotated[
+        float | None, typer.Option("--delay", help="run no earlier than this many seconds from now")
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
     review_wait: ReviewWait = True,
     as_json: AsJson = False,
@@ -108,7 +115,8 @@ def submit(
                   "simulate": _simulate(step_ms, simulate)}  # fmt: skip
         params = {**{k: v for k, v in shaped.items() if v is not None}, **params}
     files = [tasks.InputFile.parse(spec) for spec in input_file or []]
-    fields = {"priority": priority, "max_attempts": max_attempts}
+    fields = {"priority": priority, "max_attempts": max_attempts,
+              "run_at": tasks.moment_of(run_at), "delay_s": delay}  # fmt: skip
     with client_of(server, api_key) as client:
         task = tasks.submit_with_progress(
             client, kind, params, files, idempotency_key=idempotency_key,
@@ -170,6 +178,8 @@ def _describe(client: Client, task: JSON) -> Iterator[str]:
     yield f"{task['id']}  {task['kind']}  {task['status']}"
     if task.get("queue_position"):
         yield f"queue position: {task['queue_position']}"
+    if task.get("scheduled_for"):
+        yield f"scheduled for: {task['scheduled_for']}"
     yield f"attempt: {task['attempt']}/{task['max_attempts']}"
     progress = task.get("progress")
     if progress and not task["final"]:

@@ -365,6 +365,16 @@ class TaskPage {
     for (const [kind, text] of items) {
       this.notices.appendChild(h("p", { class: `notice notice-${kind}`, text }));
     }
+    const scheduled = task.status === "PENDING" ? parseTime(task.scheduled_for) : null;
+    if (scheduled !== null) {
+      const line = h("p", { class: "notice notice-info", dataset: { testid: "scheduled" } });
+      tick(line, () =>
+        scheduled > serverNow()
+          ? `Scheduled — runs at ${formatClock(scheduled, true)} (in ${formatDuration(scheduled - serverNow())}).`
+          : "Its scheduled time has come; waiting for a worker.",
+      );
+      this.notices.appendChild(line);
+    }
     if (task.status === "RETRYING" && parseTime(task.next_retry_at) !== null) {
       const due = parseTime(task.next_retry_at);
       const line = h("p", { class: "notice notice-warn" });
@@ -427,6 +437,7 @@ class TaskPage {
     if (!task) return "";
     switch (task.status) {
       case "PENDING":
+        if (parseTime(task.scheduled_for) !== null && parseTime(task.scheduled_for) > serverNow()) return "Scheduled — waits for its time";
         return Number.isFinite(task.queue_position) ? `Queued — #${task.queue_position} in line` : "Queued";
       case "WAITING_FOR_RESOURCE": {
         const slot = task.resource_wait;
@@ -574,7 +585,7 @@ class TaskPage {
 
   renderDetails() {
     const task = this.task;
-    const key = JSON.stringify([task.params, task.metadata, task.inputs, task.idempotency_key, task.updated_at, task.next_retry_at]);
+    const key = JSON.stringify([task.params, task.metadata, task.inputs, task.idempotency_key, task.updated_at, task.next_retry_at, task.scheduled_for]);
     if (key === this.renderedDetails) return;
     this.renderedDetails = key;
     clear(this.params);
@@ -601,6 +612,7 @@ class TaskPage {
       ["Updated", task.updated_at ? formatClock(parseTime(task.updated_at), true) : "—"],
     ];
     if (task.next_retry_at) rows.push(["Next retry", formatClock(parseTime(task.next_retry_at), true)]);
+    if (task.scheduled_for) rows.push(["Scheduled for", formatClock(parseTime(task.scheduled_for), true)]);
     clear(this.extra);
     for (const [name, value] of rows) {
       this.extra.append(h("dt", { text: name }), h("dd", { class: "mono", text: String(value) }));

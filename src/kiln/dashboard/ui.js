@@ -278,9 +278,12 @@ export function durationText(task) {
   return formatDuration(serverNow() - created);
 }
 
-/** Where a waiting task stands: "#3 in queue", "#2 for gpu-a100", "retry in 4.2 s". */
+/** Where a waiting task stands: "#3 in queue", "#2 for gpu-a100", "retry in 4.2 s",
+ * "scheduled in 5 min" (a delayed task not yet due). */
 export function queueText(task) {
   const waiting = task.status === "PENDING" || task.status === "RETRYING";
+  const scheduled = task.status === "PENDING" ? parseTime(task.scheduled_for) : null;
+  if (scheduled !== null && scheduled > serverNow()) return `scheduled in ${formatDuration(scheduled - serverNow())}`;
   if (waiting && Number.isFinite(task.queue_position)) return `#${task.queue_position} in queue`;
   const slot = task.resource_wait;
   if (task.status === "WAITING_FOR_RESOURCE" && slot) return `#${slot.position} for ${slot.pool}`;

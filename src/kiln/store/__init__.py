@@ -22,6 +22,7 @@ from kiln.store.records import (
     Progress,
     Stats,
 )
+from kiln.store.schedules import ScheduleRecord, Tick, TickResult
 from kiln.store.sqlstore import Store
 from kiln.store.workers import WorkerRecord
 
@@ -55,8 +56,11 @@ __all__ = [
     "InputPins",
     "LeaderToken",
     "Progress",
+    "ScheduleRecord",
     "Stats",
     "Store",
+    "Tick",
+    "TickResult",
     "WorkerRecord",
     "open_store",
 ]

@@ -37,6 +37,7 @@ from kiln.store.rows import (
     event_from_row,
     task_from_row,
 )
+from kiln.store.schedules import ScheduleOps
 from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
 from kiln.store.workers import WorkerOps
 
@@ -50,16 +51,18 @@ DWELL_WINDOW = 10_000
 
 
 def insert_args(new: NewTask, now: float) -> list[Any]:
-    """The parameters of the ``insert_task`` query."""
+    """The parameters of the ``insert_task`` query. A delayed task (``run_at``) is ready,
+    and its deadline counts, from that moment."""
+    ready = now if new.run_at is None else max(now, new.run_at)
     timeouts = {
         "waiting_s": new.timeouts.waiting_s,
         "generating_s": new.timeouts.generating_s,
         "uploading_s": new.timeouts.uploading_s,
     }
     return [
-        new.id, new.tenant, new.kind, new.priority, now, dumps(new.params),
+        new.id, new.tenant, new.kind, new.priority, ready, dumps(new.params),
         dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
-        new.dedup_key, new.max_attempts, new.deadline_s, now + new.deadline_s,
+        new.dedup_key, new.max_attempts, new.deadline_s, ready + new.deadline_s,
         dumps(timeouts), now, now, now, dumps(new.webhook), new.model,
     ]  # fmt: skip
 
@@ -466,7 +469,7 @@ def purge_candidates(
     return sql, args
 
 
-class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps):
+class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps, ScheduleOps):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
     Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and

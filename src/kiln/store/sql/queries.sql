@@ -597,3 +597,50 @@ SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING}
 SELECT pool_slots.pool, pool_slots.held, pool_slots.since FROM pool_slots
 JOIN tasks t ON t.id = pool_slots.task_id AND t.epoch = pool_slots.epoch
     AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?
+
+-- schedules (kiln/store/schedules.py) ---------------------------------------------------
+
+-- insert_schedule --
+-- A new schedule: (id, tenant, cron, timezone, submission, overlap, missed, paused,
+-- next_at, created_at, updated_at).
+INSERT INTO schedules (id, tenant, cron, timezone, submission, overlap, missed, paused,
+    next_at, created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+
+-- get_schedule --
+-- A schedule: (id).
+SELECT id, tenant, cron, timezone, submission, overlap, missed, paused, next_at,
+    last_task_id, last_fired_at, fired, skipped, created_at, updated_at
+FROM schedules WHERE id = ?
+
+-- lock_schedule --
+-- A schedule about to fire, locked until commit: (id).
+SELECT id, tenant, cron, timezone, submission, overlap, missed, paused, next_at,
+    last_task_id, last_fired_at, fired, skipped, created_at, updated_at
+FROM schedules WHERE id = ? {FOR_UPDATE}
+
+-- due_schedules --
+-- The schedules whose next tick has come, earliest first: (now, limit).
+SELECT id, tenant, cron, timezone, submission, overlap, missed, paused, next_at,
+    last_task_id, last_fired_at, fired, skipped, created_at, updated_at
+FROM schedules WHERE paused = {FALSE} AND next_at IS NOT NULL AND next_at <= ?
+ORDER BY next_at LIMIT ?
+
+-- next_schedule_at --
+-- The earliest next tick of a running schedule (no parameters).
+SELECT MIN(next_at) FROM schedules WHERE paused = {FALSE} AND next_at IS NOT NULL
+
+-- advance_schedule --
+-- A handled tick: the next one, the task it fired (or the last one kept), how many it
+-- fired and skipped: (next_at, last_task_id, last_fired_at, fired, skipped, now, id).
+UPDATE schedules SET next_at = ?, last_task_id = ?, last_fired_at = ?, fired = fired + ?,
+    skipped = skipped + ?, updated_at = ?
+WHERE id = ?
+
+-- pause_schedule --
+-- Pause or resume a schedule, with its next tick: (paused, next_at, now, id).
+UPDATE schedules SET paused = ?, next_at = ?, updated_at = ? WHERE id = ?
+
+-- delete_schedule --
+-- (id).
+DELETE FROM schedules WHERE id = ?

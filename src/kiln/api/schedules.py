@@ -1,0 +1,265 @@
+"""The schedule routes: recurring submissions on a cron expression in a time zone.
+
+``POST /v1/schedules`` checks everything a tick's submission would need (the cron
+expression, the zone, the kind, its params, the options) before it stores anything, so a
+tick never fails on what could have been refused at once. Schedules belong to a tenant as
+tasks do: another tenant's schedule is ``404 not_found``; the admin key sees them all.
+The leading supervisor fires the ticks (:mod:`kiln.scheduler`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kiln import canonical, webhooks
+from kiln.api.errors import error_responses
+from kiln.api.schemas import JSONObject, SubmitRequest
+from kiln.api.state import ApiState, api_state
+from kiln.api.tasks import Caller, _blank_to_none, _body_doc, json_body, validated
+from kiln.app import check_metadata
+from kiln.errors import InvalidRequest, NotFound
+from kiln.store import ScheduleRecord
+from kiln.timing import Cron
+
+router = APIRouter(prefix="/v1")
+
+SCHEDULES_PATH = "/v1/schedules"
+#: A schedule's id, which is also a page's cursor.
+SCHEDULE_ID = re.compile(r"sch_[0-9a-hjkmnp-tv-z]{26}")
+_EVERY = r"\*(/[1-9])?"
+#: The cron expressions the OpenAPI document promises are taken: one value or every n per
+#: field, with a day of the month every month has. The server takes all of cron: ranges,
+#: lists, names (MON, JAN), L and # (docs/schedules.md).
+CRON_DOC_PATTERN = (
+    rf"^(({_EVERY}|[1-5]?[0-9]) )?({_EVERY}|[1-5]?[0-9]) ({_EVERY}|1?[0-9]|2[0-3])"
+    rf" ({_EVERY}|[1-9]|1[0-9]|2[0-8]) ({_EVERY}|[1-9]|1[0-2]) (\*(/[1-6])?|[0-6])$"
+)
+
+
+class ScheduleRequest(BaseModel):
+    """``POST /v1/schedules``: a cron expression, its time zone, and the task each tick
+    submits (the body of ``POST /v1/tasks``, without ``run_at`` and ``delay_s``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    cron: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=200,
+            description="five fields (minute hour day month weekday), or six with seconds first",
+            examples=["0 9 * * 1"],
+            json_schema_extra={"pattern": CRON_DOC_PATTERN},
+        ),
+    ]
+    timezone: Annotated[
+        str, Field(min_length=1, max_length=64, description="an IANA zone", examples=["UTC"])
+    ] = "UTC"
+    task: SubmitRequest
+    overlap: Annotated[
+        Literal["skip", "queue"],
+        Field(description="skip: a tick is skipped while the last tick's task is not final"),
+    ] = "skip"
+    missed: Annotated[
+        Literal["fire_once", "skip"],
+        Field(description="ticks missed by more than a minute: fire the latest once, or skip"),
+    ] = "fire_once"
+    paused: bool = False
+
+
+class ScheduleOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    cron: str
+    timezone: str
+    kind: str
+    task: JSONObject
+    overlap: str
+    missed: str
+    paused: bool
+    #: The next tick (null while paused).
+    next_run_at: AwareDatetime | None
+    last_task_id: str | None
+    last_fired_at: AwareDatetime | None
+    fired: int
+    skipped: int
+    created_at: AwareDatetime
+    updated_at: AwareDatetime
+
+
+class ScheduleList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[ScheduleOut]
+    next_cursor: str | None
+
+
+def submission_of(state: ApiState, task: SubmitRequest) -> dict[str, Any]:
+    """What each tick submits, checked as a submission is (422 for a bad kind, params,
+    metadata or webhook), with its defaults filled in."""
+    if task.run_at is not None or task.delay_s is not None:
+        raise InvalidRequest(
+            "a schedule's task runs at its ticks: give no run_at or delay_s",
+            details=[{"loc": ["body", "task", "run_at"], "msg": "not here", "type": "value_error"}],
+        )
+    app = state.app
+    kind = app.kind(task.kind)
+    params = kind.validate(task.params)
+    kind.check_inputs(params, [])
+    check_metadata(task.metadata)
+    webhook = webhooks.webhook_spec(
+        task.webhook_url, task.webhook_events, allow_private=state.settings.webhook_allow_private
+    )
+    given = task.timeouts
+    timeouts = app.timeouts_of(
+        task.kind,
+        waiting_s=None if given is None else given.waiting_s,
+        generating_s=None if given is None else given.generating_s,
+        uploading_s=None if given is None else given.uploading_s,
+    )
+    return {
+        "kind": task.kind, "params": params, "priority": task.priority,
+        "max_attempts": task.max_attempts, "deadline_s": task.deadline_s,
+        "timeouts": {"waiting_s": timeouts.waiting_s, "generating_s": timeouts.generating_s,
+                     "uploading_s": timeouts.uploading_s},
+        "metadata": task.metadata, "webhook": webhook,
+    }  # fmt: skip
+
+
+async def _owned(state: ApiState, schedule_id: str, scope: str | None) -> ScheduleRecord:
+    found = await state.app.store.schedule(schedule_id)
+    if found is None or (scope is not None and found.tenant != scope):
+        raise NotFound(f"no schedule {schedule_id!r}")
+    return found
+
+
+def _answer(schedule: ScheduleRecord, status_code: int = 200) -> Response:
+    headers = {"Location": f"{SCHEDULES_PATH}/{schedule.id}"} if status_code == 201 else None
+    return JSONResponse(schedule.to_json(), status_code=status_code, headers=headers)
+
+
+@router.post(
+    "/schedules",
+    summary="Create a recurring schedule",
+    status_code=201,
+    response_model=ScheduleOut,
+    responses=error_responses(401, 413, 415, 422),
+    openapi_extra=_body_doc(ScheduleRequest),
+)
+async def create_schedule(request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    body = validated(ScheduleRequest, await json_body(request, state.settings.max_body_bytes))
+    now = state.app.engine.now()
+    cron = Cron.parse(body.cron, body.timezone, now=now)
+    submission = submission_of(state, body.task)
+    record = ScheduleRecord(
+        id=canonical.new_id("sch_"), tenant=principal.tenant, cron=cron.expression,
+        timezone=cron.timezone, submission=submission, overlap=body.overlap,
+        missed=body.missed, paused=body.paused, next_at=cron.next_after(now),
+    )  # fmt: skip
+    return _answer(await state.app.store.create_schedule(record), 201)
+
+
+@router.get(
+    "/schedules",
+    summary="List schedules, oldest first",
+    response_model=ScheduleList,
+    responses=error_responses(401, 422),
+)
+async def list_schedules(
+    request: Request,
+    principal: Caller,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[
+        str | None,
+        BeforeValidator(_blank_to_none),
+        Query(
+            description="next_cursor of the previous page",
+            json_schema_extra={"pattern": f"^{SCHEDULE_ID.pattern}$"},
+        ),
+    ] = None,
+) -> Response:
+    if cursor is not None and SCHEDULE_ID.fullmatch(cursor) is None:
+        raise InvalidRequest(
+            "the cursor is not one a page gave: pass next_cursor of the previous page as is",
+            details=[{"loc": ["query", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
+        )
+    store = api_state(request).app.store
+    found = await store.schedules(tenant=principal.scope, limit=limit + 1, after=cursor)
+    page = found[:limit]
+    next_cursor = page[-1].id if len(found) > limit else None
+    return JSONResponse({"items": [s.to_json() for s in page], "next_cursor": next_cursor})
+
+
+@router.get(
+    "/schedules/{schedule_id}",
+    summary="Get a schedule",
+    response_model=ScheduleOut,
+    responses=error_responses(401, 404),
+)
+async def get_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
+    return _answer(await _owned(api_state(request), schedule_id, principal.scope))
+
+
+@router.post(
+    "/schedules/{schedule_id}/pause",
+    summary="Pause a schedule: no tick fires until it is resumed",
+    response_model=ScheduleOut,
+    responses=error_responses(401, 404),
+)
+async def pause_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
+    return await _set_paused(request, principal.scope, schedule_id, paused=True)
+
+
+@router.post(
+    "/schedules/{schedule_id}/resume",
+    summary="Resume a schedule from its next tick after now (paused ticks are not fired)",
+    response_model=ScheduleOut,
+    responses=error_responses(401, 404),
+)
+async def resume_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
+    return await _set_paused(request, principal.scope, schedule_id, paused=False)
+
+
+async def _set_paused(
+    request: Request, scope: str | None, schedule_id: str, *, paused: bool
+) -> Response:
+    state = api_state(request)
+    found = await _owned(state, schedule_id, scope)
+    if found.paused == paused:
+        return _answer(found)
+    next_at = found.next_at
+    if not paused:
+        next_at = Cron(found.cron, found.timezone).next_after(state.app.engine.now())
+    changed = await state.app.store.set_schedule_paused(schedule_id, paused=paused, next_at=next_at)
+    if changed is None:
+        raise NotFound(f"no schedule {schedule_id!r}")
+    return _answer(changed)
+
+
+class Deleted(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    deleted: Literal[True]
+
+
+@router.delete(
+    "/schedules/{schedule_id}",
+    summary="Delete a schedule (the tasks it made stay)",
+    response_model=Deleted,
+    responses=error_responses(401, 404),
+)
+async def delete_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
+    state = api_state(request)
+    await _owned(state, schedule_id, principal.scope)
+    if not await state.app.store.delete_schedule(schedule_id):
+        raise NotFound(f"no schedule {schedule_id!r}")
+    return JSONResponse({"id": schedule_id, "deleted": True})
