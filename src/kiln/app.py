@@ -35,6 +35,7 @@ from kiln.errors import (
     NotRetryable,
 )
 from kiln.kinds import (
+    AmountsOf,
     Handler,
     HandlerResult,
     InputCheck,
@@ -56,6 +57,7 @@ from kiln.worker import Worker
 
 __all__ = [
     "DEFAULT_TENANT",
+    "AmountsOf",
     "App",
     "Handler",
     "HandlerResult",
@@ -182,13 +184,16 @@ class App:
         inputs: Sequence[str] = (),
         check: InputCheck | None = None,
         model: str | ModelOf | None = None,
+        amounts: AmountsOf | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register ``handler(ctx, params)`` for tasks of kind ``name``.
 
         ``inputs`` names the files a task of this kind is submitted with; ``check`` refuses
         params that do not fit them (see :meth:`TaskKind.check_inputs`). ``model`` says
         which model a task needs: the name of a string param, or a function of the
-        validated params (warm-model routing, docs/scheduling.md).
+        validated params (warm-model routing, docs/scheduling.md). ``amounts`` says how
+        much of each pool a task takes, from its params (memory admission), over
+        ``resources``.
         """
 
         def register(handler: Handler) -> Handler:
@@ -196,7 +201,7 @@ class App:
                 raise ValueError(f"task kind {name!r} is already registered")
             self.kinds[name] = TaskKind(
                 name, handler, params, dict(resources or {}), timeouts, retry, review, normalize,
-                tuple(inputs), check, model,
+                tuple(inputs), check, model, amounts,
             )  # fmt: skip
             return handler
 

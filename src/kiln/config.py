@@ -31,6 +31,7 @@ from kiln.config_values import (
     OUTPUT_URL_MODES,
     RESERVED_TENANTS,
     RESULT_LOST_POLICIES,
+    MemoryRule,
     Parser,
     parse_api_keys,
     parse_breaker_policy,
@@ -93,6 +94,7 @@ class Settings:
     claim_order: str = "fifo"
     affinity_wait_s: float = 5.0
     model_memory_gb: float | None = None
+    generate_memory: MemoryRule | None = None
     demo_model_load_s: float = 1.0
     backend: str = "demo"
     openai_base_url: str = "https://api.openai.com/v1"
@@ -429,6 +431,11 @@ VARIABLES: tuple[Variable, ...] = (
        "the memory a worker process's loaded models may take together; past it the least "
        "recently used model is unloaded before another loads", group=SCHEDULING, unit="GiB",
        shown="unset (no limit)"),
+    _v("KILN_GENERATE_MEMORY", "generate_memory", values.structured(
+       "pool:base or pool:base+per/mpx, in GiB", values.parse_memory_rule), "what an "
+       "`image.generate` task takes of a pool of memory (memory admission): `gpu-mem:4+1.5/mpx`"
+       " is 4 GiB plus 1.5 per megapixel, rounded up, of the pool `gpu-mem` (KILN_POOLS)",
+       group=SCHEDULING, shown="unset (a `gpu` slot)"),
     _v("KILN_DEMO_MODEL_LOAD_S", "demo_model_load_s", SECONDS_OR_ZERO, "how long the demo "
        "backend takes to load a model a task names (`model` param), to show routing and "
        "the `loading_model` stage", group=SCHEDULING, unit="s"),

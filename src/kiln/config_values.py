@@ -267,6 +267,36 @@ def _is_number(raw: str) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryRule:
+    """What an ``image.generate`` task takes of a pool of memory (GiB):
+    ``ceil(base_gb + per_mpx_gb * width * height / 1e6)`` units of ``pool``."""
+
+    pool: str
+    base_gb: float
+    per_mpx_gb: float = 0.0
+
+    def units(self, width: int, height: int) -> int:
+        return max(1, math.ceil(self.base_gb + self.per_mpx_gb * width * height / 1e6 - 1e-9))
+
+
+def parse_memory_rule(raw: str) -> MemoryRule:
+    """``pool:base`` or ``pool:base+per/mpx`` (GiB) → :class:`MemoryRule`."""
+    pool, sep, amounts = raw.strip().partition(":")
+    if not sep or not pool.strip() or "," in pool:
+        raise ValueError("no pool name")
+    base, plus, per = amounts.partition("+")
+    if plus and not per.strip().endswith("/mpx"):
+        raise ValueError("the per-picture part must end in /mpx")
+    base_gb = float(base)
+    per_gb = float(per.strip()[: -len("/mpx")]) if plus else 0.0
+    if not (math.isfinite(base_gb) and math.isfinite(per_gb)) or base_gb < 0 or per_gb < 0:
+        raise ValueError("amounts must be finite and not negative")
+    if base_gb == 0 and per_gb == 0:
+        raise ValueError("a task must take something")
+    return MemoryRule(pool.strip(), base_gb, per_gb)
+
+
 def parse_breaker_policy(raw: str) -> dict[str, str]:
     """``kind=pause,kind=fail_fast`` → {kind: policy}; ``*`` names every kind not listed."""
     found: dict[str, str] = {}

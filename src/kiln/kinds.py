@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +33,8 @@ ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
 InputCheck = Callable[[Any, list[JSON]], None]
 #: The model a task needs, from its validated params (None: it names none).
 ModelOf = Callable[[JSON], "str | None"]
+#: How much of each pool a task takes, from its validated params (``{"gpu-mem": 12}``).
+AmountsOf = Callable[[JSON], Mapping[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,17 @@ class TaskKind:
     #: Which model a task needs (warm-model routing, docs/scheduling.md): the name of a
     #: string param, or a function of the validated params.
     model: str | ModelOf | None = None
+    #: How much of each pool a task takes, from its params (memory admission); on top of
+    #: ``resources`` (and under KILN_KIND_RESOURCES, which names fixed amounts).
+    amounts: AmountsOf | None = None
+
+    def needs_of(self, params: JSON, declared: Mapping[str, int]) -> dict[str, int]:
+        """What a task with these params takes: ``declared`` (the kind's resources with
+        KILN_KIND_RESOURCES on top) with its own amounts over them."""
+        if self.amounts is None:
+            return dict(declared)
+        own = {name: int(n) for name, n in self.amounts(params).items() if int(n) > 0}
+        return {**declared, **own}
 
     def model_of(self, params: JSON) -> str | None:
         """The model a task with these (validated) params needs, or None."""
@@ -187,4 +200,5 @@ class Registry(Protocol):
         inputs: Sequence[str] = (),
         check: InputCheck | None = None,
         model: str | ModelOf | None = None,
+        amounts: AmountsOf | None = None,
     ) -> Callable[[Handler], Handler]: ...

@@ -110,6 +110,8 @@ class Attempt:
 
     task: Task
     kind: TaskKind
+    #: What the attempt takes of each pool (the kind's resources, its own amounts).
+    needs: dict[str, int] = field(default_factory=dict)
     runner: asyncio.Task[None] | None = None
     pipeline: asyncio.Task[None] | None = None
     stop_reason: str | None = None
@@ -348,7 +350,7 @@ class Worker:
             pool
             for attempt in self.attempts.values()
             if not attempt.past_pools
-            for pool in units_needed(self.needs[attempt.kind.name], capacities)
+            for pool in units_needed(attempt.needs, capacities)
         )
         keep = []
         for kind in kinds:
@@ -384,7 +386,8 @@ class Worker:
         they take no resource and their breakers are closed."""
         return [
             kind for kind in kinds
-            if not any(n > 0 for n in self.needs[kind].values()) and self.breakers.closed(kind)
+            if not any(n > 0 for n in self.needs[kind].values())
+            and self.engine.kinds[kind].amounts is None and self.breakers.closed(kind)
         ]  # fmt: skip
 
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
@@ -412,9 +415,19 @@ class Worker:
                 await task
 
     def _start(self, task: Task) -> None:
-        attempt = Attempt(task, self.engine.kinds[task.kind])
+        kind = self.engine.kinds[task.kind]
+        attempt = Attempt(task, kind, self._needs_of(kind, task))
         self.attempts[task.id] = attempt
         attempt.runner = asyncio.create_task(self._execute(attempt), name=f"kiln-{task.id}")
+
+    def _needs_of(self, kind: TaskKind, task: Task) -> dict[str, int]:
+        """What ``task`` takes of each pool; params its amounts cannot read take the
+        kind's resources (the handler refuses such params when it parses them)."""
+        try:
+            return kind.needs_of(task.params, self.needs[kind.name])
+        except Exception as exc:  # the attempt fails on its params anyway
+            log.warning("amounts_failed", extra={"task_id": task.id, "error": repr(exc)})
+            return dict(self.needs[kind.name])
 
     # one attempt
 
@@ -541,7 +554,7 @@ class Worker:
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
-        needs = self.needs[kind.name]
+        needs = attempt.needs
         async with self.pool.hold(needs):
             await self._acquire_shared(attempt, needs)
             if self._pool_lease_lapsed(attempt):  # the slot may be another task's by now
@@ -701,8 +714,7 @@ class Worker:
         """A shared pool's slot counts only while the attempt's lease runs: once it lapsed
         (a paused process, a store that did not answer) another task may hold the slot,
         so an attempt before or in a pool stops instead of renewing the lease."""
-        if attempt.past_pools or not units_needed(self.needs[attempt.kind.name],
-                                                   self.engine.settings.pools):  # fmt: skip
+        if attempt.past_pools or not units_needed(attempt.needs, self.engine.settings.pools):
             return False
         return self.engine.now() >= (attempt.task.lease_expires_at or 0.0)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from kiln.models import Task, TaskEvent
 from kiln.states import Event, Status, replay
 from kiln.storage import Storage
 from kiln.store import Store
+
+from .cli_workers import CliWorkers
 
 WORKER_SCRIPT = Path(__file__).with_name("worker_process.py")
 
@@ -233,3 +236,31 @@ async def claim_one(app: kiln.App, *, lease_ttl_s: float = 60.0, worker_id: str 
 async def claim_generating(app: kiln.App, *, lease_ttl_s: float = 60.0) -> Task:
     task = await claim_one(app, lease_ttl_s=lease_ttl_s)
     return await app.apply(task, Event.ACQUIRE, fenced=True)
+
+
+# `kiln worker` processes on either store --------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def new_database(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], str]:
+    """Makes a fresh database on the backend under test, each call."""
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return lambda: str(server.new_database())
+    return lambda: f"sqlite:///{tmp_path / uuid.uuid4().hex[:8]}.db"
+
+
+@pytest.fixture
+def cli_workers(tmp_path: Path) -> Iterator[Callable[..., CliWorkers]]:
+    """Makes :class:`CliWorkers` groups (``make(root, database_url, **env)``); every one is
+    stopped at teardown and its logs' tails shown."""
+    made: list[CliWorkers] = []
+
+    def make(root: Path, database_url: str, **env: str) -> CliWorkers:
+        made.append(CliWorkers(root, database_url, **env))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.stop()
+        sys.stderr.write(group.tail())

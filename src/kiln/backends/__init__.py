@@ -33,9 +33,10 @@ from PIL import Image
 from kiln import demo
 from kiln.backends.upstream import BAD_RESPONSE, UpstreamMetrics, sniff
 from kiln.config import Settings
+from kiln.config_values import MemoryRule
 from kiln.demo import OUTPUT_NAMES, GenerateParams
 from kiln.errors import InvalidRequest, Retryable
-from kiln.kinds import Registry
+from kiln.kinds import AmountsOf, Registry
 from kiln.model_cache import ModelCache
 from kiln.models import JSON, Output
 from kiln.paint import encode
@@ -220,8 +221,21 @@ def register(
         review=demo.flagged_for_review,
         normalize=demo.normalize,
         model=handler.model_of,
+        amounts=memory_amounts(app.settings.generate_memory),
     )(handler)
     return handler
+
+
+def memory_amounts(rule: MemoryRule | None) -> AmountsOf | None:
+    """What a task takes of a pool of memory under KILN_GENERATE_MEMORY, from its size."""
+    if rule is None:
+        return None
+
+    def amounts(params: JSON) -> dict[str, int]:
+        width, height = int(params.get("width", 512)), int(params.get("height", 512))
+        return {rule.pool: rule.units(width, height)}
+
+    return amounts
 
 
 def collectors(app: Registry) -> list[UpstreamMetrics]:
