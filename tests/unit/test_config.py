@@ -117,6 +117,12 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(var: Variable) -> Non
          "tenant:seconds pairs, comma-separated (entry 'acme' is not of that form)"),
         ({"KILN_BREAKER_POLICY": "a=retry"}, "KILN_BREAKER_POLICY='a=retry': expected "
          "kind=pause or kind=fail_fast, comma-separated (entry 'a=retry' names no policy)"),
+        ({"KILN_GENERATE_MEMORY": "gpu-mem:4+2"}, "KILN_GENERATE_MEMORY='gpu-mem:4+2': "
+         "expected pool:base or pool:base+per/mpx, in GiB (the per-picture part must end in "
+         "/mpx)"),
+        ({"KILN_GENERATE_MEMORY": "gpu-mem:-1"}, "KILN_GENERATE_MEMORY='gpu-mem:-1': "
+         "expected pool:base or pool:base+per/mpx, in GiB (amounts must be finite and not "
+         "negative)"),
     ],
 )  # fmt: skip
 def test_the_refusal_says_what_the_value_should_be(env: dict[str, str], message: str) -> None:
