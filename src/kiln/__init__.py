@@ -4,7 +4,7 @@ from kiln.app import App
 from kiln.client import AsyncClient, Client
 from kiln.config import Settings
 from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError
-from kiln.kinds import TaskKind
+from kiln.kinds import BatchPolicy, TaskKind
 from kiln.models import Output, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
 from kiln.states import Event, Status
@@ -12,6 +12,7 @@ from kiln.states import Event, Status
 __all__ = [
     "App",
     "AsyncClient",
+    "BatchPolicy",
     "Client",
     "Event",
     "KilnError",

@@ -36,6 +36,7 @@ from kiln.errors import (
 )
 from kiln.kinds import (
     AmountsOf,
+    BatchPolicy,
     Handler,
     HandlerResult,
     InputCheck,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "AmountsOf",
     "App",
+    "BatchPolicy",
     "Handler",
     "HandlerResult",
     "InputCheck",
@@ -185,6 +187,7 @@ class App:
         check: InputCheck | None = None,
         model: str | ModelOf | None = None,
         amounts: AmountsOf | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register ``handler(ctx, params)`` for tasks of kind ``name``.
 
@@ -193,7 +196,8 @@ class App:
         which model a task needs: the name of a string param, or a function of the
         validated params (warm-model routing, docs/scheduling.md). ``amounts`` says how
         much of each pool a task takes, from its params (memory admission), over
-        ``resources``.
+        ``resources``. ``batch`` runs the kind's tasks in batches: the handler then takes
+        lists, ``handler(ctxs, params)`` (:class:`BatchPolicy`).
         """
 
         def register(handler: Handler) -> Handler:
@@ -201,7 +205,7 @@ class App:
                 raise ValueError(f"task kind {name!r} is already registered")
             self.kinds[name] = TaskKind(
                 name, handler, params, dict(resources or {}), timeouts, retry, review, normalize,
-                tuple(inputs), check, model, amounts,
+                tuple(inputs), check, model, amounts, batch,
             )  # fmt: skip
             return handler
 
@@ -377,6 +381,7 @@ class App:
             priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
             timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
             model=task_kind.model_of(clean),
+            batch_key=task_kind.batch.key_of(clean) if task_kind.batch else None,
             run_at=when,
         )  # fmt: skip
         result = await self.store.submit(new)

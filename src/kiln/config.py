@@ -95,6 +95,7 @@ class Settings:
     affinity_wait_s: float = 5.0
     model_memory_gb: float | None = None
     generate_memory: MemoryRule | None = None
+    generate_batch: tuple[int, float] | None = None
     demo_model_load_s: float = 1.0
     backend: str = "demo"
     openai_base_url: str = "https://api.openai.com/v1"
@@ -436,6 +437,11 @@ VARIABLES: tuple[Variable, ...] = (
        "`image.generate` task takes of a pool of memory (memory admission): `gpu-mem:4+1.5/mpx`"
        " is 4 GiB plus 1.5 per megapixel, rounded up, of the pool `gpu-mem` (KILN_POOLS)",
        group=SCHEDULING, shown="unset (a `gpu` slot)"),
+    _v("KILN_GENERATE_BATCH", "generate_batch", values.structured(
+       "size or size/wait_ms, size 1 to 256, wait 0 to 60000", values.parse_batch),
+       "durable dynamic batching of `image.generate`: a worker runs up to `size` tasks of "
+       "the same model, width, height and steps in one call, waiting at most `wait_ms` for "
+       "more to come (`8/50`)", group=SCHEDULING, shown="unset (one task a call)"),
     _v("KILN_DEMO_MODEL_LOAD_S", "demo_model_load_s", SECONDS_OR_ZERO, "how long the demo "
        "backend takes to load a model a task names (`model` param), to show routing and "
        "the `loading_model` stage", group=SCHEDULING, unit="s"),

@@ -297,6 +297,20 @@ def parse_memory_rule(raw: str) -> MemoryRule:
     return MemoryRule(pool.strip(), base_gb, per_gb)
 
 
+def parse_batch(raw: str) -> tuple[int, float]:
+    """``size`` or ``size/wait_ms`` → (max size, max wait in ms)."""
+    size, slash, wait = raw.strip().partition("/")
+    try:
+        count, wait_ms = int(size), float(wait) if slash else 0.0
+    except ValueError:
+        raise ValueError("not numbers") from None
+    if count < 1 or count > 256:
+        raise ValueError("the size must be 1 to 256")
+    if not math.isfinite(wait_ms) or not 0 <= wait_ms <= 60_000:
+        raise ValueError("the wait must be 0 to 60000 ms")
+    return count, wait_ms
+
+
 def parse_breaker_policy(raw: str) -> dict[str, str]:
     """``kind=pause,kind=fail_fast`` → {kind: policy}; ``*`` names every kind not listed."""
     found: dict[str, str] = {}

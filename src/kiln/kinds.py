@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pydantic
 
+from kiln.canonical import digest
 from kiln.errors import InvalidRequest, UnknownKind
 from kiln.models import JSON, Output, Timeouts
 
@@ -35,6 +36,28 @@ InputCheck = Callable[[Any, list[JSON]], None]
 ModelOf = Callable[[JSON], "str | None"]
 #: How much of each pool a task takes, from its validated params (``{"gpu-mem": 12}``).
 AmountsOf = Callable[[JSON], Mapping[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    """Durable dynamic batching of a kind (docs/scheduling.md): a worker that claims one
+    of its tasks claims up to ``max_size`` ready tasks with the same ``key`` params,
+    waiting at most ``max_wait_ms`` for more to come, and calls the handler once with all
+    of them: ``handler(ctxs, params)`` returns one result (outputs, or an exception that
+    fails that task alone) per task, in order."""
+
+    max_size: int
+    max_wait_ms: float = 0.0
+    #: The params that must match for tasks to share a call (``("model", "width")``).
+    key: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_size < 1 or not 0 <= self.max_wait_ms <= 60_000:
+            raise ValueError("a batch takes 1 or more tasks and waits 0 to 60,000 ms")
+
+    def key_of(self, params: JSON) -> str:
+        """The batch a task with these params may join."""
+        return digest({name: params.get(name) for name in self.key})[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +81,8 @@ class TaskKind:
     #: How much of each pool a task takes, from its params (memory admission); on top of
     #: ``resources`` (and under KILN_KIND_RESOURCES, which names fixed amounts).
     amounts: AmountsOf | None = None
+    #: Tasks of this kind run in batches: the handler takes lists (:class:`BatchPolicy`).
+    batch: BatchPolicy | None = None
 
     def needs_of(self, params: JSON, declared: Mapping[str, int]) -> dict[str, int]:
         """What a task with these params takes: ``declared`` (the kind's resources with
@@ -201,4 +226,5 @@ class Registry(Protocol):
         check: InputCheck | None = None,
         model: str | ModelOf | None = None,
         amounts: AmountsOf | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[Handler], Handler]: ...

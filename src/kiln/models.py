@@ -57,6 +57,8 @@ class NewTask:
     webhook: JSON | None = None
     #: The model the task needs, as its kind names it from the params (None: none named).
     model: str | None = None
+    #: The batch it may join: a digest of the params its kind's batch policy matches on.
+    batch_key: str | None = None
     #: A delayed task: not claimable before this moment (unix seconds); None means now.
     run_at: float | None = None
 
@@ -102,6 +104,7 @@ class Task:
     finished_at: float | None
     webhook: JSON | None = None
     model: str | None = None
+    batch_key: str | None = None
 
     @property
     def final(self) -> bool:

@@ -30,7 +30,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from kiln import canonical
 from kiln.breakers import UNAVAILABLE, Breakers
@@ -62,6 +62,8 @@ STORE_RETRY_S = (0.1, 2.0)
 #: first of its waiters at once; a waiter that got its slot wakes the next.
 POOL_POLL_S = (0.05, 1.0)
 POOL_HEAD_POLL_S = 0.2
+#: How often a batch that is not full yet looks for more tasks of its key (seconds).
+BATCH_FILL_POLL_S = 0.01
 #: The most a stopping worker waits for one ``release`` write (seconds); after that the
 #: attempt keeps its lease until it lapses, and the supervisor takes the task over.
 RELEASE_TIMEOUT_S = 3.0
@@ -125,6 +127,43 @@ class Attempt:
     #: Done generating: it holds (and waits for) no pool slot any more.
     past_pools: bool = False
     pool_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The batch it runs in (a batching kind), and what the batch's call made of it.
+    batch: Batch | None = None
+    outcome: asyncio.Future[HandlerResult | BaseException] | None = None
+
+
+@dataclass(eq=False)
+class Batch:
+    """One call of a batching kind's handler over several claimed tasks, its members.
+
+    The batch fills (more tasks of its key, for at most the policy's wait), then takes
+    its resources once for all (this process's slots; the shared pools' units of every
+    member, held through its first live member, the leader), lets each member record its
+    ``acquire``, calls the handler with the members still running, and hands each its
+    outcome. Everything after the call (``generated``, upload, verification, the final
+    transition, a retry) is each member's own, as for a task alone.
+    """
+
+    kind: TaskKind
+    key: str
+    members: list[Attempt] = field(default_factory=list)
+    #: The members that recorded their ``acquire`` and wait for the call, with params.
+    ready: dict[str, Any] = field(default_factory=dict)
+    leader: Attempt | None = None
+    #: Set when the batch holds its resources: its members acquire then.
+    acquired: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set whenever a member became ready or ended: the runner counts again.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when the call is over and the batch gave its own resources back.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task[None] | None = None
+
+    def live(self) -> list[Attempt]:
+        return [m for m in self.members if not m.ended and m.stop_reason is None]
+
+    def settled(self) -> bool:
+        """Every member is ready for the call or gone."""
+        return all(m.task.id in self.ready or m.ended or m.stop_reason for m in self.members)
 
 
 class Context:
@@ -209,6 +248,8 @@ class Worker:
         self._slot_free = asyncio.Event()
         #: This process's attempts waiting in shared pools' lines, in arrival order.
         self._pool_waiters: list[Attempt] = []
+        #: The batches running (each takes one of ``concurrency``'s places).
+        self._batches: set[Batch] = set()
         #: What each kind takes: its code's resources with KILN_KIND_RESOURCES on top.
         self.needs = {
             name: engine.settings.kind_needs(name, kind.resources)
@@ -277,7 +318,7 @@ class Worker:
         ))  # fmt: skip
         try:
             while not self._stopping and not self.draining:
-                free = self.concurrency - len(self.attempts)
+                free = self.concurrency - self._busy()
                 if free > 0:
                     self.engine.wake.clear()
                     claimed: list[Task] = []
@@ -289,12 +330,10 @@ class Worker:
                             lease_ttl_s=self.lease_ttl_s, acquire=self._acquiring(kinds),
                             route=self.route(),
                         ) if kinds else []  # fmt: skip
-                        for task in claimed:  # claimed is committed: run it, whatever follows
-                            self._start(task)
+                        self._start_all(claimed)  # committed: run them, whatever follows
                         probes, room = self._pool_room(probes, free - len(claimed))
                         found = await self._claim_probes(probes, room)
-                        for task in found:
-                            self._start(task)
+                        self._start_all(found)
                         claimed += found
                     except StoreUnavailable as exc:  # wait for the store
                         log.warning("claim_failed", extra={"error": exc.message})
@@ -387,7 +426,8 @@ class Worker:
         return [
             kind for kind in kinds
             if not any(n > 0 for n in self.needs[kind].values())
-            and self.engine.kinds[kind].amounts is None and self.breakers.closed(kind)
+            and self.engine.kinds[kind].amounts is None and self.engine.kinds[kind].batch is None
+            and self.breakers.closed(kind)
         ]  # fmt: skip
 
     async def _idle(self, idle_s: float, may_claim: bool) -> None:
@@ -408,17 +448,43 @@ class Worker:
         it lapses, and the supervisor takes it over."""
         self._stopping = True
         pending = [a.runner for a in self.attempts.values() if a.runner is not None]
+        pending += [b.runner for b in self._batches if b.runner is not None]
         for task in pending:
             task.cancel()
         for task in pending:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    def _start(self, task: Task) -> None:
+    def _start(self, task: Task, batch: Batch | None = None) -> None:
         kind = self.engine.kinds[task.kind]
-        attempt = Attempt(task, kind, self._needs_of(kind, task))
+        attempt = Attempt(task, kind, self._needs_of(kind, task), batch=batch)
+        if batch is not None:
+            attempt.outcome = asyncio.get_running_loop().create_future()
+            batch.members.append(attempt)
         self.attempts[task.id] = attempt
         attempt.runner = asyncio.create_task(self._execute(attempt), name=f"kiln-{task.id}")
+
+    def _start_all(self, tasks: Sequence[Task]) -> None:
+        """Run claimed tasks: alone, or in batches of their key (a batching kind)."""
+        groups: dict[tuple[str, str], list[Task]] = {}
+        for task in tasks:
+            if self.engine.kinds[task.kind].batch is None or task.batch_key is None:
+                self._start(task)
+            else:
+                groups.setdefault((task.kind, task.batch_key), []).append(task)
+        for (name, key), members in groups.items():
+            kind = self.engine.kinds[name]
+            size = kind.batch.max_size if kind.batch else 1
+            for first in range(0, len(members), size):
+                batch = Batch(kind, key)
+                for task in members[first : first + size]:
+                    self._start(task, batch)
+                self._batches.add(batch)
+                batch.runner = asyncio.create_task(self._run_batch(batch), name=f"kiln-{key}")
+
+    def _busy(self) -> int:
+        """The places of ``concurrency`` taken: an attempt alone, or a batch."""
+        return sum(1 for a in self.attempts.values() if a.batch is None) + len(self._batches)
 
     def _needs_of(self, kind: TaskKind, task: Task) -> dict[str, int]:
         """What ``task`` takes of each pool; params its amounts cannot read take the
@@ -487,6 +553,8 @@ class Worker:
             # The loop also ends by itself on ``ended``: a cancel that lands as a store
             # call completes can be lost on Python 3.11, and the slot must come back.
             attempt.ended = True
+            if attempt.batch is not None:
+                attempt.batch.changed.set()
             start.cancel()
             # The slot comes back before any await: a stop that cancels this runner while
             # it waits for its heartbeat must not keep the slot.
@@ -504,6 +572,9 @@ class Worker:
             await work
         except asyncio.CancelledError:
             if attempt.stop_reason == "cancel":
+                batch = attempt.batch
+                if batch is not None and batch.leader is attempt and not attempt.past_pools:
+                    await batch.done.wait()  # the pools' units it holds are the batch's
                 await self._transition(attempt, Event.STOPPED)
             elif attempt.stop_reason == "release":  # a drain's grace ended
                 await self._release(attempt)
@@ -554,19 +625,10 @@ class Worker:
 
     async def _pipeline(self, attempt: Attempt) -> None:
         kind = attempt.kind
-        needs = attempt.needs
-        async with self.pool.hold(needs):
-            await self._acquire_shared(attempt, needs)
-            if self._pool_lease_lapsed(attempt):  # the slot may be another task's by now
-                raise LeaseLost(f"the lease of {attempt.task.id} lapsed while it took a slot")
-            if attempt.task.status is Status.WAITING_FOR_RESOURCE:  # else the claim acquired
-                await self._transition(
-                    attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
-                )
-            params = kind.parse(attempt.task.params)
-            ctx = Context(self, attempt, params)
-            self.engine.hub.local_progress.add(attempt.task.id)
-            produced = _as_outputs(await kind.handler(ctx, params))
+        if attempt.batch is not None:
+            params, produced = await self._generate_in_batch(attempt, attempt.batch)
+        else:
+            params, produced = await self._generate(attempt)
         await self._transition(
             attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
         )
@@ -582,6 +644,137 @@ class Worker:
             Status.NEEDS_REVIEW if flagged else Status.SUCCESS,
             fields={"result": result, "error": None, "stage": None},
         )
+
+    async def _generate(self, attempt: Attempt) -> tuple[Any, list[Output]]:
+        """Take the attempt's resources, record ``acquire``, run the handler."""
+        kind, needs = attempt.kind, attempt.needs
+        async with self.pool.hold(needs):
+            await self._acquire_shared(attempt, needs)
+            if self._pool_lease_lapsed(attempt):  # the slot may be another task's by now
+                raise LeaseLost(f"the lease of {attempt.task.id} lapsed while it took a slot")
+            await self._acquired(attempt)
+            params = kind.parse(attempt.task.params)
+            ctx = Context(self, attempt, params)
+            self.engine.hub.local_progress.add(attempt.task.id)
+            produced = _as_outputs(await kind.handler(ctx, params))
+        return params, produced
+
+    async def _acquired(self, attempt: Attempt) -> None:
+        if attempt.task.status is Status.WAITING_FOR_RESOURCE:  # else the claim acquired
+            await self._transition(
+                attempt, Event.ACQUIRE, state_timeout=attempt.task.timeouts.generating_s
+            )
+
+    async def _generate_in_batch(self, attempt: Attempt, batch: Batch) -> tuple[Any, list[Output]]:
+        """A member's part of its batch: once the batch holds its resources, record
+        ``acquire``, then wait for what the batch's call made of this task."""
+        await batch.acquired.wait()
+        assert attempt.outcome is not None
+        failed = attempt.outcome.result() if attempt.outcome.done() else None
+        if isinstance(failed, BaseException):
+            raise failed  # the batch failed before its call
+        await self._acquired(attempt)
+        params = attempt.kind.parse(attempt.task.params)
+        batch.ready[attempt.task.id] = params
+        batch.changed.set()
+        self.engine.hub.local_progress.add(attempt.task.id)
+        outcome = await asyncio.shield(attempt.outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return params, _as_outputs(outcome)
+
+    async def _run_batch(self, batch: Batch) -> None:
+        """Fill the batch, take its resources, call the handler once for its members."""
+        try:
+            await self._fill(batch)
+            async with self.pool.hold(self.needs[batch.kind.name]):
+                if await self._batch_acquire(batch):
+                    await self._call_batch(batch)
+        except Exception as exc:  # the members fail with it, each on its own
+            log.warning("batch_failed", extra={"batch": batch.key, "error": repr(exc)})
+            for member in batch.members:
+                if member.outcome is not None and not member.outcome.done():
+                    member.outcome.set_result(exc)
+        finally:
+            batch.acquired.set()  # members left waiting see their outcome (or stop)
+            for member in batch.members:
+                if member.outcome is not None and not member.outcome.done():
+                    member.outcome.cancel()
+            batch.done.set()
+            self._batches.discard(batch)
+            self._slot_free.set()
+
+    async def _fill(self, batch: Batch) -> None:
+        """Claim more tasks of the batch's key until it is full or its wait is over."""
+        policy = batch.kind.batch
+        assert policy is not None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + policy.max_wait_ms / 1000
+        while len(batch.members) < policy.max_size and not self._stopping and not self.draining:
+            try:
+                more = await self.engine.store.claim_batch(
+                    worker_id=self.worker_id, kind=batch.kind.name, batch_key=batch.key,
+                    limit=policy.max_size - len(batch.members), lease_ttl_s=self.lease_ttl_s,
+                )  # fmt: skip
+            except StoreUnavailable:
+                more = []
+            for task in more:
+                self._start(task, batch)
+            left = until - loop.time()
+            if left <= 0 or len(batch.members) >= policy.max_size:
+                break
+            if not more:
+                await asyncio.sleep(min(left, BATCH_FILL_POLL_S))
+
+    async def _batch_acquire(self, batch: Batch) -> bool:
+        """Take the shared pools' units of every live member through the first (the
+        leader); False when no member is left."""
+        capacities = self.engine.settings.pools
+        while True:
+            live = batch.live()
+            if not live:
+                return False
+            leader = live[0]
+            total: collections.Counter[str] = collections.Counter()
+            for member in live:
+                total.update(units_needed(member.needs, capacities))
+                member.needs = {}  # what the batch holds, the leader holds
+            leader.needs = dict(total)
+            batch.leader = leader
+            try:
+                await self._acquire_shared(leader, leader.needs)
+            except LeaseLost:  # the leader was given back meanwhile: the next one leads
+                continue
+            if self._pool_lease_lapsed(leader):
+                continue
+            batch.acquired.set()
+            return True
+
+    async def _call_batch(self, batch: Batch) -> None:
+        """Wait until every member is ready or gone, then call the handler with the ready
+        ones and hand each its outcome (an exception fails that member alone; a call that
+        raises fails every member)."""
+        while not batch.settled():
+            batch.changed.clear()
+            await batch.changed.wait()
+        members = [m for m in batch.live() if m.task.id in batch.ready]
+        if not members:
+            return
+        params = [batch.ready[m.task.id] for m in members]
+        ctxs = [Context(self, m, p) for m, p in zip(members, params, strict=True)]
+        log.info("batch_call", extra={"batch": batch.key, "kind": batch.kind.name,
+                 "size": len(members), "task_ids": [m.task.id for m in members]})  # fmt: skip
+        results: list[Any]
+        try:
+            results = list(cast(Sequence[Any], await batch.kind.handler(ctxs, params)))
+            if len(results) != len(members):
+                raise ValueError(f"the batch handler of {batch.kind.name} returned "
+                                 f"{len(results)} results for {len(members)} tasks")  # fmt: skip
+        except Exception as exc:
+            results = [exc] * len(members)
+        for member, result in zip(members, results, strict=True):
+            if member.outcome is not None and not member.outcome.done():
+                member.outcome.set_result(result)
 
     async def _acquire_shared(self, attempt: Attempt, needs: dict[str, int]) -> None:
         """Wait in line for the task's slots of the shared pools (KILN_POOLS); the store
@@ -763,8 +956,8 @@ class Worker:
         if self.engine.now() - attempt.progress_saved_at >= PROGRESS_PERSIST_S:
             attempt.progress_saved_at = self.engine.now()
             await self._beat(attempt, with_progress=True)
-        if attempt.stop_reason is not None:
-            raise asyncio.CancelledError
+        if attempt.stop_reason is not None and attempt.batch is None:
+            raise asyncio.CancelledError  # a batch's call goes on for its other members
 
     def model_loaded(self, attempt: Attempt, model: str, seconds: float) -> None:
         self.model_loads.record(model, seconds)

@@ -26,10 +26,8 @@ class CliWorkers:
         self.database_url = database_url
         self.storage_url = (root / "results").as_uri()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        self.env.update(
-            KILN_DATABASE_URL=database_url, KILN_STORAGE_URL=self.storage_url,
-            KILN_LEASE_TTL_S="3", KILN_LOG_FORMAT="json", **env,
-        )  # fmt: skip
+        self.env.update({"KILN_DATABASE_URL": database_url, "KILN_STORAGE_URL": self.storage_url,
+                         "KILN_LEASE_TTL_S": "3", "KILN_LOG_FORMAT": "json", **env})  # fmt: skip
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def start(self, *args: str) -> subprocess.Popen[bytes]:
@@ -37,6 +35,16 @@ class CliWorkers:
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kiln", "worker", *args],
+                stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+            )  # fmt: skip
+        self.procs.append((proc, log))
+        return proc
+
+    def start_supervisor(self) -> subprocess.Popen[bytes]:
+        log = self.root / f"supervisor-{len(self.procs)}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kiln", "supervisor"],
                 stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
             )  # fmt: skip
         self.procs.append((proc, log))

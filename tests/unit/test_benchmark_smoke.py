@@ -124,3 +124,19 @@ def test_the_log_lines_benchmark_ends_with_its_json_line(tmp_path: Path) -> None
     summary = json.loads(completed.stdout.strip().splitlines()[-1])
     assert set(summary) == {"text log.info", "text logs.line", "json log.info", "json logs.line"}
     assert_positive(summary, tuple(summary))
+
+
+def test_the_gpu_benchmark_counts_model_loads_and_ends_with_its_json(tmp_path: Path) -> None:
+    script = BENCHMARK.parent / "gpu.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--tasks", "6", "--rounds", "1", "--load-s", "0.05",
+         "--skip-batching"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    for order in ("routing_alternating", "routing_random"):
+        for mode in ("routed", "plain"):
+            # Two models on two workers: each loads at least once, never more than a task
+            assert 2 <= summary[order][mode]["loads_median"] <= 6, summary
+            assert summary[order][mode]["wall_s_median"] > 0

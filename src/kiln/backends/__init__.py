@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from PIL import Image
@@ -36,7 +36,7 @@ from kiln.config import Settings
 from kiln.config_values import MemoryRule
 from kiln.demo import OUTPUT_NAMES, GenerateParams
 from kiln.errors import InvalidRequest, Retryable
-from kiln.kinds import AmountsOf, Registry
+from kiln.kinds import AmountsOf, BatchPolicy, Registry
 from kiln.model_cache import ModelCache
 from kiln.models import JSON, Output
 from kiln.paint import encode
@@ -175,11 +175,15 @@ class ImageGenerate:
         return [str(model) for model in loaded()] if callable(loaded) else []
 
     async def __call__(self, ctx: Context, params: GenerateParams) -> Output:
-        data = await self.backend.generate(ctx, params)
-        if sniff(data) == params.format:
-            name, content_type = OUTPUT_NAMES[params.format]
+        return await self.output(await self.backend.generate(ctx, params), params.format)
+
+    @staticmethod
+    async def output(data: bytes, fmt: str) -> Output:
+        """The image as the task's output, re-encoded (in a thread) when not in ``fmt``."""
+        if sniff(data) == fmt:
+            name, content_type = OUTPUT_NAMES[fmt]
             return Output(name, data, content_type)
-        return await asyncio.to_thread(as_output, data, params.format)
+        return await asyncio.to_thread(as_output, data, fmt)
 
 
 def as_output(data: bytes, fmt: str) -> Output:
@@ -213,7 +217,8 @@ def register(
     """
     metrics = metrics or UpstreamMetrics(app.settings)
     chosen = backend or backend_for(app.settings.backend, app.settings, metrics)
-    handler = ImageGenerate(chosen, metrics)
+    batching = app.settings.generate_batch
+    handler = (ImageGenerate if batching is None else BatchedImageGenerate)(chosen, metrics)
     app.task(
         demo.KIND,
         params=GenerateParams,
@@ -222,8 +227,36 @@ def register(
         normalize=demo.normalize,
         model=handler.model_of,
         amounts=memory_amounts(app.settings.generate_memory),
+        batch=None if batching is None else BatchPolicy(*batching, key=BATCH_KEY),
     )(handler)
     return handler
+
+
+#: The params the tasks of one `image.generate` batch share: one pipeline call.
+BATCH_KEY = ("model", "width", "height", "steps")
+
+
+class BatchedImageGenerate(ImageGenerate):
+    """`image.generate` in batches (KILN_GENERATE_BATCH): a backend with
+    ``generate_batch(ctxs, params)`` makes the batch's images in one call (the diffusers
+    backend: one pipeline call); another makes them one by one, at the same time."""
+
+    async def __call__(  # type: ignore[override]
+        self, ctxs: Sequence[Context], params: Sequence[GenerateParams]
+    ) -> list[Output | BaseException]:
+        together = getattr(self.backend, "generate_batch", None)
+        made: Sequence[bytes | BaseException]
+        if callable(together):
+            made = await together(ctxs, params)
+        else:
+            made = await asyncio.gather(
+                *(self.backend.generate(c, p) for c, p in zip(ctxs, params, strict=True)),
+                return_exceptions=True,
+            )
+        return [
+            data if isinstance(data, BaseException) else await self.output(data, p.format)
+            for data, p in zip(made, params, strict=True)
+        ]
 
 
 def memory_amounts(rule: MemoryRule | None) -> AmountsOf | None:

@@ -309,6 +309,33 @@ class ClaimOps(Ops):
             chosen = sorted(found, key=lambda c: (-c.priority, c.ready_at, c.id))[:limit]
         else:
             chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no, route)
+        return await self._take(tx, lease, chosen, now)
+
+    async def claim_batch(
+        self, *, worker_id: str, kind: str, batch_key: str, limit: int, lease_ttl_s: float
+    ) -> list[Task]:
+        """Claim up to ``limit`` ready tasks of ``kind`` that join the batch ``batch_key``
+        (durable dynamic batching), in priority, then ready-time order. They come back
+        WAITING_FOR_RESOURCE: the batch takes its resources once, for all its members."""
+        if limit <= 0:
+            return []
+        lease = Lease(worker_id, lease_ttl_s, [])
+
+        async def claim(tx: Tx) -> tuple[list[Task], list[EventRow]]:
+            now = self.clock()
+            args = (kind, batch_key, now, now, limit)
+            chosen = candidates(await tx.all(self.q.claim_batch, args))
+            return await self._take(tx, lease, chosen, now)
+
+        claimed, events = await self._write(claim)
+        for row in events:  # once committed, in claim order
+            log_claim(row.task, row.source, row.target, row.dwell_s, worker_id)
+        return claimed
+
+    async def _take(
+        self, tx: Tx, lease: Lease, chosen: list[Candidate], now: float
+    ) -> tuple[list[Task], list[EventRow]]:
+        """Claim the ``chosen`` candidates (locked, in claim order) under ``lease``."""
         if not chosen:
             return [], []
         acq = lease.acquire

@@ -32,6 +32,7 @@ SUBMITTED = (
     "id", "tenant", "kind", "priority", "ready_at", "params", "metadata", "inputs",
     "fingerprint", "idempotency_key", "dedup_key", "max_attempts", "deadline_s",
     "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook", "model",
+    "batch_key",
 )  # fmt: skip
 #: The tasks table's column types (for the typed arrays).
 COLUMN_TYPES = (

@@ -67,6 +67,7 @@ TASK_COLUMNS: tuple[str, ...] = (
     "due_at",
     "webhook",
     "model",
+    "batch_key",
 )
 _WEBHOOK = TASK_COLUMNS.index("webhook")
 STATUSES = {str(status): status for status in Status}
@@ -86,7 +87,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         cancel_requested_at=row[27], next_retry_at=row[28], result_prefix=row[29],
         error=loads(row[30]), result=loads(row[31]), created_at=row[32], updated_at=row[33],
         status_since=row[34], started_at=row[35], finished_at=row[36],
-        webhook=loads(row[_WEBHOOK]), model=row[_WEBHOOK + 1],
+        webhook=loads(row[_WEBHOOK]), model=row[_WEBHOOK + 1], batch_key=row[_WEBHOOK + 2],
     )  # fmt: skip
 
 

@@ -63,7 +63,7 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
         new.id, new.tenant, new.kind, new.priority, ready, dumps(new.params),
         dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
         new.dedup_key, new.max_attempts, new.deadline_s, ready + new.deadline_s,
-        dumps(timeouts), now, now, now, dumps(new.webhook), new.model,
+        dumps(timeouts), now, now, now, dumps(new.webhook), new.model, new.batch_key,
     ]  # fmt: skip
 
 

@@ -20,11 +20,11 @@ SELECT status, epoch, version, status_since, tenant FROM tasks WHERE id = ? {FOR
 -- A new PENDING task, unless a live or successful task holds its content (then no row):
 -- (id, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint,
 -- idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,
--- created_at, updated_at, status_since, webhook, model).
+-- created_at, updated_at, status_since, webhook, model, batch_key).
 INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
     fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at,
-    timeouts, created_at, updated_at, status_since, webhook, model)
-VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    timeouts, created_at, updated_at, status_since, webhook, model, batch_key)
+VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
 DO NOTHING RETURNING *
 
@@ -204,6 +204,14 @@ ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
 -- worker holds it loaded), in claim order, locked: (kind, model, now, now, limit).
 SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
 WHERE kind = ? AND model = ? AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ?
+ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
+
+-- claim_batch --
+-- Claim candidates of one kind that join one batch (the same batch key), in claim order,
+-- locked: (kind, batch_key, now, now, limit).
+SELECT id, priority, ready_at, status, status_since, version, tenant, model FROM tasks
+WHERE kind = ? AND batch_key = ? AND status IN {CLAIMABLE} AND ready_at <= ?
+    AND deadline_at > ?
 ORDER BY priority DESC, ready_at, id LIMIT ? {SKIP_LOCKED}
 
 -- claim_routed --
