@@ -122,6 +122,8 @@ class Attempt:
     #: Done generating: it holds (and waits for) no pool slot any more.
     past_pools: bool = False
     pool_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Seconds this attempt spent loading models (``ctx.loading_model``), for the ledger.
+    loading_s: float = 0.0
 
 
 class Context:
@@ -634,6 +636,7 @@ class Worker:
                 write = asyncio.ensure_future(self.engine.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
+                    loading_s=attempt.loading_s, pool=self._pools_of(attempt),
                 ))  # fmt: skip
                 try:
                     attempt.task = await asyncio.shield(write)
@@ -728,9 +731,15 @@ class Worker:
             raise asyncio.CancelledError
 
     def model_loaded(self, attempt: Attempt, model: str, seconds: float) -> None:
+        attempt.loading_s += seconds
         self.model_loads.record(model, seconds)
         log.info("model_loaded", extra={**self._ids(attempt), "model": model,
                  "duration_s": round(seconds, 3)})  # fmt: skip
+
+    def _pools_of(self, attempt: Attempt) -> str:
+        """The shared pools the attempt's kind takes, as the ledger names them."""
+        needs = self.needs[attempt.kind.name]
+        return ",".join(sorted(units_needed(needs, self.engine.settings.pools)))
 
     @staticmethod
     def _ids(attempt: Attempt) -> dict[str, Any]:
