@@ -39,7 +39,7 @@ from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerR
 from kiln.store.claims import claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.store.records import AttemptUsage
-from kiln.store.usage import UsageSum, outcome_of
+from kiln.store.usage import FOREVER, UsageSum, outcome_of
 
 log = logging.getLogger("kiln")
 
@@ -363,9 +363,12 @@ class Engine:
         """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
         return await self.store.usage(since=since, until=until, group_by=group_by, tenant=tenant)
 
-    async def gpu_seconds(self) -> dict[tuple[str, str, str, str], float]:
-        """GPU-seconds by (tenant, kind, model, outcome) over the whole ledger."""
-        return await self.store.gpu_seconds()
+    async def gpu_seconds(
+        self, *, since: float = 0.0, until: float = FOREVER
+    ) -> dict[tuple[str, str, str, str], float]:
+        """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
+        ``[since, until)``."""
+        return await self.store.gpu_seconds(since=since, until=until)
 
     async def webhook_pending(self) -> int:
         """Webhook deliveries not yet delivered or given up."""

@@ -43,6 +43,8 @@ GROUPS = {
     "worker": "worker",
     "pool": "pool",
 }
+#: A time after every attempt's end (the open end of a window).
+FOREVER = 1e18
 #: The most groups one report returns.
 MAX_GROUPS = 10_000
 _COLUMNS = (
@@ -192,10 +194,12 @@ class UsageOps(Ops):
 
         return await self._rows(self.q.sql(sql), args, row)
 
-    async def gpu_seconds(self) -> dict[tuple[str, str, str, str], float]:
-        """GPU-seconds by (tenant, kind, model, outcome), over the whole ledger (a model of
-        None is ``""``); what ``kiln_gpu_seconds_total`` reports at each scrape."""
-        rows = await self._rows(self.q.gpu_seconds, (), tuple)
+    async def gpu_seconds(
+        self, *, since: float = 0.0, until: float = FOREVER
+    ) -> dict[tuple[str, str, str, str], float]:
+        """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
+        ``[since, until)`` (a model of None is ``""``): ``kiln_gpu_seconds_total``."""
+        rows = await self._rows(self.q.gpu_seconds, (since, until), tuple)
         return {(str(a), str(b), str(c), str(d)): float(n) for a, b, c, d, n in rows}
 
 

@@ -223,10 +223,11 @@ SELECT task_id, attempt, epoch, tenant, kind, model, pool, worker, outcome, wait
 FROM usage_ledger WHERE task_id = ? ORDER BY attempt, epoch
 
 -- gpu_seconds --
--- GPU-seconds (generating_s x share) by tenant, kind, model and outcome, every row of the
--- ledger (kiln_gpu_seconds_total).
+-- GPU-seconds (generating_s x share) by tenant, kind, model and outcome, of the attempts
+-- that ended in a window (kiln_gpu_seconds_total): (since, until).
 SELECT tenant, kind, coalesce(model, ''), outcome, sum(generating_s * share)
-FROM usage_ledger GROUP BY tenant, kind, coalesce(model, ''), outcome
+FROM usage_ledger WHERE ended_at >= ? AND ended_at < ?
+GROUP BY tenant, kind, coalesce(model, ''), outcome
 ORDER BY tenant, kind, coalesce(model, ''), outcome
 
 -- claims (kiln/store/claims.py) ------------------------------------------------------------
