@@ -167,6 +167,8 @@ class TaskOut(_Out):
 
     id: str
     kind: str
+    #: The model the task needs, as its kind names it (null: none named).
+    model: str | None = None
     status: Status
     final: bool
     stage: str | None
