@@ -273,3 +273,20 @@ async def test_sums_by_group_and_a_tenants_own(
         ("acme", KIND, "", "failed"): 2.25, ("acme", KIND, "", "success"): 2.25,
         ("globex", KIND, "", "success"): 2.25,
     }  # fmt: skip
+
+
+async def test_the_retention_purge_keeps_the_ledger(
+    store: Store, core: Engine, clock: SettableClock
+) -> None:
+    # Given a task that succeeded long ago
+    new = make_new_task()
+    await store.submit(new)
+    task = await run_to_upload(core, clock, await claim(core))
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    clock.advance(86400)
+    # When the retention purge deletes it with its events
+    assert [t.id for t in await store.purge(finished_before=clock())] == [new.id]
+    assert await store.events(task_id=new.id) == []
+    # Then its ledger row stays: it is billing data
+    (row,) = await store.usage_of_task(new.id)
+    assert (row.outcome, row.generating_s) == ("success", 2.25)
