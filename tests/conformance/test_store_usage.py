@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 import kiln
+from kiln.api.metrics import GPU_FROZEN_AFTER_S, GpuSeconds
 from kiln.engine import Engine
 from kiln.errors import LeaseLost
 from kiln.models import Task, TaskEvent
@@ -290,3 +291,27 @@ async def test_the_retention_purge_keeps_the_ledger(
     # Then its ledger row stays: it is billing data
     (row,) = await store.usage_of_task(new.id)
     assert (row.outcome, row.generating_s) == ("success", 2.25)
+
+
+async def test_the_gpu_seconds_metric_reads_the_ledger_incrementally_and_counts_once(
+    store: Store, core: Engine, clock: SettableClock
+) -> None:
+    # Given the metric's reader and one attempt that ended
+    reader = GpuSeconds()
+    await store.submit(make_new_task({"n": 1}))
+    task = await run_to_upload(core, clock, await claim(core))
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    key = ("acme", KIND, "", "success")
+    assert await reader.read(core) == {key: 2.25}
+    # When another ends minutes later, and the reader's mark moves past both
+    clock.advance(400)
+    await store.submit(make_new_task({"n": 2}))
+    task = await run_to_upload(core, clock, await claim(core))
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    first_mark = reader.mark
+    assert await reader.read(core) == {key: 4.5}
+    clock.advance(2 * GPU_FROZEN_AFTER_S)
+    # Then each attempt is counted once, whether frozen or still read
+    assert await reader.read(core) == {key: 4.5}
+    assert reader.mark is not None and first_mark is not None and reader.mark > first_mark
+    assert reader.frozen == {key: 4.5}

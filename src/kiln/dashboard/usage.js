@@ -1,11 +1,14 @@
 // The GPU usage panel: the GPU-second ledger (GET /v1/usage) over the last 24 hours, by
 // kind and model: attempts, GPU-seconds (seconds generating, a model load included) and
-// the mean wait for a resource. A tenant's key sees its own attempts; the admin's, all.
+// the mean wait for a resource, read at most once a minute. A tenant's key sees its own
+// attempts; the admin's, all.
 
 import { api, serverNow } from "./api.js";
 import { h, clear, formatSeconds } from "./ui.js";
 
 const WINDOW_MS = 24 * 3600 * 1000;
+// The report sums a day of the ledger: read it at most once a minute, not every stats poll.
+const REFRESH_MS = 60 * 1000;
 
 function usageRow(item) {
   const model = item.model || "no model";
@@ -39,14 +42,18 @@ export function createUsagePanel() {
     body,
   );
 
+  let readAt = -Infinity;
   return {
     el,
     async refresh() {
+      if (Date.now() - readAt < REFRESH_MS) return;
+      readAt = Date.now();
       const since = new Date(serverNow() - WINDOW_MS).toISOString();
       let found;
       try {
         found = await api(`/v1/usage?group_by=kind,model&from=${encodeURIComponent(since)}`);
       } catch (err) {
+        readAt = -Infinity; // try again at the next poll
         clear(body);
         body.append(h("p", { class: "chart-empty", text: `Usage unavailable: ${err.message}` }));
         return;
