@@ -315,3 +315,31 @@ async def test_the_gpu_seconds_metric_reads_the_ledger_incrementally_and_counts_
     assert await reader.read(core) == {key: 4.5}
     assert reader.mark is not None and first_mark is not None and reader.mark > first_mark
     assert reader.frozen == {key: 4.5}
+
+
+async def test_the_supervisors_other_endings_name_their_outcomes(
+    store: Store, core: Engine, clock: SettableClock
+) -> None:
+    # Given three running attempts: one past its state timeout, one whose cancel is overdue
+    # and one whose complete outputs the supervisor found
+    tasks = []
+    for n in range(3):
+        await store.submit(make_new_task({"n": n}))
+        task = await claim(core)
+        clock.advance(1.0)
+        tasks.append(await core.apply(task, Event.ACQUIRE, fenced=True))
+    clock.advance(5.0)
+    timed_out, cancelled, recovered = tasks
+    # When the supervisor ends each as its sweep would
+    code = {"code": "generating_timeout", "message": "too long", "retryable": False}
+    await core.apply(timed_out, Event.EXPIRE, bump_epoch=True, retry_error=code)
+    await core.apply(await core.request_cancel(cancelled), Event.FORCE_CANCEL, bump_epoch=True)
+    await core.apply(recovered, Event.RECOVER, bump_epoch=True,
+                     fields={"result": {"outputs": []}})  # fmt: skip
+    # Then each attempt's row says how it ended, with the log's seconds
+    outcomes = []
+    for task in tasks:
+        (row,) = await assert_ledger_matches_log(store, task.id)
+        outcomes.append(row.outcome)
+        assert row.worker == "w-1" and row.generating_s > 0
+    assert outcomes == ["timeout", "cancelled", "success"]
