@@ -37,7 +37,7 @@ TASK_FIELDS = {
     "id", "kind", "status", "final", "stage", "progress", "queue_position", "attempt",
     "max_attempts", "priority", "params", "metadata", "inputs", "idempotency_key",
     "deduplicated", "cancel_requested", "next_retry_at", "error", "result", "created_at",
-    "updated_at", "started_at", "finished_at", "webhook", "resource_wait",
+    "updated_at", "started_at", "finished_at", "webhook", "resource_wait", "model",
 }  # fmt: skip
 
 
