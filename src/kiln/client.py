@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -190,6 +190,13 @@ def schedule_create_call(cron: str, task: Mapping[str, Any], fields: Mapping[str
 def schedule_list_call(limit: int, cursor: str | None) -> Call:
     query = {"limit": limit} | ({"cursor": cursor} if cursor is not None else {})
     return Call("GET", SCHEDULES_PATH, params=query)
+
+
+def usage_call(
+    since: str | None, until: str | None, group_by: Sequence[str], tenant: str | None
+) -> Call:
+    query = {"from": since, "to": until, "group_by": ",".join(group_by) or None, "tenant": tenant}
+    return Call("GET", "/v1/usage", params={k: v for k, v in query.items() if v is not None})
 
 
 def review_call(task_id: str, decision: str, reason: str | None) -> Call:
@@ -438,6 +445,19 @@ class Client(_Base):
         result: JSON = self.call(Call("GET", "/v1/workers"))
         return result
 
+    def usage(
+        self,
+        since: str | None = None,
+        until: str | None = None,
+        group_by: Sequence[str] = (),
+        tenant: str | None = None,
+    ) -> JSON:
+        """The GPU-second ledger's sums (``GET /v1/usage``): attempts that ended in
+        ``[since, until)`` (RFC 3339 or dates), by the keys of ``group_by``; ``tenant``
+        for the admin key only."""
+        result: JSON = self.call(usage_call(since, until, group_by, tenant))
+        return result
+
     def wait(self, task_id: str, timeout_s: float | None = None) -> JSON:
         """Follow the task's events until it is final, then return the task.
 
@@ -604,6 +624,17 @@ class AsyncClient(_Base):
     async def workers(self) -> JSON:
         """See :meth:`Client.workers`."""
         result: JSON = await self.call(Call("GET", "/v1/workers"))
+        return result
+
+    async def usage(
+        self,
+        since: str | None = None,
+        until: str | None = None,
+        group_by: Sequence[str] = (),
+        tenant: str | None = None,
+    ) -> JSON:
+        """See :meth:`Client.usage`."""
+        result: JSON = await self.call(usage_call(since, until, group_by, tenant))
         return result
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> JSON:

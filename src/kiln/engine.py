@@ -39,6 +39,8 @@ from kiln.storage import Storage, open_storage
 from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
 from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
+from kiln.store.records import AttemptUsage
+from kiln.store.usage import FOREVER, UsageSum, outcome_of
 
 log = logging.getLogger("kiln")
 
@@ -181,6 +183,8 @@ class Engine:
         counters: Sequence[Count] = (),
         retry_after_s: float | None = None,
         then: Event | None = None,
+        loading_s: float = 0.0,
+        pool: str | None = None,
     ) -> Task:
         """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
         fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
@@ -190,6 +194,11 @@ class Engine:
         ``retry_after_s`` from now when given. ``then`` chains one more event in the same
         transaction unconditionally (``lose`` then ``schedule_retry``). An event the state
         table refuses raises IllegalTransition and is counted, never applied.
+
+        An event that ends a running attempt writes its row of the GPU-second ledger in the
+        same transaction (``kiln.store.usage``): ``loading_s`` and ``pool`` are what its
+        worker knows (the supervisor passes neither: no load timed, the pools from the
+        attempt's pool slots).
         """
         try:
             to = check(task.status, event, target)
@@ -212,12 +221,13 @@ class Engine:
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)
+        usage = attempt_usage(task, steps, retry_error, loading_s, pool)
         change = Change(
             task_id=task.id, expect_status=task.status,
             expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
             steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
             bump_epoch=bump_epoch, fenced=fenced, leader=leader,
-            counters=self._with_minutes(counted),
+            counters=self._with_minutes(counted), usage=usage,
         )  # fmt: skip
         updated, events = await self.store.apply(change)
         _log_transitions(events)
@@ -360,6 +370,24 @@ class Engine:
             pools = await self.pools()
         return signals(load, workers, pools, self.kinds)
 
+    async def usage(
+        self,
+        *,
+        since: float,
+        until: float,
+        group_by: Sequence[str] = (),
+        tenant: str | None = None,
+    ) -> list[UsageSum]:
+        """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
+        return await self.store.usage(since=since, until=until, group_by=group_by, tenant=tenant)
+
+    async def gpu_seconds(
+        self, *, since: float = 0.0, until: float = FOREVER
+    ) -> dict[tuple[str, str, str, str], float]:
+        """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
+        ``[since, until)``."""
+        return await self.store.gpu_seconds(since=since, until=until)
+
     async def webhook_pending(self) -> int:
         """Webhook deliveries not yet delivered or given up."""
         return await self.store.webhook_pending()
@@ -401,6 +429,24 @@ def _log_transitions(events: Sequence[TaskEvent]) -> None:
              "from": e.from_status, "to": e.status, "event": str(e.event),
              "duration_s": e.dwell_s},
         )  # fmt: skip
+
+
+def attempt_usage(
+    task: Task,
+    steps: Sequence[tuple[Event, Status]],
+    retry_error: JSON | None,
+    loading_s: float,
+    pool: str | None,
+) -> AttemptUsage | None:
+    """What the ledger records of the attempt that ``steps`` end, or None when they end
+    none (the task was not running, or still is)."""
+    event, to = steps[0]
+    if task.status not in RUNNING or to in RUNNING:
+        return None
+    code = None if retry_error is None else str(retry_error.get("code"))
+    retried = steps[-1][0] is Event.SCHEDULE_RETRY
+    outcome = outcome_of(event, to, retried=retried, error_code=code)
+    return AttemptUsage(outcome, loading_s, pool, task.lease_owner)
 
 
 def rerun_fields(task: Task, now: float) -> dict[str, Any]:

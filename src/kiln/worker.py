@@ -130,6 +130,8 @@ class Attempt:
     #: The batch it runs in (a batching kind), and what the batch's call made of it.
     batch: Batch | None = None
     outcome: asyncio.Future[HandlerResult | BaseException] | None = None
+    #: Seconds this attempt spent loading models (``ctx.loading_model``), for the ledger.
+    loading_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -867,6 +869,7 @@ class Worker:
                 write = asyncio.ensure_future(self.engine.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
+                    loading_s=attempt.loading_s, pool=self._pools_of(attempt),
                 ))  # fmt: skip
                 try:
                     attempt.task = await asyncio.shield(write)
@@ -960,9 +963,15 @@ class Worker:
             raise asyncio.CancelledError  # a batch's call goes on for its other members
 
     def model_loaded(self, attempt: Attempt, model: str, seconds: float) -> None:
+        attempt.loading_s += seconds
         self.model_loads.record(model, seconds)
         log.info("model_loaded", extra={**self._ids(attempt), "model": model,
                  "duration_s": round(seconds, 3)})  # fmt: skip
+
+    def _pools_of(self, attempt: Attempt) -> str:
+        """The shared pools the attempt's kind takes, as the ledger names them."""
+        needs = self.needs[attempt.kind.name]
+        return ",".join(sorted(units_needed(needs, self.engine.settings.pools)))
 
     @staticmethod
     def _ids(attempt: Attempt) -> dict[str, Any]:

@@ -206,6 +206,11 @@ HOT = {
         (1e9, "t1", 500),
     ),
 }
+#: An attempt's ledger row as the supervisor writes it (no pool: its slot rows are read).
+USAGE_ARGS = (
+    "tsk_500", 1, 1, "t1", "k1", None, None, "tsk_500", 1, "w", "expired", "GENERATING", 1.0,
+    0.0, "GENERATING", 1.0, 1.0, 1e9, "tsk_500", 1, 1,
+)  # fmt: skip
 
 
 def plan(conn: psycopg.Connection[Any], sql: str, args: tuple[Any, ...]) -> str:
@@ -230,6 +235,15 @@ def test_the_pools_lines_are_read_without_scanning_the_tasks(
     # Then the tasks are reached through an index, never scanned
     assert "Seq Scan on tasks" not in found, found
     assert "Index" in found, found
+
+
+def test_an_attempts_ledger_row_reads_its_events_through_their_index(
+    filled: psycopg.Connection[Any],
+) -> None:
+    # (pool_slots is empty here, so a scan of it is the cheap plan: not checked)
+    found = plan(filled, Q.record_usage, USAGE_ARGS)
+    assert "Index Scan using events_task on events" in found, found
+    assert "Seq Scan on events" not in found, found
 
 
 def test_the_plan_check_tells_a_scan_apart(filled: psycopg.Connection[Any]) -> None:

@@ -53,6 +53,11 @@ FROM shaped
 Q = queries("sqlite")
 
 #: name -> (query, parameters, the indexes it may use)
+#: An attempt's ledger row as the supervisor writes it (no pool: its slot rows are read).
+USAGE_ARGS = (
+    "tsk_00000500", 1, 1, "t1", "kind.1", None, None, "tsk_00000500", 1, "w", "expired",
+    "GENERATING", 1.0, 0.0, "GENERATING", 1.0, 1.0, NOW, "tsk_00000500", 1, 1,
+)  # fmt: skip
 HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
     "claim": (Q.claim_candidates, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
     "claim_warm": (Q.claim_warm, ("kind.1", "m1", NOW, NOW, 16), ("tasks_claim_model",)),
@@ -99,6 +104,7 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
         ("tasks_claim",),
     ),
+    "record_usage": (Q.record_usage, USAGE_ARGS, ("events_task",)),
     "queue_position": (
         Q.queue_ahead,
         ("kind.1", 1, NOW, NOW, "kind.1", 1, NOW - 500, "tsk_00000500", NOW, NOW),

@@ -107,6 +107,8 @@ class StoreSnapshot:
     workers: list[WorkerRecord] = field(default_factory=list)
     #: What each kind and pool asks of the workers, and what they offer.
     autoscaling: Autoscaling = field(default_factory=lambda: Autoscaling({}, {}))
+    #: GPU-seconds by (tenant, kind, model, outcome), from the ledger.
+    gpu_seconds: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
 
 
 #: Counters without labels: (counter, metric, help).
@@ -148,6 +150,37 @@ WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
 def _split_pair(labels: str) -> tuple[str, str]:
     source, _, target = labels.partition(">")
     return source, target
+
+
+#: How far behind the clock the GPU-seconds a process has summed are frozen: a ledger row
+#: is written at its attempt's end (``ended_at``, the writer's clock) and commits at once,
+#: so a row not seen this long after its end never comes.
+GPU_FROZEN_AFTER_S = 300.0
+GpuKey = tuple[str, str, str, str]
+
+
+class GpuSeconds:
+    """``kiln_gpu_seconds_total``, read from the ledger incrementally: the sums of the rows
+    that ended before a mark are kept, and a scrape reads only the rows since the mark
+    (one index range on ``ended_at``: the last few minutes), moving the mark on."""
+
+    def __init__(self) -> None:
+        self.mark: float | None = None
+        self.frozen: dict[GpuKey, float] = {}
+        self._lock = asyncio.Lock()
+
+    async def read(self, engine: Engine) -> dict[GpuKey, float]:
+        async with self._lock:
+            cut = engine.now() - GPU_FROZEN_AFTER_S
+            if self.mark is None or cut > self.mark + GPU_FROZEN_AFTER_S:
+                older = await engine.gpu_seconds(since=self.mark or 0.0, until=cut)
+                for key, seconds in older.items():
+                    self.frozen[key] = self.frozen.get(key, 0.0) + seconds
+                self.mark = cut
+            totals = dict(self.frozen)
+            for key, seconds in (await engine.gpu_seconds(since=self.mark)).items():
+                totals[key] = totals.get(key, 0.0) + seconds
+            return totals
 
 
 class StoreCollector:
@@ -207,6 +240,17 @@ class StoreCollector:
         yield from self._autoscaling()
         yield from self._breakers()
         yield self.histogram.family()
+        yield self._gpu_seconds()
+
+    def _gpu_seconds(self) -> Metric:
+        family = CounterMetricFamily(
+            "kiln_gpu_seconds",
+            "GPU-seconds of ended attempts (seconds generating x batch share), from the ledger",
+            labels=["tenant", "kind", "model", "outcome"],
+        )
+        for labels, seconds in sorted(self.snapshot.gpu_seconds.items()):
+            family.add_metric(list(labels), seconds)
+        return family
 
     def _autoscaling(self) -> Iterable[Metric]:
         """docs/autoscaling.md's signals: per kind, then per pool (kiln_pool_capacity,
@@ -318,6 +362,7 @@ class ApiMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.histogram = DwellHistogram()
         self.store_collector = StoreCollector(self.histogram)
+        self.gpu_seconds = GpuSeconds()
         self.registry.register(self.store_collector)
         self.requests = Counter(
             "kiln_api_requests",
@@ -357,6 +402,7 @@ class ApiMetrics:
         }
         snapshot.workers = workers
         snapshot.autoscaling = await engine.autoscaling(workers=workers, pools=pools)
+        snapshot.gpu_seconds = await self.gpu_seconds.read(engine)
         self.store_collector.snapshot = snapshot
         return generate_latest(self.registry)
 

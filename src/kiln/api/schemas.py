@@ -349,6 +349,35 @@ class DeliveriesOut(_Out):
     items: list[DeliveryOut]
 
 
+class UsageItemOut(_Out):
+    """One group of the GPU-second ledger: its keys (those grouped by) and its sums."""
+
+    tenant: str | None = None
+    kind: str | None = None
+    model: str | None = None
+    day: str | None = None
+    outcome: str | None = None
+    worker: str | None = None
+    pool: str | None = None
+    #: Attempts that ended in the window.
+    attempts: int
+    waiting_s: float
+    loading_s: float
+    generating_s: float
+    #: generating_s x each attempt's share of its batch.
+    gpu_seconds: float
+
+
+class UsageOut(_Out):
+    #: The window, RFC 3339 UTC: attempts that ended at or after ``from``, before ``to``.
+    from_: str = Field(alias="from")
+    to: str
+    group_by: list[str]
+    items: list[UsageItemOut]
+    #: More groups than one answer holds: narrow the window or the grouping.
+    truncated: bool
+
+
 class HealthOut(_Out):
     status: Literal["ok"]
 

@@ -1,5 +1,5 @@
-"""The operator commands: ``kiln workers``, ``kiln webhooks``, ``kiln redeliver``,
-``kiln reconcile``, ``kiln settings``, ``kiln states``."""
+"""The operator commands: ``kiln workers``, ``kiln usage``, ``kiln webhooks``,
+``kiln redeliver``, ``kiln reconcile``, ``kiln settings``, ``kiln states``."""
 
 from __future__ import annotations
 
@@ -77,6 +77,59 @@ def worker_table(workers: list[JSON]) -> Table:
             f"{worker['running']}/{worker['slots']}", escape(", ".join(worker["kinds"])),
             escape(", ".join(worker["models"]) or "-"), escape(str(worker["version"])),
         )  # fmt: skip
+    return table
+
+
+@cli.command("usage")
+@handled
+def usage_command(
+    since: Annotated[
+        str | None,
+        typer.Option("--from", help="RFC 3339 time or date (default: 30 days before --to)"),
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option("--to", help="RFC 3339 time or date (default: now)")
+    ] = None,
+    group_by: Annotated[
+        str,
+        typer.Option(
+            "--group-by", help="comma-separated: tenant, kind, model, day, outcome, worker, pool"
+        ),
+    ] = "tenant,kind,model",
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="one tenant's usage (admin key)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the API's answer")] = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+) -> None:
+    """GPU-seconds and the seconds attempts waited, loaded and generated (the ledger)."""
+    groups = [name.strip() for name in group_by.split(",") if name.strip()]
+    with client_of(server, api_key) as client:
+        found = client.usage(since, until, groups, tenant)
+    if as_json:
+        tasks.print_json(found)
+        return
+    if not found["items"]:
+        typer.echo("no usage in this window", err=True)
+        return
+    Console(highlight=False).print(usage_table(found["group_by"], found["items"]))
+    if found["truncated"]:
+        typer.echo("more groups than shown: narrow the window or the grouping", err=True)
+
+
+def usage_table(group_by: list[str], items: list[JSON]) -> Table:
+    """The ledger's groups as rows: their keys, attempts, and seconds."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    for name in group_by:
+        table.add_column(name.upper(), overflow="fold")
+    for name in ("ATTEMPTS", "WAITING_S", "LOADING_S", "GENERATING_S", "GPU_S"):
+        table.add_column(name, no_wrap=True, justify="right")
+    for item in items:
+        keys = [escape(str(item[name])) if item[name] is not None else "-" for name in group_by]
+        seconds = [f"{item[name]:.1f}" for name in
+                   ("waiting_s", "loading_s", "generating_s", "gpu_seconds")]  # fmt: skip
+        table.add_row(*keys, str(item["attempts"]), *seconds)
     return table
 
 

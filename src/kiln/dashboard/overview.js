@@ -34,6 +34,7 @@ import { on, publishTask, performAction, mergeTask, applyProgress, notes } from 
 import { createUploadForm } from "./upload.js";
 import { createBreakerPanel } from "./breakers.js";
 import { createWorkerPanel } from "./workers.js";
+import { createUsagePanel } from "./usage.js";
 
 const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
@@ -58,6 +59,7 @@ export function createOverview() {
   const charts = createCharts();
   const breakers = createBreakerPanel();
   const workers = createWorkerPanel();
+  const usage = createUsagePanel();
 
   root.append(
     counts.el,
@@ -66,7 +68,7 @@ export function createOverview() {
       { class: "overview-grid" },
       h("div", { class: "area-list" }, list.el),
       h("div", { class: "area-form" }, form.el, upload.el),
-      h("div", { class: "area-charts" }, workers.el, breakers.el, charts.el),
+      h("div", { class: "area-charts" }, workers.el, usage.el, breakers.el, charts.el),
     ),
   );
 
@@ -83,6 +85,7 @@ export function createOverview() {
       charts.render(stats, null);
       breakers.render(stats);
       workers.render(stats);
+      usage.refresh();
     } catch (err) {
       charts.render(null, err);
       counts.setError(err);

@@ -34,6 +34,11 @@ SUBMITTED = (
     "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook", "model",
     "batch_key",
 )  # fmt: skip
+#: Appended to a step's shape when it ends an attempt (its ledger row goes with it).
+USAGE_SHAPE = " +usage"
+#: The types of the arrays a step that ends an attempt adds: pool, worker, outcome,
+#: loading_s, share (``step_many_usage``).
+USAGE_TYPES = ("text", "text", "text", "double precision", "double precision")
 #: The tasks table's column types (for the typed arrays).
 COLUMN_TYPES = (
     "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute"
@@ -80,11 +85,14 @@ class Shapes:
             sql = self._sql[shape] = Q.submit_many.replace("{arrays}", arrays)
         return sql
 
-    def _steps(self, sets: str) -> str:
+    def _steps(self, shape: str) -> str:
         """``step_many`` for steps that set ``sets`` (``col = %s, ...``, as ``step_rows``
-        has them): each value becomes an array of the column's type."""
-        sql = self._sql.get(sets)
+        has them; the shape, without :data:`USAGE_SHAPE` when they end their attempts):
+        each value becomes an array of the column's type."""
+        sql = self._sql.get(shape)
         if sql is None:
+            sets = shape.removesuffix(USAGE_SHAPE)
+            usage = sets != shape
             types = ["text", "text", self._types["epoch"]]
             rendered: list[str] = []
             for clause in sets.split(", "):
@@ -95,11 +103,16 @@ class Shapes:
                 rendered.append(clause)
             values = ", ".join(f"k_v{i}" for i in range(1, len(types) - 2))
             types += ["text", "text", "text", "boolean", "text", "double precision"]
+            if usage:
+                types += USAGE_TYPES
             arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
-            sql = self._sql[sets] = (
+            columns = ", k_pool, k_worker, k_outcome, k_loading, k_share" if usage else ""
+            sql = self._sql[shape] = (
                 Q.step_many.replace("{arrays}", arrays)
                 .replace("{values}", values)
                 .replace("{sets}", ", ".join(rendered))
+                .replace("{usage_columns}", columns)
+                .replace("{usage}", f" {Q.step_many_usage}" if usage else "")
             )
         return sql
 

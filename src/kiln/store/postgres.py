@@ -40,7 +40,7 @@ from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import CLAIMABLE, FINAL, Event, Status
-from kiln.store.pgbatch import SUBMIT_SHAPE, Batch, Shapes, Write
+from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Batch, Shapes, Write
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
@@ -60,6 +60,9 @@ SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
 SUBMIT_BARE = f"{Q.submit_rows} {Q.submit_end}"
 STEP_COUNTED = f"{Q.step_rows} {Q.step_count} {Q.step_end}"
 STEP_BARE = f"{Q.step_rows} {Q.step_end}"
+#: The same for a step that ends its attempt: its ledger row in the same statement.
+STEP_USAGE_COUNTED = f"{Q.step_rows} {Q.step_usage} {Q.step_count} {Q.step_end}"
+STEP_USAGE_BARE = f"{Q.step_rows} {Q.step_usage} {Q.step_end}"
 
 
 async def migrate(conn: Conn) -> int:
@@ -426,6 +429,15 @@ class PostgresStore(Store):
             change.task_id, str(source), change.expect_epoch, *set_args[:-1],
             str(event), str(source), str(target), final, dumps(change.error), now, now,
         ]  # fmt: skip
+        values = bare[:-1]
+        counted_sql, bare_sql, shape = STEP_COUNTED, STEP_BARE, sets
+        if change.usage is not None:  # it ends the attempt: the ledger row goes with it
+            used = change.usage
+            bare += [used.pool, used.worker, used.outcome, str(source), now, used.loading_s,
+                     str(source), now, used.share, now]  # fmt: skip
+            values += [used.pool, used.worker, used.outcome, used.loading_s, used.share]
+            counted_sql, bare_sql = STEP_USAGE_COUNTED, STEP_USAGE_BARE
+            shape = sets + USAGE_SHAPE
         counted = [*bare, shard, str(source), str(target), f"{source}>{target}", shard]
 
         def counts(row: Row, tally: Tally) -> None:
@@ -433,9 +445,9 @@ class PostgresStore(Store):
             tally.count_status(row[1], target, 1)
             tally.bump(names.TRANSITIONS, f"{source}>{target}")
 
-        row = await self._batched(change.task_id, (STEP_COUNTED.replace("{sets}", sets), counted),
-                                  (STEP_BARE.replace("{sets}", sets), bare), counts,
-                                  shape=sets, values=bare[:-1])  # fmt: skip
+        row = await self._batched(change.task_id, (counted_sql.replace("{sets}", sets), counted),
+                                  (bare_sql.replace("{sets}", sets), bare), counts,
+                                  shape=shape, values=values)  # fmt: skip
         if row is None:
             return None
         task = task_from_row(row)

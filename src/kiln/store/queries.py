@@ -57,6 +57,8 @@ _DIALECT_WORDS = {
         "FALSE": "0",
         "WAITING_S": "json_extract(timeouts, '$.waiting_s')",
         "GENERATING_S": "json_extract(timeouts, '$.generating_s')",
+        "JOIN_POOLS": "group_concat(pool, ',')",
+        "DAY": "strftime('%Y-%m-%d', ended_at, 'unixepoch')",
     },
     "postgres": {
         "FOR_UPDATE": "FOR UPDATE",
@@ -69,6 +71,8 @@ _DIALECT_WORDS = {
         "FALSE": "false",
         "WAITING_S": "(timeouts::jsonb->>'waiting_s')::float8",
         "GENERATING_S": "(timeouts::jsonb->>'generating_s')::float8",
+        "JOIN_POOLS": "string_agg(pool, ',')",
+        "DAY": "to_char(to_timestamp(ended_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
     },
 }
 

@@ -38,6 +38,26 @@ class BreakerRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptUsage:
+    """What a change that ends a running attempt adds to the GPU-second ledger
+    (kiln/store/usage.py) besides what the store reads itself (tenant, kind, model, the
+    seconds waiting and generating from the attempt's event rows).
+
+    ``outcome`` is how the attempt ended (:data:`kiln.store.usage.OUTCOMES`);
+    ``loading_s`` the seconds its worker timed loading models (0 when the supervisor ends
+    it); ``pool`` the shared pools its kind takes, comma-separated (None: the store reads
+    the attempt's ``pool_slots`` rows); ``worker`` the lease owner; ``share`` its share
+    of a batch (1.0 for an attempt run alone).
+    """
+
+    outcome: str
+    loading_s: float = 0.0
+    pool: str | None = None
+    worker: str | None = None
+    share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class Change:
     """One compare-and-set on a task plus the event rows of its status changes.
 
@@ -56,6 +76,9 @@ class Change:
     fenced: bool = False
     leader: LeaderToken | None = None
     counters: tuple[tuple[str, str], ...] = ()
+    #: Set when the change ends a running attempt: its row of the GPU-second ledger is
+    #: written in the same transaction.
+    usage: AttemptUsage | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from kiln.store.rows import (
 )
 from kiln.store.schedules import ScheduleOps
 from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
+from kiln.store.usage import UsageOps, usage_args
 from kiln.store.workers import WorkerOps
 
 log = logging.getLogger("kiln.store")
@@ -305,6 +306,9 @@ class TaskOps(Ops):
         rows: list[EventRow] = []
         source: Status = change.expect_status
         dwell: float = now - current[3]
+        if change.usage is not None:  # before the event rows: it adds this step's dwell
+            used = usage_args(change.usage, task, source, current[5], current[1], dwell, now)
+            await tx.run(self.q.record_usage, used)
         for offset, (event, step_target) in enumerate(change.steps, start=1):
             final = offset == len(change.steps) and step_target in FINAL
             rows.append(EventRow(task, current[2] + offset, event, source, step_target,
@@ -469,7 +473,9 @@ def purge_candidates(
     return sql, args
 
 
-class Store(TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps, ScheduleOps):
+class Store(
+    TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps, ScheduleOps, UsageOps
+):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
     Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and

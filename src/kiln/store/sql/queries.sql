@@ -14,7 +14,8 @@ SELECT * FROM tasks WHERE id {IN_LIST}
 
 -- lock_task --
 -- What a change checks before it writes, locked until commit: (id).
-SELECT status, epoch, version, status_since, tenant FROM tasks WHERE id = ? {FOR_UPDATE}
+SELECT status, epoch, version, status_since, tenant, attempt FROM tasks WHERE id = ?
+{FOR_UPDATE}
 
 -- insert_task --
 -- A new PENDING task, unless a live or successful task holds its content (then no row):
@@ -190,6 +191,44 @@ DELETE FROM webhook_deliveries WHERE task_id {IN_LIST}
 
 -- purge_tasks --
 DELETE FROM tasks WHERE id {IN_LIST}
+
+-- the GPU-second ledger (kiln/store/usage.py) ----------------------------------------------
+
+-- record_usage --
+-- An attempt's row of the ledger, written by the change that ends it before that change's
+-- own event rows: the seconds waiting and generating are the dwell_s of the attempt's
+-- event rows so far that leave those statuses, plus the ending step's dwell in the status
+-- it leaves; a NULL pool reads the attempt's pool slots. A replay adds nothing:
+-- (task_id, attempt, epoch, tenant, kind, model, pool, task_id, epoch, worker, outcome,
+-- from, dwell, loading_s, from, dwell, share, ended_at, task_id, attempt, epoch).
+INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
+    outcome, waiting_s, loading_s, generating_s, share, ended_at)
+SELECT ?, ?, ?, ?, ?, ?,
+    coalesce(?, (SELECT {JOIN_POOLS} FROM (SELECT pool FROM pool_slots
+        WHERE task_id = ? AND epoch = ? ORDER BY pool) AS p), ''),
+    ?, ?,
+    coalesce(sum(CASE WHEN from_status = 'WAITING_FOR_RESOURCE' THEN dwell_s END), 0)
+        + CASE WHEN ? = 'WAITING_FOR_RESOURCE' THEN ? ELSE 0 END,
+    ?,
+    coalesce(sum(CASE WHEN from_status = 'GENERATING' THEN dwell_s END), 0)
+        + CASE WHEN ? = 'GENERATING' THEN ? ELSE 0 END,
+    ?, ?
+FROM events WHERE task_id = ? AND attempt = ? AND epoch = ?
+ON CONFLICT (task_id, attempt, epoch) DO NOTHING
+
+-- usage_of_task --
+-- A task's rows of the ledger, in attempt order: (task_id).
+SELECT task_id, attempt, epoch, tenant, kind, model, pool, worker, outcome, waiting_s,
+    loading_s, generating_s, share, ended_at
+FROM usage_ledger WHERE task_id = ? ORDER BY attempt, epoch
+
+-- gpu_seconds --
+-- GPU-seconds (generating_s x share) by tenant, kind, model and outcome, of the attempts
+-- that ended in a window (kiln_gpu_seconds_total): (since, until).
+SELECT tenant, kind, coalesce(model, ''), outcome, sum(generating_s * share)
+FROM usage_ledger WHERE ended_at >= ? AND ended_at < ?
+GROUP BY tenant, kind, coalesce(model, ''), outcome
+ORDER BY tenant, kind, coalesce(model, ''), outcome
 
 -- claims (kiln/store/claims.py) ------------------------------------------------------------
 

@@ -82,6 +82,28 @@ e AS (
     SELECT u.id || ':' || u.version, u.id, u.tenant, ?, ?, ?, ?, u.attempt, u.epoch, ?, ?,
         ? - u.since FROM u RETURNING seq)
 
+-- step_usage --
+-- The ledger row of the attempt the step ends (see record_usage), in the same statement:
+-- the event rows of earlier statements give the seconds waiting and generating, and the
+-- step's own dwell is added (a statement does not see its own event row): (pool, worker,
+-- outcome, from, now, loading_s, from, now, share, now).
+, g AS (
+    INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
+        outcome, waiting_s, loading_s, generating_s, share, ended_at)
+    SELECT u.id, u.attempt, u.epoch, u.tenant, u.kind, u.model, coalesce(?::text, ''),
+        ?::text, ?::text,
+        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
+            AND v.attempt = u.attempt AND v.epoch = u.epoch
+            AND v.from_status = 'WAITING_FOR_RESOURCE'), 0)
+            + CASE WHEN ?::text = 'WAITING_FOR_RESOURCE' THEN ?::float8 - u.since ELSE 0 END,
+        ?::float8,
+        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
+            AND v.attempt = u.attempt AND v.epoch = u.epoch
+            AND v.from_status = 'GENERATING'), 0)
+            + CASE WHEN ?::text = 'GENERATING' THEN ?::float8 - u.since ELSE 0 END,
+        ?::float8, ?::float8
+    FROM u ON CONFLICT (task_id, attempt, epoch) DO NOTHING)
+
 -- step_count --
 -- The step's counts, in the same statement, rows in a fixed order within each table:
 -- (shard, from, to, from>to, shard).
@@ -100,12 +122,13 @@ SELECT u.*, (SELECT seq FROM e) FROM u
 -- Workers' plain steps of one shape (the same columns set) as one statement over arrays,
 -- in a batch (which adds the counts): kiln/store/postgres.py renders {arrays} (the typed
 -- arrays of id, status, epoch, {values}, event, from, to, final, error, now), {values}
--- (the SET values' names) and {sets} (the change's columns = d.k_v1, ...). Rows are
--- locked and checked in id order, updated, and their events inserted (reading the updated
--- rows, as tail requires); each updated row comes back with its place in the arrays and
--- its event's seq.
+-- (the SET values' names) and {sets} (the change's columns = d.k_v1, ...); steps that
+-- end their attempts add {usage_columns} (the arrays of pool, worker, outcome, loading_s,
+-- share) and {usage} (step_many_usage), else both are empty. Rows are locked and checked
+-- in id order, updated, and their events inserted (reading the updated rows, as tail
+-- requires); each updated row comes back with its place in the arrays and its event's seq.
 WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_status, k_epoch,
-    {values}, k_event, k_from, k_to, k_final, k_error, k_at, k_n)),
+    {values}, k_event, k_from, k_to, k_final, k_error, k_at{usage_columns}, k_n)),
 o AS (SELECT tasks.id, tasks.status_since, d.k_n FROM tasks JOIN d ON tasks.id = d.k_id
     AND tasks.status = d.k_status AND tasks.epoch = d.k_epoch ORDER BY tasks.id
     FOR UPDATE OF tasks),
@@ -116,8 +139,28 @@ e AS (
         epoch, error, at, dwell_s)
     SELECT u.id || ':' || u.version, u.id, u.tenant, d.k_event, d.k_from, d.k_to, d.k_final,
         u.attempt, u.epoch, d.k_error, d.k_at, d.k_at - u.since
-    FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id)
+    FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id){usage}
 SELECT u.*, e.seq FROM u JOIN e ON e.task_id = u.id
+
+-- step_many_usage --
+-- The ledger rows of the attempts that step_many's steps end (see step_usage), in the
+-- same statement.
+, g AS (
+    INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
+        outcome, waiting_s, loading_s, generating_s, share, ended_at)
+    SELECT u.id, u.attempt, u.epoch, u.tenant, u.kind, u.model, coalesce(d.k_pool, ''),
+        d.k_worker, d.k_outcome,
+        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
+            AND v.attempt = u.attempt AND v.epoch = u.epoch
+            AND v.from_status = 'WAITING_FOR_RESOURCE'), 0)
+            + CASE WHEN d.k_from = 'WAITING_FOR_RESOURCE' THEN d.k_at - u.since ELSE 0 END,
+        d.k_loading,
+        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
+            AND v.attempt = u.attempt AND v.epoch = u.epoch
+            AND v.from_status = 'GENERATING'), 0)
+            + CASE WHEN d.k_from = 'GENERATING' THEN d.k_at - u.since ELSE 0 END,
+        d.k_share, d.k_at
+    FROM u JOIN d ON d.k_n = u.k_n ON CONFLICT (task_id, attempt, epoch) DO NOTHING)
 
 -- submit_many --
 -- Submissions without an idempotency key as one statement over arrays, in a batch (which

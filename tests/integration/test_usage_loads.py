@@ -1,0 +1,54 @@
+"""A worker's attempts in the GPU-second ledger: the model loads it timed, the pool its kind
+takes, itself as the worker, and the seconds of the event log."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kiln
+from kiln.app import running
+from kiln.config import Settings
+from kiln.states import Status
+from kiln.worker import Context
+
+
+class SlowLoader:
+    """Loads the model its params name once per process (50 ms), then keeps it."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+
+    async def __call__(self, ctx: Context, params: dict[str, Any]) -> None:
+        model = str(params["model"])
+        if model not in self.loaded:
+            async with ctx.loading_model(model):
+                await asyncio.sleep(0.05)
+                self.loaded.add(model)
+        await asyncio.sleep(0.01)
+
+
+async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(settings: Settings) -> None:
+    app = kiln.App(settings=settings.with_(pools={"gpu": 1}))
+    app.task("test.load", resources={"gpu": 1}, model="model")(SlowLoader())
+    async with app:
+        # Given two tasks on model a: the first loads it, the second finds it loaded
+        ids = [(await app.submit("test.load", {"model": "a", "n": n})).task.id for n in range(2)]
+        worker = app.worker(concurrency=1, idle_poll_s=(0.01, 0.05))
+        # When a worker runs them
+        async with running(worker.run()):
+            done = [await app.wait(task_id, timeout_s=30) for task_id in ids]
+        assert [t.status for t in done] == [Status.SUCCESS, Status.SUCCESS]
+        rows = [(await app.store.usage_of_task(task_id))[0] for task_id in ids]
+        events = [await app.store.events(task_id=task_id) for task_id in ids]
+    # Then the first attempt's row holds the load the worker timed, the second none
+    timed = worker.model_loads.by_model["a"]
+    assert timed.count == 1 and rows[0].loading_s == timed.total_s and rows[1].loading_s == 0
+    assert rows[0].loading_s <= rows[0].generating_s
+    # And each names the model, the pool its kind takes and the worker, with the log's seconds
+    for row, log in zip(rows, events, strict=True):
+        assert (row.model, row.pool, row.worker, row.outcome) == ("a", "gpu", worker.worker_id,
+                                                                  "success")  # fmt: skip
+        generating = [e.dwell_s for e in log if e.from_status is Status.GENERATING]
+        waiting = [e.dwell_s for e in log if e.from_status is Status.WAITING_FOR_RESOURCE]
+        assert [row.generating_s] == generating and [row.waiting_s] == waiting
