@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from tiny_diffusers import RecordingContext, make_params
+from tiny_diffusers import RecordingContext, held, make_params
 
 import kiln
 from kiln import backends
 from kiln.app import running
-from kiln.backends.diffusers import DiffusersBackend, LoadedPipeline, gpu_errors, load_pipeline
+from kiln.backends.diffusers import DiffusersBackend, gpu_errors, load_pipeline
 from kiln.backends.upstream import UpstreamMetrics, sniff
 from kiln.bus import ProgressEvent
 from kiln.config import Settings
@@ -47,16 +47,6 @@ def backend_on(model_dir: Path, *, preview_every: int = 0) -> DiffusersBackend:
 
 async def generate(backend: DiffusersBackend, params: GenerateParams) -> bytes:
     return await backend.generate(RecordingContext(), params)  # type: ignore[arg-type]
-
-
-async def held(backend: DiffusersBackend, model: str) -> LoadedPipeline:
-    """The pipeline ``backend`` holds for ``model`` (it must hold it: no load here)."""
-
-    async def no_load() -> LoadedPipeline:
-        raise AssertionError(f"{model} is not loaded")
-
-    async with backend.models.use(RecordingContext(), model, no_load, size_gb=0) as loaded:  # type: ignore[arg-type]
-        return loaded
 
 
 # Loading -----------------------------------------------------------------------------------

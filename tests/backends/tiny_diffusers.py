@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kiln.backends.diffusers import DiffusersBackend, LoadedPipeline
 from kiln.demo import GenerateParams
 
 if TYPE_CHECKING:
@@ -171,3 +172,13 @@ def make_params(**changes: object) -> GenerateParams:
         "seed": 7,
     }
     return GenerateParams.model_validate({**fields, **changes})
+
+
+async def held(backend: DiffusersBackend, model: str) -> LoadedPipeline:
+    """The pipeline ``backend`` holds for ``model`` (it must hold it: this loads nothing)."""
+
+    async def no_load() -> LoadedPipeline:
+        raise AssertionError(f"{model} is not loaded")
+
+    async with backend.models.use(RecordingContext(), model, no_load, size_gb=0) as loaded:  # type: ignore[arg-type]
+        return loaded
