@@ -191,3 +191,27 @@ async def test_naming_the_default_model_batches_with_tasks_that_name_none(
     results, _ = await batch(backend, tasks)
 
     assert all(isinstance(data, bytes) for data in results)
+
+
+@pytest.mark.gpu
+async def test_on_a_gpu_a_batch_makes_the_pictures_its_tasks_get_alone(model_dir: Path) -> None:
+    """The same check in float16 on CUDA, where cuBLAS and cuDNN choose kernels by batch
+    size. Its bounds are the CPU's, not yet measured on a GPU: the figures it prints say
+    whether they hold there."""
+    import numpy as np
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device here")
+    backend = DiffusersBackend(model_dir, device="auto", preview_every=0)
+    tasks = four_tasks()
+
+    together, _ = await batch(backend, tasks)
+    alone = [await backend.generate(RecordingContext(), p) for p in tasks]  # type: ignore[arg-type]
+
+    for index, (mine, single) in enumerate(zip(together, alone, strict=True)):
+        difference = np.abs(pixels(mine) - pixels(single))  # type: ignore[operator]
+        largest, differing = int(difference.max()), int(difference.any(axis=2).sum())
+        print(f"cuda member {index}: max |diff| {largest} levels, {differing} of 4096 differ")
+        assert largest <= PIXEL_TOLERANCE, (index, largest, differing)
+        assert differing <= DIFFERING_SHARE * 64 * 64, (index, largest, differing)

@@ -18,7 +18,7 @@ from tiny_diffusers import RecordingContext, held, make_params
 
 import kiln
 from kiln import backends
-from kiln.backends.diffusers import DiffusersBackend, weights_gb
+from kiln.backends.diffusers import DiffusersBackend, LoadedPipeline, weights_gb
 from kiln.demo import GenerateParams
 from kiln.errors import Permanent
 
@@ -178,3 +178,35 @@ async def test_with_room_for_one_model_the_other_is_unloaded(models: Path) -> No
     # And a task on tiny-a loads it again, in place of tiny-b
     back, _ = await generate(backend, make_params(steps=1))
     assert back.loads == ["tiny-a"] and backend.loaded_models() == ["tiny-a"]
+
+
+@diffusers
+async def test_unloading_a_cuda_pipeline_gives_its_memory_back_to_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    # Given a backend with room for one model, holding a pipeline on CUDA
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    backend = backend_on(Path("/models/a"), memory_gb=1.0)
+    on_cuda = LoadedPipeline(pipe=object(), device="cuda")
+
+    async def load_on_cuda() -> LoadedPipeline:
+        return on_cuda
+
+    async def load_another() -> LoadedPipeline:
+        return LoadedPipeline(pipe=object(), device="cuda")
+
+    ctx = RecordingContext()
+    async with backend.models.use(ctx, "a", load_on_cuda, size_gb=1.0):  # type: ignore[arg-type]
+        pass
+
+    # When another model needs the room
+    async with backend.models.use(ctx, "b", load_another, size_gb=1.0):  # type: ignore[arg-type]
+        pass
+
+    # Then the first pipeline was dropped and the CUDA cache emptied
+    assert on_cuda.pipe is None
+    assert emptied == [True]
+    assert backend.loaded_models() == ["b"]

@@ -340,8 +340,7 @@ class DiffusersBackend:
         folder = self.folder_of(model)
         _check_folder(folder)  # before torch: a wrong name fails the same without it
         loop = asyncio.get_running_loop()
-        device = await loop.run_in_executor(None, _resolve_device, self.device)
-        size_gb = weights_gb(folder, half=device != "cpu")
+        device, size_gb = await loop.run_in_executor(None, self._sized, folder)
 
         async def load() -> LoadedPipeline:
             return await loop.run_in_executor(None, load_pipeline, folder, device)
@@ -433,11 +432,17 @@ class DiffusersBackend:
 
         return on_step
 
+    def _sized(self, folder: Path) -> tuple[str, float]:
+        """The device a load goes to, and the GiB the model takes there (float16 off the
+        CPU). Blocking: the first call imports torch, and weight files are read."""
+        device = _resolve_device(self.device)
+        return device, weights_gb(folder, half=device != "cpu")
+
     def _unload(self, model: str, loaded: LoadedPipeline) -> None:
         """Drop an evicted pipeline, and give its GPU memory back to the device."""
         loaded.pipe = None
         gc.collect()  # a pipeline's modules refer to each other; free them now
-        if loaded.device != "cpu":
+        if loaded.device.startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
