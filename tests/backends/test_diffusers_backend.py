@@ -8,18 +8,16 @@ this file without it. The others check the settings and need neither.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from tiny_diffusers import RecordingContext, held, make_params
 
 import kiln
 from kiln import backends
 from kiln.app import running
-from kiln.backends import diffusers as diffusers_backend
 from kiln.backends.diffusers import DiffusersBackend, gpu_errors, load_pipeline
 from kiln.backends.upstream import UpstreamMetrics, sniff
 from kiln.bus import ProgressEvent
@@ -33,47 +31,6 @@ from kiln.storage import verify
 diffusers = pytest.mark.diffusers
 #: Loading torch and building the pipeline takes a while on a busy CI machine.
 slow_start = pytest.mark.timeout(300)
-
-
-class RecordingContext:
-    """The part of a worker's Context a backend uses: progress reports, kept in order."""
-
-    attempt = 1
-
-    def __init__(self) -> None:
-        self.reports: list[tuple[int | None, int | None, str | None, str | None]] = []
-        self.on_report: asyncio.Event | None = None
-        self.loads: list[str] = []
-
-    async def progress(
-        self,
-        step: int | None,
-        total: int | None,
-        *,
-        stage: str | None = None,
-        preview: str | None = None,
-    ) -> None:
-        self.reports.append((step, total, stage, preview))
-        if self.on_report is not None:
-            self.on_report.set()
-
-    @contextlib.asynccontextmanager
-    async def loading_model(self, model: str) -> AsyncIterator[None]:
-        """Kept apart from the reports: whether a test's backend loads depends on the tests
-        that ran before it in the process (a loaded pipeline is kept)."""
-        self.loads.append(model)
-        yield
-
-
-def make_params(**changes: object) -> GenerateParams:
-    fields: dict[str, object] = {
-        "prompt": "a lighthouse at dusk",
-        "width": 64,
-        "height": 64,
-        "steps": 4,
-        "seed": 7,
-    }
-    return GenerateParams.model_validate({**fields, **changes})
 
 
 @pytest.fixture(scope="session")
@@ -97,19 +54,33 @@ async def generate(backend: DiffusersBackend, params: GenerateParams) -> bytes:
 
 @diffusers
 @slow_start
-def test_saved_pipeline_loads_back_once_per_process(model_dir: Path) -> None:
-    # Given a pipeline saved to a folder / When it is loaded twice
-    first = load_pipeline(model_dir, "cpu")
-    again = load_pipeline(model_dir, "cpu")
+def test_saved_pipeline_loads_back_on_the_cpu_in_float32(model_dir: Path) -> None:
+    # Given a pipeline saved to a folder / When it is loaded
+    loaded = load_pipeline(model_dir, "cpu")
 
-    # Then it is a Stable Diffusion pipeline on the CPU in float32, loaded only once
+    # Then it is a Stable Diffusion pipeline on the CPU in float32
     import torch
     from diffusers import StableDiffusionPipeline
 
-    assert isinstance(first.pipe, StableDiffusionPipeline)
-    assert first.device == "cpu"
-    assert first.pipe.unet.dtype == torch.float32
-    assert again is first
+    assert isinstance(loaded.pipe, StableDiffusionPipeline)
+    assert loaded.device == "cpu"
+    assert loaded.pipe.unet.dtype == torch.float32
+
+
+@diffusers
+@slow_start
+async def test_a_backend_loads_its_model_once_for_all_its_tasks(model_dir: Path) -> None:
+    # Given a backend that has loaded nothing
+    backend = backend_on(model_dir)
+    first, second = RecordingContext(), RecordingContext()
+
+    # When two tasks run on it, one after the other
+    await backend.generate(first, make_params(steps=1))  # type: ignore[arg-type]
+    await backend.generate(second, make_params(steps=1, seed=8))  # type: ignore[arg-type]
+
+    # Then the first loaded the default model, named after its folder; the second found it
+    assert first.loads == [model_dir.name] and second.loads == []
+    assert backend.loaded_models() == [model_dir.name]
 
 
 async def test_folder_without_a_pipeline_is_model_not_found(tmp_path: Path) -> None:
@@ -187,7 +158,7 @@ async def test_cancel_stops_the_run_at_the_next_step(model_dir: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await run
     assert len(ctx.reports) < 50
-    loaded = load_pipeline(model_dir, "cpu")
+    loaded = await held(backend, model_dir.name)
     assert loaded.lock.acquire(blocking=False)
     loaded.lock.release()
 
@@ -238,7 +209,7 @@ async def test_on_a_gpu_auto_runs_the_pipeline_in_float16(model_dir: Path) -> No
     again = await generate(backend, make_params(steps=4))
 
     # Then the pipeline is on CUDA in float16, and it made the image step by step
-    loaded = load_pipeline(model_dir, "auto")
+    loaded = await held(backend, model_dir.name)
     assert loaded.device == "cuda"
     assert loaded.pipe.unet.dtype == torch.float16
     with Image.open(io.BytesIO(data)) as image:
@@ -313,10 +284,12 @@ async def test_worker_runs_a_task_on_the_pipeline_folder(
             assert image.size == (64, 64)
     steps = [(e.progress["step"], e.progress["total"]) for e in progress if e.progress]
     assert steps == [(1, 3), (2, 3), (3, 3)]
-    assert {e.stage for e in progress} == {"denoise"}
+    # (the app's backend is new, so the task loaded the pipeline first)
+    assert next(e.stage for e in progress) == "loading_model"
+    assert {e.stage for e in progress} == {"loading_model", "denoise"}
     assert any(e.preview for e in progress)
-    # And a worker of this process lists the pipeline folder among its loaded models
-    assert app.worker(concurrency=1).presence().models == (str(model_dir.resolve()),)
+    # And a worker of this process lists the pipeline, by its folder's name, as loaded
+    assert app.worker(concurrency=1).presence().models == (model_dir.name,)
 
 
 @diffusers
@@ -324,8 +297,7 @@ async def test_worker_runs_a_task_on_the_pipeline_folder(
 async def test_the_first_task_loads_the_pipeline_as_its_loading_model_stage(
     settings: Settings, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a process that has loaded no pipeline yet
-    monkeypatch.setattr(diffusers_backend, "_LOADED", {})
+    # Given a process that has loaded no pipeline yet (a backend holds its own)
     app = kiln.App(settings=diffusers_settings(settings, model_dir))
     backends.register(app)
     stages: list[str | None] = []
@@ -346,9 +318,8 @@ async def test_the_first_task_loads_the_pipeline_as_its_loading_model_stage(
     # Then it loaded the pipeline first, as its own stage, and the load was timed once
     assert done.status is Status.SUCCESS, done.error
     assert stages[0] == "loading_model" and "denoise" in stages
-    folder = str(model_dir.resolve())
-    assert worker.model_loads.by_model[folder].count == 1
-    assert worker.model_loads.by_model[folder].total_s > 0
+    assert worker.model_loads.by_model[model_dir.name].count == 1
+    assert worker.model_loads.by_model[model_dir.name].total_s > 0
 
 
 @diffusers

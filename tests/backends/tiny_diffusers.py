@@ -4,16 +4,27 @@ The parts are shrunk versions of SD 1.x's (the same block types, a 4-channel lat
 a CLIP text encoder and tokenizer), so the real loading and sampling code runs in about a
 second on the CPU. As in SD, the VAE divides the size by 8: a 64×64 image has 8×8 latents.
 The images are noise: only their size, bytes and the calls around them are tested.
+
+Also here, for every diffusers test file: :class:`RecordingContext` (what a backend sees of
+a worker's Context) and :func:`make_params`. torch is imported only when a pipeline is
+built, so the test files import this module without it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from kiln.backends.diffusers import DiffusersBackend, LoadedPipeline
+from kiln.demo import GenerateParams
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusionPipeline
+    from transformers import CLIPTokenizer
 
 #: The longest prompt, in tokens, as in SD's own CLIP tokenizer.
 MAX_TOKENS = 77
@@ -32,6 +43,8 @@ def byte_alphabet() -> list[str]:
 
 def write_tokenizer(folder: Path) -> CLIPTokenizer:
     """A CLIP tokenizer whose vocabulary is single bytes (no merges) plus its two specials."""
+    from transformers import CLIPTokenizer
+
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):  # a byte inside a word, and one that ends it
@@ -42,9 +55,19 @@ def write_tokenizer(folder: Path) -> CLIPTokenizer:
     return CLIPTokenizer.from_pretrained(str(folder), model_max_length=MAX_TOKENS)
 
 
-def tiny_pipeline(scratch: Path) -> StableDiffusionPipeline:
+def tiny_pipeline(scratch: Path, seed: int = 0) -> StableDiffusionPipeline:
+    """The tiny pipeline, its random weights drawn from ``seed``."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel
+
     tokenizer = write_tokenizer(scratch / "tokenizer-source")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     unet = UNet2DConditionModel(
         sample_size=8,
         in_channels=4,
@@ -100,7 +123,62 @@ def tiny_pipeline(scratch: Path) -> StableDiffusionPipeline:
     )
 
 
-def save_tiny_pipeline(folder: Path) -> Path:
+def save_tiny_pipeline(folder: Path, seed: int = 0) -> Path:
     """Build the tiny pipeline and save it in ``folder`` as ``save_pretrained`` does."""
-    tiny_pipeline(folder.parent).save_pretrained(str(folder))
+    tiny_pipeline(folder.parent, seed).save_pretrained(str(folder))
     return folder
+
+
+class RecordingContext:
+    """The part of a worker's Context a backend uses: progress reports, kept in order.
+
+    ``halt_at`` makes the report of that step raise CancelledError, as a worker's does
+    once the attempt is halted (cancelled, timed out, its lease lost)."""
+
+    attempt = 1
+
+    def __init__(self, halt_at: int | None = None) -> None:
+        self.reports: list[tuple[int | None, int | None, str | None, str | None]] = []
+        self.on_report: asyncio.Event | None = None
+        self.loads: list[str] = []
+        self.halt_at = halt_at
+
+    async def progress(
+        self,
+        step: int | None,
+        total: int | None,
+        *,
+        stage: str | None = None,
+        preview: str | None = None,
+    ) -> None:
+        self.reports.append((step, total, stage, preview))
+        if self.on_report is not None:
+            self.on_report.set()
+        if self.halt_at is not None and step is not None and step >= self.halt_at:
+            raise asyncio.CancelledError
+
+    @contextlib.asynccontextmanager
+    async def loading_model(self, model: str) -> AsyncIterator[None]:
+        self.loads.append(model)
+        yield
+
+
+def make_params(**changes: object) -> GenerateParams:
+    fields: dict[str, object] = {
+        "prompt": "a lighthouse at dusk",
+        "width": 64,
+        "height": 64,
+        "steps": 4,
+        "seed": 7,
+    }
+    return GenerateParams.model_validate({**fields, **changes})
+
+
+async def held(backend: DiffusersBackend, model: str) -> LoadedPipeline:
+    """The pipeline ``backend`` holds for ``model`` (it must hold it: this loads nothing)."""
+
+    async def no_load() -> LoadedPipeline:
+        raise AssertionError(f"{model} is not loaded")
+
+    async with backend.models.use(RecordingContext(), model, no_load, size_gb=0) as loaded:  # type: ignore[arg-type]
+        return loaded
