@@ -185,6 +185,7 @@ class Engine:
         then: Event | None = None,
         loading_s: float = 0.0,
         pool: str | None = None,
+        share: float = 1.0,
     ) -> Task:
         """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
         fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
@@ -196,9 +197,9 @@ class Engine:
         table refuses raises IllegalTransition and is counted, never applied.
 
         An event that ends a running attempt writes its row of the GPU-second ledger in the
-        same transaction (``kiln.store.usage``): ``loading_s`` and ``pool`` are what its
-        worker knows (the supervisor passes neither: no load timed, the pools from the
-        attempt's pool slots).
+        same transaction (``kiln.store.usage``): ``loading_s``, ``pool`` and ``share`` (of
+        a batch's call) are what its worker knows (the supervisor passes none: no load
+        timed, the pools from the attempt's pool slots, a whole share).
         """
         try:
             to = check(task.status, event, target)
@@ -221,7 +222,7 @@ class Engine:
             if due is not None:
                 steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
                 changes.update(next_retry_at=due, ready_at=due)
-        usage = attempt_usage(task, steps, retry_error, loading_s, pool)
+        usage = attempt_usage(task, steps, retry_error, loading_s, pool, share)
         change = Change(
             task_id=task.id, expect_status=task.status,
             expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
@@ -437,6 +438,7 @@ def attempt_usage(
     retry_error: JSON | None,
     loading_s: float,
     pool: str | None,
+    share: float = 1.0,
 ) -> AttemptUsage | None:
     """What the ledger records of the attempt that ``steps`` end, or None when they end
     none (the task was not running, or still is)."""
@@ -446,7 +448,7 @@ def attempt_usage(
     code = None if retry_error is None else str(retry_error.get("code"))
     retried = steps[-1][0] is Event.SCHEDULE_RETRY
     outcome = outcome_of(event, to, retried=retried, error_code=code)
-    return AttemptUsage(outcome, loading_s, pool, task.lease_owner)
+    return AttemptUsage(outcome, loading_s, pool, task.lease_owner, share)
 
 
 def rerun_fields(task: Task, now: float) -> dict[str, Any]:

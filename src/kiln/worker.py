@@ -132,6 +132,8 @@ class Attempt:
     outcome: asyncio.Future[HandlerResult | BaseException] | None = None
     #: Seconds this attempt spent loading models (``ctx.loading_model``), for the ledger.
     loading_s: float = 0.0
+    #: Its share of the call that generated it (1/n of a batch of n), for the ledger.
+    share: float = 1.0
 
 
 @dataclass(eq=False)
@@ -763,6 +765,8 @@ class Worker:
         if not members:
             return
         params = [batch.ready[m.task.id] for m in members]
+        for member in members:
+            member.share = 1 / len(members)
         ctxs = [Context(self, m, p) for m, p in zip(members, params, strict=True)]
         log.info("batch_call", extra={"batch": batch.key, "kind": batch.kind.name,
                  "size": len(members), "task_ids": [m.task.id for m in members]})  # fmt: skip
@@ -870,6 +874,7 @@ class Worker:
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
                     loading_s=attempt.loading_s, pool=self._pools_of(attempt),
+                    share=attempt.share,
                 ))  # fmt: skip
                 try:
                     attempt.task = await asyncio.shield(write)
@@ -970,7 +975,7 @@ class Worker:
 
     def _pools_of(self, attempt: Attempt) -> str:
         """The shared pools the attempt's kind takes, as the ledger names them."""
-        needs = self.needs[attempt.kind.name]
+        needs = self._needs_of(attempt.kind, attempt.task)  # a batch member's own, too
         return ",".join(sorted(units_needed(needs, self.engine.settings.pools)))
 
     @staticmethod

@@ -5,6 +5,8 @@ retries and cancel; a worker killed in the middle of a batch loses and repeats n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +64,13 @@ async def batch_app(settings: Settings, recorder: Recorder, *, wait_ms: float = 
     return app
 
 
+def ledger_shares(settings: Settings) -> dict[str, float]:
+    """Each task's share of its call, as the GPU-second ledger holds it."""
+    path = settings.resolved_database_url.removeprefix("sqlite:///")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return dict(conn.execute("SELECT task_id, share FROM usage_ledger"))
+
+
 async def submit(app: kiln.App, model: str, n: int, **extra: Any) -> str:
     return (await app.submit(KIND, {"model": model, "n": n, **extra})).task.id
 
@@ -89,6 +98,10 @@ async def test_compatible_tasks_run_in_one_call_each_with_its_own_lifecycle(
                               Event.UPLOADED]  # fmt: skip
             [output] = task.result["outputs"]  # type: ignore[index]
             assert await app.storage.get(output["key"]) == f"{task.params['n']}@1".encode()
+    # And each member's ledger row counts its share of its call's GPU time
+    shares = ledger_shares(settings)
+    assert [shares[t] for t in a[:4]] == [0.25] * 4 and [shares[t] for t in b] == [0.5] * 2
+    assert shares[a[4]] == 1.0
 
 
 async def test_a_member_cancelled_and_a_member_failing_leave_the_others_alone(
