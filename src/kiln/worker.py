@@ -12,6 +12,10 @@ A worker stops in one of two ways, and neither counts an attempt (DESIGN.md, I9)
 - cancelling :meth:`Worker.run` (a second signal, the end of an App): every attempt is
   given back at once, each write bounded by :data:`RELEASE_TIMEOUT_S`.
 
+An attempt asked to yield its pool slot (preemption, KILN_PREEMPT_AFTER_S: its heartbeat
+returns the request, :meth:`Context.should_yield` says so) whose handler raises
+:class:`~kiln.errors.Yielded` is given back the same way, uncounted.
+
 Giving an attempt back is the ``release`` event: the task returns to PENDING, its attempt
 number goes back by one and its place in the queue is kept (``ready_at``); the epoch is
 raised, so the attempt is fenced out. An attempt that cannot be given back in time keeps
