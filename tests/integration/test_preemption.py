@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from kiln.config import Settings
 from kiln.models import Task, TaskEvent
 from kiln.states import Event, Status
 
+from .cli_workers import CliWorkers
 from .conftest import assert_one_final_state, demo_params, task_events, wait_for_task
 
 pytestmark = pytest.mark.slow
@@ -147,3 +149,31 @@ async def test_with_the_setting_off_nothing_yields(
         high_events = await task_events(app.store, high.id)
         assert first(events, Event.GENERATED).at <= first(high_events, Event.ACQUIRE).at
         assert (counters.PREEMPTIONS, "gpu") not in await app.store.counters()
+
+
+async def test_kiln_worker_processes_yield_and_resume_across_processes(
+    tmp_path: Path, new_database: Callable[[], str], cli_workers: Callable[..., CliWorkers]
+) -> None:
+    # Given `kiln worker` and `kiln supervisor` processes sharing a pool of one GPU
+    workers = cli_workers(tmp_path, new_database(), KILN_POOLS="gpu:1",
+                          KILN_PREEMPT_AFTER_S="0.3", KILN_SUPERVISOR_INTERVAL_S="0.2")  # fmt: skip
+    async with workers.app() as app:
+        low = await submit(app, "a long fox", 0, LONG)
+        workers.start_supervisor()
+        workers.start("--concurrency", "1", "--gpus", "1")
+        await wait_for_task(app.store, low.id, lambda t: t.status is Status.GENERATING,
+                            timeout_s=30, what="the low task generating")  # fmt: skip
+        # When a task of higher priority waits in the pool's line on a second worker
+        high = await submit(app, "an urgent fox", 5, SHORT)
+        workers.start("--concurrency", "1", "--gpus", "1")
+        high_done = await done(app, high, timeout_s=60)
+        low_done = await done(app, low, timeout_s=60)
+        low_events = await assert_one_final_state(app.store, low.id)
+        high_events = await assert_one_final_state(app.store, high.id)
+    # Then the low one yielded once, uncounted, and the high one took the slot first
+    assert low_done.attempt == 1 and high_done.attempt == 1
+    released = first(low_events, Event.RELEASE)
+    assert released.from_status is Status.GENERATING
+    assert released.at <= first(high_events, Event.ACQUIRE).at
+    assert sum(workers.count("attempt_yielded")) == 1
+    assert [line["task_id"] for line in workers.lines("preempt_requested")] == [low.id]
