@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kiln
-from kiln import counters, demo
+from kiln import backends, counters, demo
 from kiln.app import running
 from kiln.config import Settings
 from kiln.models import Task, TaskEvent
@@ -29,7 +29,7 @@ LONG = {"steps": 60, "step_ms": 50}
 #: A short task of higher priority.
 SHORT = {"steps": 4, "step_ms": 20}
 
-MakeApp = Callable[[int, float | None], contextlib.AbstractAsyncContextManager[kiln.App]]
+MakeApp = Callable[..., contextlib.AbstractAsyncContextManager[kiln.App]]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -41,14 +41,19 @@ def make_app(request: pytest.FixtureRequest, settings: Settings) -> MakeApp:
         settings = settings.with_(database_url=server.new_database())
 
     @contextlib.asynccontextmanager
-    async def make(capacity: int, preempt_after_s: float | None) -> AsyncIterator[kiln.App]:
+    async def make(
+        capacity: int, preempt_after_s: float | None, batch: tuple[int, float] | None = None
+    ) -> AsyncIterator[kiln.App]:
         app = kiln.App(
             settings=settings.with_(
                 pools={"gpu": capacity}, preempt_after_s=preempt_after_s, lease_ttl_s=3.0,
-                supervisor_interval_s=0.1,
+                supervisor_interval_s=0.1, generate_batch=batch,
             )
         )  # fmt: skip
-        demo.register(app)
+        if batch is None:
+            demo.register(app)
+        else:
+            backends.register(app)  # the demo backend, in batches
         async with app:
             yield app
 
@@ -130,6 +135,28 @@ async def test_preemption_order_the_lowest_priority_latest_started_holder_yields
         assert Event.RELEASE not in [e.event for e in a_events]
         assert [e.event for e in b_events].count(Event.RELEASE) == 1
         assert a_done.attempt == 1 and b_done.attempt == 1
+        assert (await app.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
+
+
+async def test_a_batch_yields_as_a_whole_when_its_slot_holder_is_asked(
+    make_app: MakeApp,
+) -> None:
+    async with make_app(2, 0.3, (2, 500.0)) as app:
+        # Given a batch of two long tasks holding both units of the pool through its leader
+        lows = [await submit(app, f"fox {n}", 0, LONG) for n in range(2)]
+        async with running(app.worker(concurrency=1).run(), app.supervisor().run()):
+            for low in lows:
+                await generating(app, low)
+            # When a task of higher priority waits past the threshold on another worker
+            high = await submit(app, "urgent fox", 5, SHORT)
+            async with running(app.worker(concurrency=1).run()):
+                await done(app, high)
+                finished = [await done(app, low) for low in lows]
+        # Then every member yielded (one request, to the leader), uncounted
+        assert [t.attempt for t in finished] == [1, 1]
+        for low in lows:
+            events = await assert_one_final_state(app.store, low.id)
+            assert [e.event for e in events].count(Event.RELEASE) == 1
         assert (await app.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
 
 
