@@ -3,7 +3,7 @@
 from kiln.app import App
 from kiln.client import AsyncClient, Client
 from kiln.config import Settings
-from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError
+from kiln.errors import KilnError, LeaseLost, Permanent, Retryable, TaskError, Yielded
 from kiln.kinds import BatchPolicy, TaskKind
 from kiln.models import Output, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
@@ -28,4 +28,5 @@ __all__ = [
     "TaskEvent",
     "TaskKind",
     "Timeouts",
+    "Yielded",
 ]

@@ -96,6 +96,7 @@ class Settings:
     model_memory_gb: float | None = None
     generate_memory: MemoryRule | None = None
     generate_batch: tuple[int, float] | None = None
+    preempt_after_s: float | None = None
     demo_model_load_s: float = 1.0
     backend: str = "demo"
     openai_base_url: str = "https://api.openai.com/v1"
@@ -442,6 +443,11 @@ VARIABLES: tuple[Variable, ...] = (
        "durable dynamic batching of `image.generate`: a worker runs up to `size` tasks of "
        "the same model, width, height and steps in one call, waiting at most `wait_ms` for "
        "more to come (`8/50`)", group=SCHEDULING, shown="unset (one task a call)"),
+    _v("KILN_PREEMPT_AFTER_S", "preempt_after_s", SECONDS, "preemption at step boundaries: "
+       "when a full shared pool has a waiter of higher priority than a running attempt that "
+       "has waited in its line this long, the leading supervisor asks one such attempt (the "
+       "lowest priority, then the latest started) to yield at its next step; it goes back "
+       "to the queue uncounted", group=SCHEDULING, unit="s", shown="unset (off)"),
     _v("KILN_DEMO_MODEL_LOAD_S", "demo_model_load_s", SECONDS_OR_ZERO, "how long the demo "
        "backend takes to load a model a task names (`model` param), to show routing and "
        "the `loading_model` stage", group=SCHEDULING, unit="s"),

@@ -33,6 +33,9 @@ RATE_LIMITED = "rate_limited"
 BREAKER_TRANSITIONS = "breaker_transitions"
 #: Webhook delivery attempts, labels the outcome.
 WEBHOOK_DELIVERIES = "webhook_deliveries"
+#: Running attempts asked to yield their slot (preemption, KILN_PREEMPT_AFTER_S), labels
+#: the pool.
+PREEMPTIONS = "preemptions"
 #: Ticks of recurring schedules handled by the leading supervisor, labels the outcome
 #: (``fired``, ``skipped_overlap``, ``skipped_missed``).
 SCHEDULE_FIRES = "schedule_fires"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.errors import Permanent, Retryable
+from kiln.errors import Permanent, Retryable, Yielded
 from kiln.kinds import Registry
 from kiln.models import Output
 from kiln.paint import encode, preview, render
@@ -120,7 +120,8 @@ def normalize(params: JSONObject) -> JSONObject:
 
 
 async def generate(ctx: Context, params: GenerateParams) -> Output:
-    """Paint step by step, reporting progress and a small preview every few steps."""
+    """Paint step by step, reporting progress and a small preview every few steps; asked
+    to yield (``ctx.should_yield()``, preemption), it stops between two steps."""
     sim = params.simulate or Simulate()
     if sim.permanent:
         raise Permanent(f"simulated permanent failure ({sim.fail_code})", code=sim.fail_code)
@@ -134,6 +135,8 @@ async def generate(ctx: Context, params: GenerateParams) -> Output:
         )
 
     for step in range(1, total + 1):
+        if step > 1 and ctx.should_yield():  # preemption: give the slot up between steps
+            raise Yielded(f"yielded at step {step - 1} of {total}")
         if ctx.attempt <= sim.stall_attempts and step > total // 3:
             await asyncio.Event().wait()  # alive but stuck: the generating timeout ends it
         if ctx.attempt <= sim.fail_attempts and step == max(1, total // 2):

@@ -41,6 +41,9 @@ answered ``500 internal_error`` without its message.
     (given, or the class's) becomes the task's ``error.code``; never an API answer.
 
     - ``Retryable`` ``task_failed``: another attempt may succeed (``retry_after_s``).
+      - ``Yielded`` ``yielded``: the handler gave its slot up at a step boundary because
+        ``ctx.should_yield()`` said so (preemption); the worker gives the attempt back to
+        the queue uncounted. Raised when it was not asked, it fails the attempt.
     - ``Permanent`` ``permanent_failure``: another attempt would fail too.
 
 - ``kiln.client.ConnectionFailed`` ``connection_failed``: the client could not reach
@@ -203,3 +206,16 @@ class Permanent(TaskError):
 
     code = "permanent_failure"
     retryable = False
+
+
+class Yielded(Retryable):
+    """Raised by a handler at a step boundary when ``ctx.should_yield()`` is true: the
+    leading supervisor asked the attempt to give its pool slot to a task of higher
+    priority (KILN_PREEMPT_AFTER_S). The worker gives the attempt back to the queue
+    uncounted (``release``), keeping its place ahead of later tasks of its priority.
+    Raised when the attempt was not asked, it is an ordinary retryable failure."""
+
+    code = "yielded"
+
+    def __init__(self, message: str = "yielded its slot at a step boundary") -> None:
+        super().__init__(message, code="yielded")

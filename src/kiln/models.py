@@ -105,6 +105,9 @@ class Task:
     webhook: JSON | None = None
     model: str | None = None
     batch_key: str | None = None
+    #: When the leading supervisor asked the running attempt to yield its pool slot at its
+    #: next step (KILN_PREEMPT_AFTER_S); None: not asked. Cleared by every claim.
+    yield_requested_at: float | None = None
 
     @property
     def final(self) -> bool:

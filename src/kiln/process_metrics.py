@@ -33,6 +33,7 @@ def supervisor_readings(process: Supervisor) -> Readings:
         "kiln_supervisor_last_sweep_seconds": lambda: process.last.duration_s,
         "kiln_supervisor_last_sweep_expired": lambda: process.last.expired,
         "kiln_supervisor_last_sweep_recovered": lambda: process.last.recovered,
+        "kiln_supervisor_last_sweep_preempted": lambda: process.last.preempted,
         "kiln_supervisor_ghost_tasks": lambda: process.last.ghosts,
         "kiln_supervisor_webhooks_leading": lambda: int(process.webhooks.token is not None),
         "kiln_supervisor_webhooks_in_flight": lambda: len(process.webhooks.inflight),

@@ -44,6 +44,8 @@ class SweepReport:
     conflicts: int = 0
     ghosts: int = 0
     purged: int = 0
+    #: Running attempts asked to yield their slot (preemption, KILN_PREEMPT_AFTER_S).
+    preempted: int = 0
     #: Schedule ticks handled: fired, skipped (overlap or missed).
     fired: int = 0
     skipped: int = 0
@@ -154,6 +156,7 @@ class Supervisor:
             for task in due.state_expired:
                 await self._act(task, seen, report, self._state_expired)
             await self._schedules_pass(report)
+            await self._preempt_pass(report)
         report.ghosts = await store.count_ghosts(older_than_s=self.ghost_after_s)
         await self._retention_pass(report)
         self._start_reconcile_pass()
@@ -173,6 +176,27 @@ class Supervisor:
             return
         report.fired = done.fired
         report.skipped = done.skipped_overlap + done.skipped_missed
+
+    async def _preempt_pass(self, report: SweepReport) -> None:
+        """Ask running attempts to yield to tasks of higher priority that waited in a full
+        pool's line past KILN_PREEMPT_AFTER_S (kiln/store/preempt.py): at most one request
+        per pool at a time. Off (no query at all) when the setting is unset; NotLeader stops
+        the sweep."""
+        after_s = self.engine.settings.preempt_after_s
+        if after_s is None or self.token is None:
+            return
+        try:
+            made = await self.engine.store.request_yields(waited_s=after_s, leader=self.token)
+        except NotLeader:
+            raise
+        except Exception:
+            log.exception("preempt_failed")
+            return
+        for asked in made:
+            log.info("preempt_requested", extra={"task_id": asked.task_id, "epoch": asked.epoch,
+                     "pool": asked.pool, "priority": asked.priority, "waiter": asked.waiter,
+                     "waiter_priority": asked.waiter_priority})  # fmt: skip
+        report.preempted = len(made)
 
     async def _retention_pass(self, report: SweepReport) -> None:
         now = self.engine.now()

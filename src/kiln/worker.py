@@ -12,6 +12,10 @@ A worker stops in one of two ways, and neither counts an attempt (DESIGN.md, I9)
 - cancelling :meth:`Worker.run` (a second signal, the end of an App): every attempt is
   given back at once, each write bounded by :data:`RELEASE_TIMEOUT_S`.
 
+An attempt asked to yield its pool slot (preemption, KILN_PREEMPT_AFTER_S: its heartbeat
+returns the request, :meth:`Context.should_yield` says so) whose handler raises
+:class:`~kiln.errors.Yielded` is given back the same way, uncounted.
+
 Giving an attempt back is the ``release`` event: the task returns to PENDING, its attempt
 number goes back by one and its place in the queue is kept (``ready_at``); the epoch is
 raised, so the attempt is fenced out. An attempt that cannot be given back in time keeps
@@ -36,7 +40,7 @@ from kiln import canonical
 from kiln.breakers import UNAVAILABLE, Breakers
 from kiln.bus import ProgressEvent
 from kiln.engine import Engine, SupportsEngine, engine_of
-from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable
+from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable, Yielded
 from kiln.kinds import HandlerResult, TaskKind, call_review
 from kiln.model_loads import LOADING_MODEL, ModelLoads
 from kiln.models import JSON, Output, StoredOutput, Task
@@ -134,6 +138,8 @@ class Attempt:
     loading_s: float = 0.0
     #: Its share of the call that generated it (1/n of a batch of n), for the ledger.
     share: float = 1.0
+    #: The leading supervisor asked it to yield its slot (its heartbeat said so).
+    yield_requested: bool = False
 
 
 @dataclass(eq=False)
@@ -213,6 +219,14 @@ class Context:
         started = time.monotonic()
         yield
         self._worker.model_loaded(self._attempt, model, time.monotonic() - started)
+
+    def should_yield(self) -> bool:
+        """Whether the attempt was asked to give its pool slot up (preemption,
+        KILN_PREEMPT_AFTER_S): a handler that honours it raises
+        :class:`~kiln.errors.Yielded` at its next step boundary, and the task goes back
+        to the queue uncounted. A handler that never asks just runs on. A batch member is
+        asked when its batch's slot holder (the first member) is."""
+        return self._worker.asked_to_yield(self._attempt)
 
 
 class Worker:
@@ -588,16 +602,25 @@ class Worker:
         except LeaseLost:
             raise
         except Exception as exc:
-            if attempt.stop_reason == "release":  # stopped by a drain, whatever it raised
-                await self._release(attempt)
-                return
-            if attempt.task.cancel_requested:  # a cancel was asked: stop, do not retry
-                await self._transition(attempt, Event.STOPPED)
-                return
-            error = classify(exc)
-            log.info("attempt_failed", extra={**self._ids(attempt), "code": error["code"]})
-            wait_s = exc.retry_after_s if isinstance(exc, Retryable) else None
-            await self._transition(attempt, Event.FAIL, retry_error=error, retry_after_s=wait_s)
+            await self._raised(attempt, exc)
+
+    async def _raised(self, attempt: Attempt, exc: Exception) -> None:
+        """The attempt's pipeline raised ``exc``: give it back (a drain stopped it, or it
+        yielded when asked), stop it (a cancel was asked), or fail it."""
+        if attempt.stop_reason == "release":  # stopped by a drain, whatever it raised
+            await self._release(attempt)
+            return
+        if attempt.task.cancel_requested:  # a cancel was asked: stop, do not retry
+            await self._transition(attempt, Event.STOPPED)
+            return
+        if isinstance(exc, Yielded) and self.asked_to_yield(attempt):
+            log.info("attempt_yielded", extra=self._ids(attempt))
+            await self._release(attempt)  # uncounted, its place kept (preemption)
+            return
+        error = classify(exc)
+        log.info("attempt_failed", extra={**self._ids(attempt), "code": error["code"]})
+        wait_s = exc.retry_after_s if isinstance(exc, Retryable) else None
+        await self._transition(attempt, Event.FAIL, retry_error=error, retry_after_s=wait_s)
 
     async def _release(self, attempt: Attempt) -> None:
         """Give the attempt back to the queue uncounted (``release``; a stop is not a
@@ -941,6 +964,17 @@ class Worker:
         attempt.task = task
         if task.cancel_requested:
             self._halt(attempt, "cancel")
+        if task.yield_requested_at is not None and not attempt.yield_requested:
+            attempt.yield_requested = True
+            log.info("yield_requested", extra=self._ids(attempt))
+
+    @staticmethod
+    def asked_to_yield(attempt: Attempt) -> bool:
+        """Whether ``attempt`` was asked to yield (see :meth:`Context.should_yield`)."""
+        if attempt.yield_requested:
+            return True
+        leader = attempt.batch.leader if attempt.batch is not None else None
+        return leader is not None and leader.yield_requested
 
     def _halt(self, attempt: Attempt, reason: str) -> None:
         """Stop the attempt's pipeline for ``reason`` (cancel, lease_lost, release); one
@@ -991,6 +1025,7 @@ def release_fields(task: Task) -> dict[str, Any]:
     its place ahead of later work of its priority."""
     return {
         "attempt": max(task.attempt - 1, 0),
+        "yield_requested_at": None,
         "stage": None,
         "progress_step": None,
         "progress_total": None,

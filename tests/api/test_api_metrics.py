@@ -9,6 +9,7 @@ from api_support import ApiUnderTest, image_body, running_api, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.config import Settings
+from kiln.counters import PREEMPTIONS
 from kiln.states import Status
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -119,3 +120,14 @@ async def test_the_loops_of_kiln_serve_report_on_the_api_metrics(settings: Setti
     assert samples[("kiln_worker_concurrency", ())] == 2.0
     assert samples[("kiln_worker_attempts_completed_total", ())] == 1.0
     assert samples[("kiln_tasks", (("status", "SUCCESS"),))] == 1.0
+
+
+async def test_preemptions_are_counted_per_pool(keyed_api: ApiUnderTest) -> None:
+    # Given two requests to yield in one pool, counted by the store as the supervisor does
+    for _ in range(2):
+        await keyed_api.kiln.store.bump(PREEMPTIONS, "gpu-a100")
+    keyed_api.client.headers.pop("Authorization")
+
+    samples = await scrape(keyed_api)
+
+    assert labelled(samples, "kiln_preemptions_total", "pool") == {("gpu-a100",): 2}

@@ -19,6 +19,7 @@ from tiny_diffusers import RecordingContext, make_params
 from kiln.backends.diffusers import DiffusersBackend, Interrupted
 from kiln.backends.upstream import sniff
 from kiln.demo import GenerateParams
+from kiln.errors import Yielded
 
 pytestmark = [pytest.mark.diffusers, pytest.mark.timeout(300)]
 
@@ -215,3 +216,28 @@ async def test_on_a_gpu_a_batch_makes_the_pictures_its_tasks_get_alone(model_dir
         print(f"cuda member {index}: max |diff| {largest} levels, {differing} of 4096 differ")
         assert largest <= PIXEL_TOLERANCE, (index, largest, differing)
         assert differing <= DIFFERING_SHARE * 64 * 64, (index, largest, differing)
+
+
+async def test_a_run_whose_members_are_all_asked_to_yield_stops_after_its_step(
+    backend: DiffusersBackend,
+) -> None:
+    # Given a long batch whose members are asked to yield from their step 2 on
+    ctxs = [RecordingContext(yield_at=2), RecordingContext(yield_at=2)]
+    tasks = [make_params(steps=50, seed=seed) for seed in (1, 2)]
+
+    # Then the run stops after step 2 with Yielded (the worker gives the tasks back)
+    with pytest.raises(Yielded):
+        await batch(backend, tasks, ctxs)
+    assert all([step for step, *_ in ctx.reports if step is not None] == [1, 2] for ctx in ctxs)
+
+
+async def test_a_run_with_a_member_not_asked_to_yield_runs_on(
+    backend: DiffusersBackend,
+) -> None:
+    ctxs = [RecordingContext(yield_at=1), RecordingContext()]
+    tasks = [make_params(steps=3, seed=seed) for seed in (1, 2)]
+
+    results, _ = await batch(backend, tasks, ctxs)
+
+    assert all(isinstance(result, bytes) for result in results)
+    assert all([step for step, *_ in ctx.reports if step is not None] == [1, 2, 3] for ctx in ctxs)

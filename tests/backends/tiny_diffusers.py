@@ -133,15 +133,21 @@ class RecordingContext:
     """The part of a worker's Context a backend uses: progress reports, kept in order.
 
     ``halt_at`` makes the report of that step raise CancelledError, as a worker's does
-    once the attempt is halted (cancelled, timed out, its lease lost)."""
+    once the attempt is halted (cancelled, timed out, its lease lost); ``yield_at`` makes
+    ``should_yield()`` true from the report of that step on (preemption)."""
 
     attempt = 1
 
-    def __init__(self, halt_at: int | None = None) -> None:
+    def __init__(self, halt_at: int | None = None, yield_at: int | None = None) -> None:
         self.reports: list[tuple[int | None, int | None, str | None, str | None]] = []
         self.on_report: asyncio.Event | None = None
         self.loads: list[str] = []
         self.halt_at = halt_at
+        self.yield_at = yield_at
+
+    def should_yield(self) -> bool:
+        last = self.reports[-1][0] if self.reports else None
+        return self.yield_at is not None and last is not None and last >= self.yield_at
 
     async def progress(
         self,

@@ -31,6 +31,7 @@ from kiln.counters import (
     FAILURES,
     ILLEGAL_TRANSITIONS,
     LEASE_RENEWALS,
+    PREEMPTIONS,
     RATE_LIMITED,
     RECOVERED,
     SCHEDULE_FIRES,
@@ -305,6 +306,19 @@ class StoreCollector:
         )
         yield from self._workers()
         yield self._schedules()
+        yield self._preemptions()
+
+    def _preemptions(self) -> Metric:
+        asked = CounterMetricFamily(
+            "kiln_preemptions",
+            "Running attempts the leading supervisor asked to yield their slot of each pool "
+            "to a task of higher priority (KILN_PREEMPT_AFTER_S)",
+            labels=["pool"],
+        )
+        for (counter, labels), n in sorted(self.snapshot.counters.items()):
+            if counter == PREEMPTIONS:
+                asked.add_metric([labels], n)
+        return asked
 
     def _schedules(self) -> Metric:
         fires = CounterMetricFamily(

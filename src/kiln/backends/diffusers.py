@@ -26,7 +26,9 @@ Progress: each denoising step reports stage ``denoise``, step n of m, through th
 pipeline's ``callback_on_step_end``. Every ``KILN_DIFFUSERS_PREVIEW_EVERY`` steps the report
 carries a preview made from the latents by a fixed linear map to RGB: cheap (no VAE decode),
 blurry, and only for 4-channel latents (SD 1.x and 2.x). A cancelled or timed-out task stops
-its run at the next step.
+its run at the next step. A run whose every member is asked to yield (``ctx.should_yield()``,
+preemption) stops after its current step and raises :class:`~kiln.errors.Yielded`; a batch
+with a member not asked runs on.
 
 Params: prompt, negative_prompt, width, height, steps, seed and model; the pipeline's own
 scheduler and guidance scale are kept. The starting noise is drawn on the CPU from the seed,
@@ -58,7 +60,7 @@ from PIL import Image
 from kiln.backends.upstream import UpstreamMetrics
 from kiln.config import Settings
 from kiln.demo import GenerateParams
-from kiln.errors import InvalidRequest, Permanent, Retryable
+from kiln.errors import InvalidRequest, Permanent, Retryable, Yielded
 from kiln.model_cache import ModelCache
 from kiln.models import JSON
 from kiln.paint import encode, preview
@@ -354,6 +356,7 @@ class DiffusersBackend:
     ) -> list[bytes | BaseException]:
         loop = asyncio.get_running_loop()
         stop = threading.Event()
+        yielding: list[int] = []  # the step after which the run yielded (preemption)
         dropped: dict[int, BaseException] = {}
 
         def report(step: int, total: int, shown: Sequence[str | None]) -> dict[int, BaseException]:
@@ -366,11 +369,19 @@ class DiffusersBackend:
             except (concurrent.futures.CancelledError, TimeoutError) as exc:
                 stop.set()  # the loop is gone or stuck
                 raise Interrupted from exc
+            left = [ctx for index, ctx in enumerate(ctxs) if index not in dropped]
+            if step < total and left and all(ctx.should_yield() for ctx in left):
+                yielding.append(step)  # every member still running was asked to yield
+                raise Interrupted
             return dropped
 
         job = loop.run_in_executor(None, self.render, loaded, params, report, stop)
         try:
             return await asyncio.shield(job)
+        except Interrupted:
+            if yielding:
+                raise Yielded(f"yielded at step {yielding[0]}") from None
+            raise
         except asyncio.CancelledError:
             # Let the thread reach its next step and stop there, so the GPU slot is only
             # given back once the GPU is free.

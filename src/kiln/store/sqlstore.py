@@ -26,6 +26,7 @@ from kiln.store.inputs import InputOps
 from kiln.store.load import LoadOps
 from kiln.store.outbox import OutboxOps
 from kiln.store.pools import PoolOps
+from kiln.store.preempt import PreemptOps
 from kiln.store.queries import Queries
 from kiln.store.records import Change, Clock, Due, LeaderToken, Progress, Stats
 from kiln.store.rows import (
@@ -474,7 +475,16 @@ def purge_candidates(
 
 
 class Store(
-    TaskOps, ClaimOps, PoolOps, OutboxOps, InputOps, WorkerOps, LoadOps, ScheduleOps, UsageOps
+    TaskOps,
+    ClaimOps,
+    PoolOps,
+    PreemptOps,
+    OutboxOps,
+    InputOps,
+    WorkerOps,
+    LoadOps,
+    ScheduleOps,
+    UsageOps,
 ):
     """A durable home for tasks, their event log, idempotency records and leaders.
 

@@ -82,7 +82,7 @@ UPDATE tasks SET
     state_deadline_at = ? + CASE WHEN kind {IN_LIST} THEN {GENERATING_S} ELSE {WAITING_S} END,
     started_at = coalesce(started_at, ?),
     updated_at = ?, status_since = ?, next_retry_at = NULL, stage = NULL,
-    progress_step = NULL, progress_total = NULL, progress_at = NULL,
+    progress_step = NULL, progress_total = NULL, progress_at = NULL, yield_requested_at = NULL,
     result_prefix = 'tasks/' || id || '/' || (attempt + 1) || '-' || (epoch + 1)
 WHERE id {IN_LIST} AND status IN {CLAIMABLE} RETURNING *
 
@@ -425,6 +425,28 @@ FROM pools LEFT JOIN pool_slots ON pool_slots.pool = pools.name
     AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
     AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
 GROUP BY pools.name, pools.capacity ORDER BY pools.name
+
+-- preempt_pools --
+-- Pools whose line has a live waiter that joined it before a time (preemption,
+-- kiln/store/preempt.py): (joined before, now).
+SELECT DISTINCT pool FROM pool_slots WHERE held = {FALSE} AND since < ?
+    AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
+    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+ORDER BY pool
+
+-- preempt_rows --
+-- The live rows of some pools with what preemption reads of their tasks: ([names], now).
+SELECT s.pool, s.task_id, s.units, s.held, s.since, t.priority, t.status, t.status_since,
+    t.epoch, t.yield_requested_at, p.capacity
+FROM pool_slots s JOIN tasks t ON t.id = s.task_id AND t.epoch = s.epoch
+    JOIN pools p ON p.name = s.pool
+WHERE s.pool {IN_LIST} AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?
+
+-- request_yield --
+-- Ask a generating attempt to yield its slots at its next step, once: (now, now, id, epoch).
+UPDATE tasks SET yield_requested_at = ?, updated_at = ?
+WHERE id = ? AND epoch = ? AND status = 'GENERATING' AND yield_requested_at IS NULL
+RETURNING id
 
 -- new_bucket --
 -- A full token bucket, unless it exists: (name, burst, now).
