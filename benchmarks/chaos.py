@@ -70,30 +70,37 @@ class Fleet:
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     paused: set[int] = field(default_factory=set)
 
-    def _start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+    def _start(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log_path = self.run_dir / "logs" / f"{name}-{len(self.started)}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.run_dir
-            )
+                command, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
+                cwd=self.run_dir,
+            )  # fmt: skip
         self.started.append(process)
         return process
 
     def start_worker(self) -> None:
-        """A worker process; every other one takes the kind as needing no GPU slot, so its
-        claims acquire at once while the others' tasks wait for a slot: both paths run."""
+        """A worker process, of three sorts in turn: one whose tasks wait for a GPU slot,
+        one whose kind takes no slot (its claims acquire at once), one that runs its tasks
+        in batches of their key: every path runs."""
         seed = self.args.seed * 1000 + len(self.started)
-        free = len(self.started) % 2 == 1
+        sort = ("worker", "worker-free", "worker-batch")[len(self.started) % 3]
+        env = dict(self.env)
+        if sort != "worker-batch":
+            env.pop("KILN_GENERATE_BATCH")
         self.workers.append(
-            self._start("worker-free" if free else "worker", [
+            self._start(sort, [
                 sys.executable, str(WORKER_SCRIPT),
                 "--fault-rate", str(self.args.fault_rate),
                 "--fault-log", str(self.run_dir / "faults"),
                 "--seed", str(seed),
                 "--concurrency", str(self.args.concurrency),
                 "--gpus", str(self.args.gpus),
-                *(["--no-slot"] if free else []),
-            ])
+                *(["--no-slot"] if sort == "worker-free" else []),
+            ], env)
         )  # fmt: skip
 
     def start_supervisor(self) -> None:
@@ -236,8 +243,18 @@ def child_env(args: argparse.Namespace, database_url: str, results: Path) -> dic
         KILN_RETRY_MAX_S="0.5",
         KILN_CANCEL_GRACE_S="1.0",
         KILN_LOG_LEVEL=args.log_level,
+        # Tasks name one of three models (warm-model routing, a worker holding one at a
+        # time) and carry a batch key; every third worker runs them in batches.
+        KILN_DEMO_MODEL_LOAD_S="0.05",
+        KILN_MODEL_MEMORY_GB="2",
+        KILN_AFFINITY_WAIT_S="0.5",
+        KILN_GENERATE_BATCH=BATCH,
     )
     return env
+
+
+#: Batches of up to 4 tasks, waiting up to 20 ms for more.
+BATCH = "4/20"
 
 
 def settings_of(env: dict[str, str]) -> Settings:
@@ -281,6 +298,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         "processes_started": len(fleet.started),
         "exited_by_themselves": chaos.exited_by_themselves,
         "storage_faults": sum(faults.values()),
+        "batched_calls": count_batches(run_dir / "logs"),
         "storage_faults_by_kind": dict(sorted(faults.items())),
         "outcomes": dict(sorted(Counter(str(t.status) for t in snap.tasks.values()).items())),
         "tasks_retried": sum(1 for t in snap.tasks.values() if t.attempt > 1),
@@ -345,6 +363,7 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         "cancellations": figures["cancelled_pending"] + figures["cancelled_running"],
         "tasks_retried": figures["tasks_retried"],
         "permanent_failures": figures["permanent"],
+        "batched_calls": figures["batched_calls"],
     }
     for name, n in wanted.items():
         if n <= 0:
@@ -357,6 +376,16 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         check.fail(f"processes exited by themselves: {figures['exited_by_themselves']}")
     check.note = ", ".join(f"{k} {v}" for k, v in wanted.items())
     return check
+
+
+def count_batches(folder: Path) -> int:
+    """Calls of a batching worker's handler with more than one task (``batch_call``)."""
+    found = 0
+    for path in folder.glob("worker-batch-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "batch_call" in line and "size=1 " not in line and '"size": 1,' not in line:
+                found += 1
+    return found
 
 
 def count_faults(folder: Path) -> Counter[str]:

@@ -67,7 +67,7 @@ def make_spec(i: int, rng: random.Random) -> Spec:
     elif category == "cancel_running":
         steps, simulate["step_ms"] = 16, 60
     params = {"prompt": f"chaos {i} {category}", "width": 64, "height": 64, "steps": steps,
-              "seed": i, "simulate": simulate}  # fmt: skip
+              "seed": i, "simulate": simulate, "model": f"m{i % 3}"}  # fmt: skip
     keyed = category in ("plain", "retryable") and rng.random() < KEYED_SHARE
     return Spec(category, TENANTS[i % len(TENANTS)], params, max_attempts, timeouts,
                 f"chaos-key-{i}" if keyed else None)  # fmt: skip

@@ -131,6 +131,8 @@ class Attempt:
     #: Done generating: it holds (and waits for) no pool slot any more.
     past_pools: bool = False
     pool_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when the attempt is halted (``stop_reason`` given): ``Context.stopped``.
+    halted: asyncio.Event = field(default_factory=asyncio.Event)
     #: The batch it runs in (a batching kind), and what the batch's call made of it.
     batch: Batch | None = None
     outcome: asyncio.Future[HandlerResult | BaseException] | None = None
@@ -227,6 +229,12 @@ class Context:
         to the queue uncounted. A handler that never asks just runs on. A batch member is
         asked when its batch's slot holder (the first member) is."""
         return self._worker.asked_to_yield(self._attempt)
+
+    async def stopped(self) -> None:
+        """Return once the attempt is halted (cancelled, its lease lost, given back). A
+        batch's call goes on when one member stops; a handler that makes its members'
+        results separately can race each against this to drop a stopped one's work."""
+        await self._attempt.halted.wait()
 
 
 class Worker:
@@ -981,6 +989,7 @@ class Worker:
         not started yet stops as it starts."""
         if attempt.stop_reason is None:
             attempt.stop_reason = reason
+            attempt.halted.set()
             log.info("attempt_halted", extra={**self._ids(attempt), "reason": reason})
             if attempt.pipeline is not None:
                 attempt.pipeline.cancel()

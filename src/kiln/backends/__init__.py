@@ -250,13 +250,26 @@ class BatchedImageGenerate(ImageGenerate):
             made = await together(ctxs, params)
         else:
             made = await asyncio.gather(
-                *(self.backend.generate(c, p) for c, p in zip(ctxs, params, strict=True)),
+                *(self._alone(c, p) for c, p in zip(ctxs, params, strict=True)),
                 return_exceptions=True,
             )
         return [
             data if isinstance(data, BaseException) else await self.output(data, p.format)
             for data, p in zip(made, params, strict=True)
         ]
+
+    async def _alone(self, ctx: Context, params: GenerateParams) -> bytes:
+        """One member's picture, dropped when that member stops (a cancel, a lost lease):
+        the others' go on."""
+        job = asyncio.ensure_future(self.backend.generate(ctx, params))
+        stop = asyncio.ensure_future(ctx.stopped())
+        try:
+            await asyncio.wait({job, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not job.done():
+                job.cancel()
+        return await job
 
 
 def memory_amounts(rule: MemoryRule | None) -> AmountsOf | None:
