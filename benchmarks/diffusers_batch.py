@@ -50,6 +50,9 @@ class QuietContext:
     async def loading_model(self, model: str) -> AsyncIterator[None]:
         yield
 
+    def should_yield(self) -> bool:
+        return False
+
 
 @functools.cache
 def tiny_model_dir() -> Path:
