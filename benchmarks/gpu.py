@@ -4,7 +4,9 @@
    `KILN_MODEL_MEMORY_GB=2`, a simulated load of `--load-s`) run `--tasks` tasks that
    alternate between two models, once with warm-model routing (`KILN_AFFINITY_WAIT_S=5`)
    and once without (`0`), on a temporary SQLite file. It counts the model loads (the
-   workers' `model_loaded` log lines) and the wall time; rounds interleave.
+   workers' `model_loaded` log lines) and the wall time; rounds interleave. With torch and
+   diffusers installed, the same again on the diffusers backend with two tiny random
+   pipelines (sibling folders `a` and `b`, each worker's memory budget holding one).
 2. **Batching** (when torch and diffusers are installed, `make test-diffusers` installs
    them): the tiny random diffusers pipeline of the tests on the CPU, pictures per second
    at batch 1, 4 and 8 (`benchmarks/diffusers_batch.py`).
@@ -39,16 +41,29 @@ from kiln.states import Status
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def routing_round(tasks: int, load_s: float, wait_s: float, order: str) -> dict[str, Any]:
-    """One run of ``tasks`` tasks of models a and b on two fresh worker processes."""
+async def routing_round(
+    tasks: int, load_s: float, wait_s: float, order: str, models: Path | None = None
+) -> dict[str, Any]:
+    """One run of ``tasks`` tasks of models a and b on two fresh worker processes: the
+    demo backend's simulated loads, or the diffusers backend on the tiny pipelines saved
+    in ``models`` (``a`` and ``b``)."""
     with tempfile.TemporaryDirectory(prefix="kiln-gpu-") as tmp:
         root = Path(tmp)
         database, storage = f"sqlite:///{root / 'kiln.db'}", (root / "results").as_uri()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+        own: dict[str, str] = {"KILN_DEMO_MODEL_LOAD_S": str(load_s), "KILN_MODEL_MEMORY_GB": "2"}
+        if models is not None:
+            from kiln.backends.diffusers import weights_gb
+
+            own = {"KILN_BACKEND": "diffusers", "KILN_DIFFUSERS_MODEL_DIR": str(models / "a"),
+                   "KILN_DIFFUSERS_DEVICE": "cpu", "KILN_DIFFUSERS_PREVIEW_EVERY_STEPS": "0",
+                   "KILN_MODEL_MEMORY_GB": f"{weights_gb(models / 'a') * 1.5:.9f}",
+                   "HF_HUB_OFFLINE": "1"}  # fmt: skip
         env.update(KILN_DATABASE_URL=database, KILN_STORAGE_URL=storage,
-                   KILN_DEMO_MODEL_LOAD_S=str(load_s), KILN_MODEL_MEMORY_GB="2",
-                   KILN_AFFINITY_WAIT_S=str(wait_s), KILN_LOG_FORMAT="json")  # fmt: skip
+                   KILN_AFFINITY_WAIT_S=str(wait_s), KILN_LOG_FORMAT="json", **own)  # fmt: skip
         settings = kiln.Settings(data_dir=root, database_url=database, storage_url=storage)
+        if models is not None:  # the submitter names the models as the workers do
+            settings = settings.with_(backend="diffusers", diffusers_model_dir=models / "a")
         app = kiln.App(settings=settings)
         backends.register(app)
         rng = random.Random(11)
@@ -83,11 +98,13 @@ async def routing_round(tasks: int, load_s: float, wait_s: float, order: str) ->
     return {"loads": loads, "wall_s": round(wall, 2)}
 
 
-def routing(tasks: int, rounds: int, load_s: float, order: str) -> dict[str, Any]:
+def routing(
+    tasks: int, rounds: int, load_s: float, order: str, models: Path | None = None
+) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"routed": [], "plain": []}
     for n in range(rounds):
         for name, wait_s in (("routed", 5.0), ("plain", 0.0))[:: 1 if n % 2 == 0 else -1]:
-            run = asyncio.run(routing_round(tasks, load_s, wait_s, order))
+            run = asyncio.run(routing_round(tasks, load_s, wait_s, order, models))
             print(f"round {n + 1} {name:6} {order}: {run['loads']} loads in {run['wall_s']} s",
                   flush=True)  # fmt: skip
             runs[name].append(run)
@@ -96,6 +113,23 @@ def routing(tasks: int, rounds: int, load_s: float, order: str) -> dict[str, Any
                "wall_s_median": statistics.median(r["wall_s"] for r in found), "runs": found}
         for name, found in runs.items()
     }  # fmt: skip
+
+
+def tiny_routing(tasks: int, rounds: int) -> dict[str, Any] | str:
+    """Routing on the diffusers backend: two tiny random pipelines, one held at a time."""
+    try:
+        import diffusers  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        return "skipped: torch and diffusers are not installed (make test-diffusers)"
+    sys.path.insert(0, str(ROOT / "tests" / "backends"))
+    from tiny_diffusers import save_tiny_pipeline
+
+    with tempfile.TemporaryDirectory(prefix="kiln-tiny-models-") as tmp:
+        models = Path(tmp)
+        save_tiny_pipeline(models / "a", seed=0)
+        save_tiny_pipeline(models / "b", seed=1)
+        return routing(tasks, rounds, 0.0, "random", models)
 
 
 def batching(pictures: int, rounds: int) -> dict[str, Any] | str:
@@ -140,6 +174,7 @@ def main() -> None:
     for order in ("alternating", "random"):
         result[f"routing_{order}"] = routing(args.tasks, args.rounds, args.load_s, order)
     if not args.skip_batching:
+        result["routing_tiny_diffusers_random"] = tiny_routing(args.tasks, args.rounds)
         result["batching_tiny_cpu"] = batching(args.pictures, args.rounds)
     print(json.dumps(result))
 

@@ -36,17 +36,20 @@ def holding(*models: str, reserved: tuple[str, ...] = ()) -> Route:
 async def test_a_claim_takes_the_models_it_holds_first_within_the_affinity_wait(
     store: Store, clock: SettableClock
 ) -> None:
-    # Given a cold task, then two warm ones (of the model the worker holds) 1 s later
+    # Given a cold task, then a warm one (of the model the worker holds) 3 s later, then
+    # another warm one 9 s after the cold one
     cold = await submit(store, "b", "cold")
-    clock.advance(1)
+    clock.advance(3)
     warm = await submit(store, "a", "warm")
-    # When a worker holding model a claims: the warm task goes first
-    assert await claim(store, 1, holding("a")) == [warm.id]
-    # Once the cold task has waited the affinity wait, it is back in plain order: ahead
-    # of the warm tasks that came after it
-    clock.advance(WAIT_S)
-    later = await submit(store, "a", "later")
-    assert await claim(store, 2, holding("a")) == [cold.id, later.id]
+    clock.advance(6)
+    late = await submit(store, "a", "late")
+    # When a worker holding model a claims one at a time, even long after
+    clock.advance(60)
+    order = [*await claim(store, 1, holding("a")), *await claim(store, 1, holding("a"))]
+    order += await claim(store, 1, holding("a"))
+    # Then the warm task went ahead of the cold one (3 s < the 5 s wait); the late one,
+    # ready 9 s after it, did not: the order does not move with time
+    assert order == [warm.id, cold.id, late.id]
     # And the task carries its model
     assert (await store.get(warm.id)).model == "a"  # type: ignore[union-attr]
 
@@ -86,19 +89,23 @@ async def test_no_task_starves_behind_a_flood_of_the_model_a_worker_holds(
     store: Store, clock: SettableClock
 ) -> None:
     # Given a task of model b, then a flood of model a, five tasks a second: more than
-    # the worker holding a takes (one claim a second)
+    # the worker holding a takes (two a claim, one claim a second)
     lone = await submit(store, "b", "lone")
+    flood: dict[str, float] = {}
     taken: list[str] = []
-    for second in range(20):
+    for second in range(40):
         clock.advance(1)
         for i in range(5):
-            await submit(store, "a", f"a{second}.{i}")
-        taken += await claim(store, 1, holding("a", reserved=("b",)))
+            flood[(await submit(store, "a", f"a{second}.{i}")).id] = second + 1.0
+        taken += await claim(store, 2, holding("a", reserved=("b",)))
         if lone.id in taken:
             break
-    # Then the lone task was taken as soon as it had waited the affinity wait
+    # Then the lone task was taken, passed only by warm tasks that came within the
+    # affinity wait after it, never by a later one
     assert lone.id in taken
-    assert taken.index(lone.id) == WAIT_S - 1
+    before = taken[: taken.index(lone.id)]
+    assert before and all(flood[t] < WAIT_S for t in before)
+    assert len(before) == sum(1 for t, at in flood.items() if at < WAIT_S)
 
 
 async def test_routing_keeps_priority_first(store: Store, clock: SettableClock) -> None:

@@ -92,11 +92,13 @@ def candidates(rows: Iterable[Sequence[Any]]) -> list[Candidate]:
 class Route:
     """Warm-model routing of one worker's claim (docs/scheduling.md).
 
-    Among the tasks of a priority that became ready less than ``wait_s`` ago, those whose
-    model the worker holds loaded (``held``) go first; a task that has waited ``wait_s``
-    is back in plain order, ahead of every younger one, so no task starves behind a flood
-    of another model's work. A task whose model another idle worker holds (``reserved``)
-    is left to that worker until it has waited ``wait_s``; then any worker may take it.
+    A task whose model the worker holds loaded (``held``) is ordered as if it had become
+    ready ``wait_s`` sooner: among tasks of a priority it goes ahead of those that became
+    ready less than ``wait_s`` before it, never of older ones, so a task is passed only by
+    warm tasks that came within ``wait_s`` after it and nothing starves; the order does not
+    move with time, so a backlog keeps its warm preference however old it is. A task whose
+    model another idle worker holds (``reserved``) is left to that worker until it has
+    waited ``wait_s``; then any worker may take it.
     """
 
     held: frozenset[str] = frozenset()
@@ -117,25 +119,16 @@ class Route:
             or cand.ready_at <= now - self.wait_s
         )
 
-    def rank(self, cand: Candidate, now: float) -> int:
-        """0: waited the affinity wait (plain order); 1: young, of a model held; 2: young."""
-        if cand.ready_at <= now - self.wait_s:
-            return 0
-        return 1 if cand.model is not None and cand.model in self.held else 2
-
     def head_start(self, cand: Candidate) -> float:
-        """Under priority aging: seconds a task of a model held goes ahead of its place."""
+        """Seconds a task goes ahead of its place: ``wait_s`` for a model held, else 0."""
         return self.wait_s if cand.model is not None and cand.model in self.held else 0.0
 
 
-def order_key(policy: ClaimPolicy, route: Route | None = None, now: float = 0.0) -> Any:
-    routed = route if route is not None and route.active else None
+def order_key(policy: ClaimPolicy, route: Route | None = None) -> Any:
+    ahead = route.head_start if route is not None and route.active else (lambda c: 0.0)
     if policy.aging_s is None:
-        if routed is None:
-            return lambda c: (-c.priority, c.ready_at, c.id)
-        return lambda c: (-c.priority, routed.rank(c, now), c.ready_at, c.id)
+        return lambda c: (-c.priority, c.ready_at - ahead(c), c.id)
     aging_s = policy.aging_s
-    ahead = routed.head_start if routed is not None else (lambda c: 0.0)
     return lambda c: (c.ready_at - c.priority * aging_s - ahead(c), c.ready_at, c.id)
 
 
@@ -177,7 +170,7 @@ def choose(
     """The candidates a claim takes, in claim order: ``room`` is how many more tasks each
     tenant may have claimed (None: no cap); with fair turns, ``tenants`` is this claim's
     turn order (see :func:`turn`); ``route`` leaves and orders tasks by their model."""
-    key = order_key(policy, route, now)
+    key = order_key(policy, route)
     unique: Iterable[Candidate] = {c.id: c for c in found}.values()
     if route is not None and route.active:
         unique = [c for c in unique if route.allows(c, now)]
@@ -369,10 +362,10 @@ class ClaimOps(Ops):
     ) -> list[Candidate]:
         """What a routed claim takes in the default order, locked: the first ready tasks
         of each model the worker holds (one index range each) and the first it may take
-        of each kind, in the order :class:`Route` gives. Any task of the claim's first
-        ``limit`` is in one of those reads: a task ahead of it in plain order (priority,
-        ready time) is ahead of it in that order too, but for younger warm ones, which
-        the model's own read finds."""
+        of each kind, ordered with the warm ones' head start (:class:`Route`). Any task
+        of the claim's first ``limit`` is in one of those reads: within a model the head
+        start is the same for all, and a cold task has ahead of it every task ahead of it
+        in plain order."""
         reserved, ready_by = sorted(route.reserved - route.held), now - route.wait_s
         found: list[Candidate] = []
         for kind in kinds:  # locked on PostgreSQL (SKIP LOCKED)
@@ -381,7 +374,7 @@ class ClaimOps(Ops):
             args = (kind, now, now, reserved, ready_by, limit)
             found += candidates(await tx.all(self.q.claim_routed, args))
         unique = {c.id: c for c in found}.values()
-        return sorted(unique, key=order_key(ClaimPolicy(), route, now))[:limit]
+        return sorted(unique, key=order_key(ClaimPolicy(), route))[:limit]
 
     async def _policy_candidates(
         self,
