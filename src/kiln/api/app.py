@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from kiln import backends
-from kiln.api import deliveries, docs, errors, events, schedules, tasks
+from kiln.api import bulk, deliveries, docs, errors, events, schedules, tasks
 from kiln.api import usage as usage_routes
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
@@ -365,6 +365,7 @@ def create_app(
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     api.include_router(tasks.router)
+    api.include_router(bulk.router)
     api.include_router(deliveries.router)
     api.include_router(events.router)
     api.include_router(worker_routes.router)

@@ -122,6 +122,54 @@ class SubmitRequest(BaseModel):
     ] = None
 
 
+class BatchItemIn(SubmitRequest):
+    """One item of ``POST /v1/tasks/batch``: a submission, plus its own Idempotency-Key."""
+
+    idempotency_key: Annotated[
+        str | None,
+        Field(min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$",
+              description="as the Idempotency-Key header of POST /v1/tasks"),
+    ] = None  # fmt: skip
+
+
+#: The most items one ``POST /v1/tasks/batch`` takes.
+MAX_BATCH_ITEMS = 1000
+
+
+class BatchRequest(BaseModel):
+    """``POST /v1/tasks/batch``: up to 1,000 submissions, each checked on its own."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tasks: Annotated[
+        list[JSONObject],
+        Field(
+            min_length=1,
+            max_length=MAX_BATCH_ITEMS,
+            description="submissions as POST /v1/tasks takes them (BatchItemIn), plus an "
+            "optional idempotency_key; an item that is not valid is refused alone",
+        ),
+    ]
+
+
+class RerunRequest(BaseModel):
+    """``POST /v1/tasks/{id}/rerun``: a new task of the same kind, with changes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    params: Annotated[JSONObject, Field(description="merged over the original task's params")] = (
+        Field(default_factory=dict)
+    )
+    priority: Annotated[
+        int | None, Field(ge=-100, le=100, description="default: the original's"),
+        BeforeValidator(_integral),
+    ] = None  # fmt: skip
+    dedup: Annotated[
+        bool,
+        Field(description="false: a new variation, never answered with an existing task"),
+    ] = True
+
+
 class ReviewRequest(BaseModel):
     """``POST /v1/tasks/{id}/review``: an admin's moderation decision."""
 
@@ -392,3 +440,18 @@ class ErrorEnvelope(_Out):
     """Every error answer: ``{"error": {"code", "message", "details"}}``."""
 
     error: ErrorBody
+
+
+class BatchItemOut(_Out):
+    """The answer to one item of a batch, at its index."""
+
+    index: int
+    status: Literal["created", "replayed", "deduplicated", "refused"]
+    task: TaskOut | None
+    error: Annotated[ErrorBody | None, Field(description="why it was refused")]
+
+
+class BatchOut(_Out):
+    """``POST /v1/tasks/batch``'s answer: one item per submission, in order."""
+
+    items: list[BatchItemOut]

@@ -1,0 +1,121 @@
+"""Bulk routes: many submissions in one request (``POST /v1/tasks/batch``).
+
+Each item is a submission as ``POST /v1/tasks`` takes it and is answered on its own: a
+refused item stores nothing and does not stop the others. The accepted items are
+submitted concurrently, so the store commits them together (the SQLite writer thread and
+PostgreSQL's batcher each take the writes waiting at once into one transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pydantic
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kiln.api import tasks
+from kiln.api.auth import Principal
+from kiln.api.errors import envelope, error_responses, status_of, validation_details
+from kiln.api.schemas import BatchItemIn, BatchOut, BatchRequest
+from kiln.api.state import ApiState, api_state
+from kiln.api.strict_json import RenderedJSON
+from kiln.errors import InvalidRequest, KilnError, RateLimited
+from kiln.models import JSON
+from kiln.wire import task_json
+
+router = APIRouter(prefix="/v1")
+
+
+def refused(index: int, error: KilnError) -> JSON:
+    """A refused item: nothing stored, the error object of the envelope."""
+    if status_of(error) >= 500:  # an outage is the whole request's answer, not an item's
+        raise error
+    body = envelope(error.code, error.message, error.details)["error"]
+    return {"index": index, "status": "refused", "task": None, "error": body}
+
+
+def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
+    """Item ``index`` as a submission, refused (InvalidRequest, UnknownKind) as
+    ``POST /v1/tasks`` would refuse it."""
+    try:
+        item = BatchItemIn.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        where = ("body", "tasks", index)
+        details = validation_details([{**e, "loc": (*where, *e["loc"])} for e in exc.errors()])
+        raise InvalidRequest(f"item {index} is not a valid submission", details=details) from None
+    state.app.check_submission(
+        item.kind, item.params, webhook_url=item.webhook_url,
+        webhook_events=item.webhook_events, run_at=item.run_at, delay_s=item.delay_s,
+    )  # fmt: skip
+    return item
+
+
+async def take_tokens(state: ApiState, tenant: str, items: dict[int, BatchItemIn]) -> list[int]:
+    """The indexes, in order, that the tenant's rate limit lets through: each item takes a
+    token; once one is refused, the rest are (the limit holds for the whole batch)."""
+    if state.app.settings.tenant_limit(tenant).rate is None:
+        return list(items)
+    allowed: list[int] = []
+    for index in items:
+        try:
+            await state.app.check_rate(tenant)
+        except RateLimited:
+            break
+        allowed.append(index)
+    return allowed
+
+
+async def submitted(state: ApiState, principal: Principal, index: int, item: BatchItemIn) -> JSON:
+    request = BatchItemIn.model_validate(item.model_dump(exclude={"idempotency_key"}))
+    try:
+        done = await tasks.submit(state, principal, request, item.idempotency_key)
+    except KilnError as exc:
+        return refused(index, exc)
+    result = done.result
+    status = "created" if result.created else "replayed" if result.replayed else "deduplicated"
+    found = done.standing
+    task = task_json(
+        found.task, queue_position=found.queue_position, deduplicated=result.deduplicated,
+        resource_wait=found.resource_wait,
+    )  # fmt: skip
+    return {"index": index, "status": status, "task": task, "error": None}
+
+
+@router.post(
+    "/tasks/batch",
+    summary="Submit up to 1,000 tasks; each item is answered on its own",
+    response_model=BatchOut,
+    responses=error_responses(401, 413, 415, 422),
+    openapi_extra=tasks._body_doc(BatchRequest),
+)
+async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
+    state = api_state(request)
+    body = tasks.validated(
+        BatchRequest, await tasks.json_body(request, state.settings.max_body_bytes)
+    )
+    answers: dict[int, JSON] = {}
+    accepted: dict[int, BatchItemIn] = {}
+    for index, raw in enumerate(body.tasks):
+        try:
+            accepted[index] = checked(state, index, raw)
+        except KilnError as exc:
+            answers[index] = refused(index, exc)
+    allowed = await take_tokens(state, principal.tenant, accepted)
+    for index in accepted.keys() - set(allowed):
+        answers[index] = refused(index, rate_limited(state, principal.tenant))
+    done = await asyncio.gather(*(submitted(state, principal, i, accepted[i]) for i in allowed))
+    answers.update((answer["index"], answer) for answer in done)
+    return RenderedJSON({"items": [answers[i] for i in range(len(body.tasks))]})
+
+
+def rate_limited(state: ApiState, tenant: str) -> RateLimited:
+    rate = state.app.settings.tenant_limit(tenant).rate
+    per_s = rate.per_s if rate is not None else 0
+    return RateLimited(
+        f"tenant {tenant!r} may submit {per_s:g} tasks a second; this item was not "
+        "submitted (KILN_TENANT_LIMITS or KILN_TENANT_RATE_PER_S allows more)",
+        retry_after_s=1 / per_s if per_s else 1,
+    )
