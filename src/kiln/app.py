@@ -336,6 +336,7 @@ class App:
         webhook_events: Sequence[str] | None = None,
         run_at: float | str | None = None,
         delay_s: float | None = None,
+        rerun_of: str | None = None,
     ) -> SubmitResult:
         """Create a task, or return the one this request already made (see API.md).
 
@@ -368,6 +369,8 @@ class App:
         }
         if webhook is not None:  # only then: a body without one keeps its old fingerprint
             body["webhook"] = webhook
+        if rerun_of is not None:
+            body["rerun_of"] = rerun_of
         # The request as given (delay_s, not the moment it gives), so that a retry with the
         # same Idempotency-Key and body is a replay; a delayed task shares content only with
         # a task of the same content for the same moment.
@@ -382,7 +385,7 @@ class App:
             timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
             model=task_kind.model_of(clean),
             batch_key=task_kind.batch.key_of(clean) if task_kind.batch else None,
-            run_at=when,
+            run_at=when, rerun_of=rerun_of,
         )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:
@@ -390,6 +393,36 @@ class App:
                                           "to": "PENDING", "attempt": 0})  # fmt: skip
             self.engine.submitted()
         return result
+
+    async def rerun(
+        self,
+        task_id: str,
+        *,
+        tenant: str | None = None,
+        params: JSON | None = None,
+        priority: int | None = None,
+        dedup: bool = True,
+        idempotency_key: str | None = None,
+    ) -> SubmitResult:
+        """A new task of the same kind as ``task_id`` (NotFound outside ``tenant``), with
+        ``params`` merged over its params (top-level keys) and validated as a submission;
+        its ``rerun_of`` names the original. It keeps the original's tenant, attempts,
+        deadline, timeouts, metadata, inputs and webhook. With ``dedup`` (the default) an
+        identical live or successful task answers instead (``deduplicated``); without it,
+        a new variation is always made."""
+        original = await self.get(task_id, tenant)
+        webhook = original.webhook or {}
+        merged = {**original.params, **(params or {})}
+        await self.check_rate(original.tenant, original.kind, merged)
+        return await self.submit(
+            original.kind, merged, tenant=original.tenant,
+            idempotency_key=idempotency_key, dedup=dedup,
+            priority=original.priority if priority is None else priority,
+            max_attempts=original.max_attempts, deadline_s=original.deadline_s,
+            timeouts=original.timeouts, metadata=original.metadata, inputs=original.inputs,
+            webhook_url=webhook.get("url"), webhook_events=webhook.get("events"),
+            rerun_of=original.id,
+        )  # fmt: skip
 
     def timeouts_of(
         self,

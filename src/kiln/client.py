@@ -170,6 +170,23 @@ def submit_call(
     return Call("POST", wire.TASKS_PATH, read_submitted, body=body, headers=headers)
 
 
+def batch_call(items: Sequence[Mapping[str, Any]]) -> Call:
+    def read(response: httpx.Response) -> list[JSON]:
+        answers: list[JSON] = read_json(response)["items"]
+        return answers
+
+    return Call("POST", wire.TASKS_PATH + "/batch", read, body={"tasks": [dict(i) for i in items]})
+
+
+def rerun_call(
+    task_id: str, params: Mapping[str, Any] | None, priority: int | None, dedup: bool
+) -> Call:
+    body: JSON = {"params": dict(params or {}), "dedup": dedup}
+    if priority is not None:
+        body["priority"] = priority
+    return Call("POST", wire.task_path(task_id, "rerun"), read_submitted, body=body)
+
+
 def list_call(status: str | None, kind: str | None, limit: int, cursor: str | None) -> Call:
     query = {"status": status, "kind": kind, "limit": limit, "cursor": cursor}
     return Call("GET", wire.TASKS_PATH, params={k: v for k, v in query.items() if v is not None})
@@ -406,6 +423,28 @@ class Client(_Base):
         result: JSON = self.call(submit_call(kind, params, idempotency_key, fields, files))
         return result
 
+    def submit_many(self, items: Sequence[Mapping[str, Any]]) -> list[JSON]:
+        """Submit up to 1,000 tasks in one request (``POST /v1/tasks/batch``): each item a
+        submission body (``kind``, ``params``, ... and an optional ``idempotency_key``).
+        One answer per item, in order: ``{"index", "status", "task", "error"}``, where
+        status is created, replayed, deduplicated or refused (then ``error`` says why)."""
+        answers: list[JSON] = self.call(batch_call(items))
+        return answers
+
+    def rerun(
+        self,
+        task_id: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        priority: int | None = None,
+        dedup: bool = True,
+    ) -> JSON:
+        """A new task of the same kind, ``params`` merged over the original's; its
+        ``rerun_of`` is ``task_id``. ``dedup=False`` makes a new variation even when an
+        identical task exists. The task JSON plus ``created`` and ``deduplicated``."""
+        result: JSON = self.call(rerun_call(task_id, params, priority, dedup))
+        return result
+
     def get(self, task_id: str) -> JSON:
         result: JSON = self.call(Call("GET", wire.task_path(task_id)))
         return result
@@ -584,6 +623,23 @@ class AsyncClient(_Base):
     ) -> JSON:
         """See :meth:`Client.submit`."""
         result: JSON = await self.call(submit_call(kind, params, idempotency_key, fields, files))
+        return result
+
+    async def submit_many(self, items: Sequence[Mapping[str, Any]]) -> list[JSON]:
+        """See :meth:`Client.submit_many`."""
+        answers: list[JSON] = await self.call(batch_call(items))
+        return answers
+
+    async def rerun(
+        self,
+        task_id: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        priority: int | None = None,
+        dedup: bool = True,
+    ) -> JSON:
+        """See :meth:`Client.rerun`."""
+        result: JSON = await self.call(rerun_call(task_id, params, priority, dedup))
         return result
 
     async def get(self, task_id: str) -> JSON:

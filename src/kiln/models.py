@@ -61,6 +61,8 @@ class NewTask:
     batch_key: str | None = None
     #: A delayed task: not claimable before this moment (unix seconds); None means now.
     run_at: float | None = None
+    #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
+    rerun_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,8 @@ class Task:
     #: When the leading supervisor asked the running attempt to yield its pool slot at its
     #: next step (KILN_PREEMPT_AFTER_S); None: not asked. Cleared by every claim.
     yield_requested_at: float | None = None
+    #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
+    rerun_of: str | None = None
 
     @property
     def final(self) -> bool:

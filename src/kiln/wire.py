@@ -23,6 +23,8 @@ TASKS_PATH = "/v1/tasks"
 REPLAYED_HEADER = "Idempotent-Replayed"
 #: The request header that names a submission's idempotency key.
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: The most submissions one ``POST /v1/tasks/batch`` takes.
+MAX_BATCH_ITEMS = 1000
 
 
 def task_path(task_id: str, *rest: str) -> str:
@@ -102,6 +104,7 @@ def task_json(
         "webhook": task.webhook,
         "model": task.model,
         "scheduled_for": iso(scheduled_for(task)),
+        "rerun_of": task.rerun_of,
     }
 
 

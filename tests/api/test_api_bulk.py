@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_support import ApiUnderTest, assert_error, image_body, running_api
+from api_support import BOB_KEY, ApiUnderTest, assert_error, bearer, image_body, running_api
 
 import kiln
 from kiln import demo
@@ -17,20 +18,40 @@ from kiln.limits import Rate
 from kiln.store.postgres import PostgresStore
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def store_api(
-    request: pytest.FixtureRequest, settings: Settings
+@contextlib.asynccontextmanager
+async def api_on(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, workers: int = 0
 ) -> AsyncIterator[ApiUnderTest]:
-    """The API (no keys, no workers) on SQLite, then on PostgreSQL."""
-    if request.param == "sqlite":
-        async with running_api(settings) as api:
+    """The API (no keys) on a fresh SQLite file or PostgreSQL database."""
+    if backend == "sqlite":
+        async with running_api(settings, workers=workers) as api:
             yield api
         return
     server = request.getfixturevalue("postgres_server")
-    store = PostgresStore(server.new_database(), clock=time.time)
-    app = kiln.App(settings=settings, store=store)
+    app = kiln.App(settings=settings, store=PostgresStore(server.new_database(), clock=time.time))
     demo.register(app)
-    async with app, running_api(settings, kiln_app=app) as api:
+    async with app, running_api(settings, kiln_app=app, workers=workers) as api:
+        yield api
+
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+async def store_api(
+    request: pytest.FixtureRequest, settings: Settings
+) -> AsyncIterator[ApiUnderTest]:
+    """The API with no workers, on SQLite, then on PostgreSQL."""
+    async with api_on(request.param, request, settings) as api:
+        yield api
+
+
+@pytest.fixture(params=BACKENDS)
+async def worked_api(
+    request: pytest.FixtureRequest, settings: Settings
+) -> AsyncIterator[ApiUnderTest]:
+    """The API with one worker, on SQLite, then on PostgreSQL."""
+    async with api_on(request.param, request, settings, workers=1) as api:
         yield api
 
 
@@ -43,12 +64,19 @@ async def batch(api: ApiUnderTest, items: list[dict[str, Any]]) -> list[dict[str
     return answers
 
 
+def too_narrow(prompt: str) -> dict[str, Any]:
+    """A submission whose params are refused (a width not a multiple of 8)."""
+    body = image_body(prompt)
+    body["params"]["width"] = 13
+    return body
+
+
 def mixed_items(n: int) -> list[dict[str, Any]]:
     """n items; every 10th refused (7th of each ten: bad params, 9th: unknown kind)."""
     items: list[dict[str, Any]] = []
     for i in range(n):
         if i % 10 == 7:
-            items.append(image_body(f"fox {i}", width=13))
+            items.append(too_narrow(f"fox {i}"))
         elif i % 10 == 9:
             items.append({"kind": "no.such.kind", "params": {}})
         else:
@@ -124,7 +152,7 @@ async def test_a_rate_limit_refuses_the_remaining_items(settings: Settings) -> N
     limited = settings.with_(tenant_rate=Rate(per_s=0.01, burst=3))
     async with running_api(limited) as api:
         # When it sends a batch of 5, one of them not valid
-        items = [image_body("a"), image_body("b", width=3), *(image_body(p) for p in "cde")]
+        items = [image_body("a"), too_narrow("b"), *(image_body(p) for p in "cde")]
         answers = await batch(api, items)
         # Then each valid item takes a token, and those past the limit are refused
         assert [a["status"] for a in answers] == [
@@ -143,3 +171,74 @@ async def test_a_batch_that_is_not_a_list_of_objects_is_422(api: ApiUnderTest) -
     for body in ({}, {"tasks": "x"}, {"tasks": [1]}, {"tasks": [], "extra": 1}):
         response = await api.client.post("/v1/tasks/batch", json=body)
         assert_error(response, 422, "invalid_request")
+
+
+# Rerun ----------------------------------------------------------------------------------
+
+
+async def rerun(api: ApiUnderTest, task_id: str, body: dict[str, Any] | None = None) -> Any:
+    return await api.client.post(f"/v1/tasks/{task_id}/rerun", json=body)
+
+
+async def test_rerun_makes_a_linked_task_with_the_params_changed(worked_api: ApiUnderTest) -> None:
+    # Given a task that succeeded
+    first = await worked_api.submit(image_body("a fox", priority=5))
+    original = first.json()
+    await worked_api.kiln.wait(original["id"], timeout_s=20)
+    # When it is run again with another seed
+    response = await rerun(worked_api, original["id"], {"params": {"seed": 9}})
+    # Then a new task of the same kind is made, linked to the original
+    assert response.status_code == 201, response.text
+    task = response.json()
+    assert task["id"] != original["id"] and task["rerun_of"] == original["id"]
+    assert task["params"] == {**original["params"], "seed": 9}
+    assert task["priority"] == 5 and task["kind"] == original["kind"]
+    assert response.headers["location"] == f"/v1/tasks/{task['id']}"
+    stored = await worked_api.kiln.get(task["id"])
+    assert stored.rerun_of == original["id"] and "rerun_of" not in stored.metadata
+    assert (await worked_api.client.get(f"/v1/tasks/{task['id']}")).json()["rerun_of"] == (
+        original["id"]
+    )
+    assert original["rerun_of"] is None
+
+
+async def test_an_identical_rerun_of_a_success_is_deduplicated_unless_a_new_variation(
+    worked_api: ApiUnderTest,
+) -> None:
+    # Given a task that succeeded
+    original = (await worked_api.submit(image_body("a fox"))).json()
+    done = await worked_api.kiln.wait(original["id"], timeout_s=20)
+    assert done.status == "SUCCESS"
+    # When it is rerun unchanged (no body at all), then as a new variation
+    same = await worked_api.client.post(f"/v1/tasks/{original['id']}/rerun")
+    fresh = await rerun(worked_api, original["id"], {"dedup": False})
+    # Then the first answers the existing task, the second makes a new one
+    assert same.status_code == 200 and same.json()["deduplicated"] is True
+    assert same.json()["id"] == original["id"]
+    assert fresh.status_code == 201 and fresh.json()["rerun_of"] == original["id"]
+    assert await worked_api.task_count() == 2
+
+
+async def test_a_rerun_is_validated_like_a_submission(store_api: ApiUnderTest) -> None:
+    original = (await store_api.submit(image_body("a fox"))).json()
+
+    bad = await rerun(store_api, original["id"], {"params": {"width": 13}})
+    unknown_field = await rerun(store_api, original["id"], {"params": {}, "colour": 1})
+    missing = await rerun(store_api, "tsk_nope", {})
+
+    assert_error(bad, 422, "invalid_request")
+    assert_error(unknown_field, 422, "invalid_request")
+    assert_error(missing, 404, "not_found")
+    assert await store_api.task_count() == 1
+
+
+async def test_a_tenant_can_rerun_only_its_own_tasks(keyed_api: ApiUnderTest) -> None:
+    # Given a task of alice
+    original = (await keyed_api.submit(image_body("a fox"))).json()
+    # When bob asks to rerun it
+    response = await keyed_api.client.post(
+        f"/v1/tasks/{original['id']}/rerun", json={}, headers=bearer(BOB_KEY)
+    )
+    # Then it is not found for him, and nothing is made
+    assert_error(response, 404, "not_found")
+    assert await keyed_api.task_count() == 1

@@ -1,4 +1,5 @@
-"""Bulk routes: many submissions in one request (``POST /v1/tasks/batch``).
+"""Bulk routes: many submissions in one request (``POST /v1/tasks/batch``), and a task
+run again with changes (``POST /v1/tasks/{id}/rerun``).
 
 Each item is a submission as ``POST /v1/tasks`` takes it and is answered on its own: a
 refused item stores nothing and does not stop the others. The accepted items are
@@ -19,10 +20,10 @@ from starlette.responses import Response
 from kiln.api import tasks
 from kiln.api.auth import Principal
 from kiln.api.errors import envelope, error_responses, status_of, validation_details
-from kiln.api.schemas import BatchItemIn, BatchOut, BatchRequest
+from kiln.api.schemas import BatchItemIn, BatchOut, BatchRequest, RerunRequest, TaskOut
 from kiln.api.state import ApiState, api_state
-from kiln.api.strict_json import RenderedJSON
-from kiln.errors import InvalidRequest, KilnError, RateLimited
+from kiln.api.strict_json import RenderedJSON, parse_json
+from kiln.errors import InvalidRequest, KilnError, RateLimited, UnsupportedMediaType
 from kiln.models import JSON
 from kiln.wire import task_json
 
@@ -119,3 +120,49 @@ def rate_limited(state: ApiState, tenant: str) -> RateLimited:
         "submitted (KILN_TENANT_LIMITS or KILN_TENANT_RATE_PER_S allows more)",
         retry_after_s=1 / per_s if per_s else 1,
     )
+
+
+def _optional_body(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    doc = tasks._body_doc(model)
+    doc["requestBody"]["required"] = False
+    return doc
+
+
+@router.post(
+    "/tasks/{task_id}/rerun",
+    summary="Run a task again as a new task (same kind), with params changed",
+    status_code=201,
+    response_model=TaskOut,
+    responses={
+        201: {"description": "The new task; its `rerun_of` is the original's id",
+              "headers": tasks._SUBMIT_HEADERS},
+        200: {"model": TaskOut,
+              "description": "With dedup (the default): an identical live or successful "
+              "task, `deduplicated: true`; or a replay of the Idempotency-Key",
+              "headers": tasks._REPLAY_HEADERS},
+        **error_responses(401, 404, 413, 415, 422, 429),
+    },
+    openapi_extra=_optional_body(RerunRequest),
+)  # fmt: skip
+async def rerun_task(
+    task_id: str,
+    request: Request,
+    principal: tasks.Caller,
+    idempotency_key: tasks.IdempotencyKey = None,
+) -> Response:
+    state = api_state(request)
+    raw = await tasks.read_body(request, state.settings.max_body_bytes)
+    body = RerunRequest()  # no body: the same params
+    if raw.strip():
+        if not tasks._is_json(tasks.media_type(request)):
+            raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
+        body = tasks.validated(RerunRequest, parse_json(raw))
+    result = await state.app.rerun(
+        task_id, tenant=principal.scope, params=body.params, priority=body.priority,
+        dedup=body.dedup, idempotency_key=idempotency_key,
+    )  # fmt: skip
+    status_code, headers = tasks._submit_answer(result)
+    return tasks.standing_response(
+        await tasks.standing(state, result.task), status_code=status_code,
+        deduplicated=result.deduplicated, headers=headers,
+    )  # fmt: skip

@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from kiln.api.schedules import ScheduleRequest
-from kiln.api.schemas import ReviewRequest, SubmitRequest
+from kiln.api.schemas import BatchRequest, RerunRequest, ReviewRequest, SubmitRequest
 from kiln.app import App
 from kiln.config import Settings
 
@@ -116,7 +116,8 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             components["SubmitUploadRequest"] = submit_schema(app, components, uploads=True)
             body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
             body["content"]["multipart/form-data"] = upload
-        components["ReviewRequest"] = _model_schema(ReviewRequest, components)
+        for model in (ReviewRequest, BatchRequest, RerunRequest):
+            components[model.__name__] = _model_schema(model, components)
         if not settings.auth_enabled:
             _without_security(schema)
         api.openapi_schema = schema

@@ -17,6 +17,7 @@ from pydantic.config import JsonDict
 from kiln import webhooks
 from kiln.states import Status
 from kiln.timing import MAX_DELAY_S
+from kiln.wire import MAX_BATCH_ITEMS
 
 JSONObject = dict[str, Any]
 #: The largest event seq (a signed 64-bit integer in both databases): a larger resume
@@ -130,10 +131,6 @@ class BatchItemIn(SubmitRequest):
         Field(min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$",
               description="as the Idempotency-Key header of POST /v1/tasks"),
     ] = None  # fmt: skip
-
-
-#: The most items one ``POST /v1/tasks/batch`` takes.
-MAX_BATCH_ITEMS = 1000
 
 
 class BatchRequest(BaseModel):
@@ -274,6 +271,10 @@ class TaskOut(_Out):
     scheduled_for: Annotated[
         AwareDatetime | None,
         Field(description="a delayed task not yet claimed: when it becomes claimable"),
+    ] = None
+    rerun_of: Annotated[
+        str | None,
+        Field(description="the task this one runs again (POST /v1/tasks/{id}/rerun)"),
     ] = None
 
 

@@ -25,9 +25,11 @@ from kiln.cli import processes  # isort: split
 
 from kiln.cli import tasks  # isort: split
 
+from kiln.cli import bulk  # isort: split
+
 from kiln.cli import schedules  # isort: split
 
 from kiln.cli import operate
 from kiln.cli.base import cli, main
 
-__all__ = ["cli", "main", "operate", "processes", "schedules", "tasks"]
+__all__ = ["bulk", "cli", "main", "operate", "processes", "schedules", "tasks"]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from kiln.cli import bulk
 from kiln.cli import task_io as tasks
 from kiln.client import Client
 from kiln.errors import InvalidRequest
@@ -38,11 +39,20 @@ def _simulate(step_ms: int | None, raw: str | None) -> JSON | None:
 
 
 What = Annotated[
-    str,
+    str | None,
     typer.Argument(
-        metavar="PROMPT|KIND", help="a prompt for image.generate, or a kind (image.transform)"
+        metavar="PROMPT|KIND",
+        help="a prompt for image.generate, or a kind (image.transform); not with --from-file",
     ),
 ]
+FromFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--from-file", metavar="FILE",
+        help="submit every line of a JSON Lines file (a POST /v1/tasks body each, plus an "
+        "optional idempotency_key); prints one line per item, exit 1 if any was refused",
+    ),
+]  # fmt: skip
 Params = Annotated[
     list[str] | None,
     typer.Option(
@@ -74,7 +84,7 @@ TaskId = Annotated[str, typer.Argument(metavar="ID")]
 @cli.command(context_settings={"help_option_names": ["-h", "--help"]})
 @handled
 def submit(
-    what: What,
+    what: What = None,
     param: Params = None,
     params_file: ParamsFile = None,
     input_file: Inputs = None,
@@ -101,12 +111,20 @@ def submit(
     as_json: AsJson = False,
     server: Server = None,
     api_key: ApiKey = None,
+    from_file: FromFile = None,
 ) -> None:
     """Submit a task (a prompt, or any kind with its params and inputs) and print its id.
 
     `kiln submit "a red fox" --steps 20`, or
-    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`.
+    `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`,
+    or many at once: `kiln submit --from-file tasks.jsonl`.
     """
+    if (what is None) == (from_file is None):
+        raise InvalidRequest("give a PROMPT or KIND, or --from-file FILE (not both)")
+    if from_file is not None:
+        with client_of(server, api_key) as client:
+            raise typer.Exit(bulk.submit_file(client, from_file, as_json=as_json))
+    assert what is not None
     kind = what if tasks.is_kind(what) else "image.generate"
     params = tasks.params_from(param or [], params_file)
     if kind == "image.generate":

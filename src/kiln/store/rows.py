@@ -69,6 +69,7 @@ TASK_COLUMNS: tuple[str, ...] = (
     "model",
     "batch_key",
     "yield_requested_at",
+    "rerun_of",
 )
 _WEBHOOK = TASK_COLUMNS.index("webhook")
 STATUSES = {str(status): status for status in Status}
@@ -89,7 +90,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         error=loads(row[30]), result=loads(row[31]), created_at=row[32], updated_at=row[33],
         status_since=row[34], started_at=row[35], finished_at=row[36],
         webhook=loads(row[_WEBHOOK]), model=row[_WEBHOOK + 1], batch_key=row[_WEBHOOK + 2],
-        yield_requested_at=row[_WEBHOOK + 3],
+        yield_requested_at=row[_WEBHOOK + 3], rerun_of=row[_WEBHOOK + 4],
     )  # fmt: skip
 
 

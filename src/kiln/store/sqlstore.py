@@ -66,6 +66,7 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
         dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
         new.dedup_key, new.max_attempts, new.deadline_s, ready + new.deadline_s,
         dumps(timeouts), now, now, now, dumps(new.webhook), new.model, new.batch_key,
+        new.rerun_of,
     ]  # fmt: skip
 
 

@@ -21,11 +21,11 @@ SELECT status, epoch, version, status_since, tenant, attempt FROM tasks WHERE id
 -- A new PENDING task, unless a live or successful task holds its content (then no row):
 -- (id, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint,
 -- idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,
--- created_at, updated_at, status_since, webhook, model, batch_key).
+-- created_at, updated_at, status_since, webhook, model, batch_key, rerun_of).
 INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
     fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at,
-    timeouts, created_at, updated_at, status_since, webhook, model, batch_key)
-VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    timeouts, created_at, updated_at, status_since, webhook, model, batch_key, rerun_of)
+VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
 DO NOTHING RETURNING *
 
