@@ -215,3 +215,24 @@ def test_a_delayed_task_shows_when_it_is_scheduled_in_the_list_and_on_its_page(
     row = page.locator(f'[data-testid="task-row"][data-task-id="{task["id"]}"]')
     expect(row).to_contain_text("scheduled in")
     httpx.post(f"{server.url}/v1/tasks/{task['id']}/cancel", headers=server.headers())
+
+
+def test_run_again_makes_a_new_task_and_opens_its_page(page: Page, server: Server) -> None:
+    # Given a task that succeeded, on its page
+    task = server.submit(unique_prompt("a kiln at dusk"), steps=2, width=64, height=64,
+                         simulate={"step_ms": 5})  # fmt: skip
+    open_task(page, task["id"])
+    expect(page.get_by_test_id("task-page")).to_have_attribute("data-status", "SUCCESS",
+                                                               timeout=15_000)  # fmt: skip
+
+    # When "Run again" is clicked
+    page.get_by_test_id("rerun").click()
+
+    # Then the page of a new task opens, linked to the original, which runs to SUCCESS too
+    task_page = page.get_by_test_id("task-page")
+    expect(task_page).not_to_have_attribute("data-task-id", task["id"], timeout=10_000)
+    expect(page.get_by_test_id("rerun-of")).to_have_text(task["id"])
+    expect(task_page).to_have_attribute("data-status", "SUCCESS", timeout=15_000)
+    new_id = task_page.get_attribute("data-task-id")
+    assert new_id and new_id != task["id"]
+    assert server.task(new_id)["rerun_of"] == task["id"]

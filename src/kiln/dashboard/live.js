@@ -135,6 +135,22 @@ export async function performAction(taskId, action) {
   }
 }
 
+/** Runs a task again as a new task (a new variation, never the same task back);
+ * resolves to the new task or null. */
+export async function rerunTask(taskId) {
+  try {
+    const task = await api(`/v1/tasks/${encodeURIComponent(taskId)}/rerun`, {
+      method: "POST",
+      body: { dedup: false },
+    });
+    if (task && task.id) publishTask(task);
+    return task;
+  } catch (err) {
+    showError(err, "Could not run the task again");
+    return null;
+  }
+}
+
 // ---- the tenant-wide feed --------------------------------------------------------------
 
 let feed = null;

@@ -27,7 +27,7 @@ import {
   durationText,
   queueText,
 } from "./ui.js";
-import { on, refreshTask, performAction, mergeTask, applyProgress, notes } from "./live.js";
+import { on, refreshTask, performAction, rerunTask, mergeTask, applyProgress, notes } from "./live.js";
 
 const ERROR_TITLES = {
   FAILED: "Failed",
@@ -346,6 +346,10 @@ class TaskPage {
       fact("Started", when(task.started_at)),
       fact("Finished", when(task.finished_at)),
     );
+    if (task.rerun_of) {
+      const link = h("a", { href: `#/tasks/${encodeURIComponent(task.rerun_of)}`, class: "mono", text: task.rerun_of });
+      this.facts.append(fact("Rerun of", link, "rerun-of"));
+    }
   }
 
   renderNotices() {
@@ -388,7 +392,7 @@ class TaskPage {
   renderActions() {
     const task = this.task;
     const actions = actionsFor(task);
-    const key = `${actions.join(",")}|${task.cancel_requested ? 1 : 0}`;
+    const key = `${actions.join(",")}|${task.cancel_requested ? 1 : 0}|${task.final ? 1 : 0}`;
     if (key === this.actionKey) return;
     this.actionKey = key;
     clear(this.actions);
@@ -410,6 +414,26 @@ class TaskPage {
       });
       this.actions.appendChild(button);
     }
+    if (task.final) this.actions.appendChild(this.rerunButton(task));
+  }
+
+  /** "Run again": a new task of the same kind and params (a new variation), then its page. */
+  rerunButton(task) {
+    const button = h("button", {
+      type: "button",
+      class: "btn action-rerun",
+      dataset: { testid: "rerun" },
+      title: "Make a new task with the same params",
+      text: "Run again",
+      onclick: async () => {
+        button.disabled = true;
+        const made = await rerunTask(task.id);
+        if (this.gone) return;
+        if (made && made.id) location.hash = `#/tasks/${encodeURIComponent(made.id)}`;
+        else button.disabled = false;
+      },
+    });
+    return button;
   }
 
   renderError() {
