@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_support import BOB_KEY, ApiUnderTest, assert_error, bearer, image_body, running_api
+from api_support import (
+    ADMIN_KEY,
+    BOB_KEY,
+    ApiUnderTest,
+    assert_error,
+    bearer,
+    image_body,
+    running_api,
+)
 
 import kiln
 from kiln import demo
@@ -242,3 +250,26 @@ async def test_a_tenant_can_rerun_only_its_own_tasks(keyed_api: ApiUnderTest) ->
     # Then it is not found for him, and nothing is made
     assert_error(response, 404, "not_found")
     assert await keyed_api.task_count() == 1
+
+
+async def test_the_admin_reruns_any_task_for_its_tenant(keyed_api: ApiUnderTest) -> None:
+    original = (await keyed_api.submit(image_body("a fox"))).json()
+
+    response = await keyed_api.client.post(
+        f"/v1/tasks/{original['id']}/rerun", json={"dedup": False}, headers=bearer(ADMIN_KEY)
+    )
+
+    assert response.status_code == 201
+    made = await keyed_api.kiln.get(response.json()["id"])
+    assert made.tenant == "alice" and made.rerun_of == original["id"]
+
+
+async def test_a_rerun_counts_against_the_rate_limit(settings: Settings) -> None:
+    limited = settings.with_(tenant_rate=Rate(per_s=0.01, burst=2))
+    async with running_api(limited) as api:
+        original = (await api.submit(image_body("a fox"))).json()
+        first = await rerun(api, original["id"], {"params": {"seed": 1}})
+        second = await rerun(api, original["id"], {"params": {"seed": 2}})
+        assert first.status_code == 201
+        assert_error(second, 429, "rate_limited")
+        assert await api.task_count() == 2

@@ -89,3 +89,14 @@ async def test_the_async_client_submits_many_and_reruns(server: Server) -> None:
         assert answers[1]["error"]["code"] == "unknown_kind"
         again = await client.rerun(answers[0]["task"]["id"], {"seed": 3}, dedup=False)
         assert again["created"] and again["rerun_of"] == answers[0]["task"]["id"]
+
+
+def test_submit_needs_a_prompt_or_a_file_but_not_both(server: Server, tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(submission("a stoat")) + "\n")
+
+    neither = kiln_cli(server, "submit")
+    both = kiln_cli(server, "submit", "a stoat", "--from-file", str(path))
+
+    assert neither.exit_code == 2 and both.exit_code == 2
+    assert "--from-file" in neither.stderr
