@@ -1,5 +1,5 @@
 """The task page in Chromium: submitting from the form, live progress and previews, the
-output image, the timeline, and the cancel / approve / retry buttons."""
+output image, the timeline, and the cancel / approve / retry / run again buttons."""
 
 from __future__ import annotations
 
