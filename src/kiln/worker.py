@@ -118,6 +118,8 @@ class Attempt:
     kind: TaskKind
     #: What the attempt takes of each pool (the kind's resources, its own amounts).
     needs: dict[str, int] = field(default_factory=dict)
+    #: The shared pools it takes, as the ledger names them (a batch member's own, too).
+    pools: str = ""
     runner: asyncio.Task[None] | None = None
     pipeline: asyncio.Task[None] | None = None
     stop_reason: str | None = None
@@ -483,7 +485,9 @@ class Worker:
 
     def _start(self, task: Task, batch: Batch | None = None) -> None:
         kind = self.engine.kinds[task.kind]
-        attempt = Attempt(task, kind, self._needs_of(kind, task), batch=batch)
+        needs = self._needs_of(kind, task)
+        pools = ",".join(sorted(units_needed(needs, self.engine.settings.pools)))
+        attempt = Attempt(task, kind, needs, pools=pools, batch=batch)
         if batch is not None:
             attempt.outcome = asyncio.get_running_loop().create_future()
             batch.members.append(attempt)
@@ -904,7 +908,7 @@ class Worker:
                 write = asyncio.ensure_future(self.engine.apply(
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
-                    loading_s=attempt.loading_s, pool=self._pools_of(attempt),
+                    loading_s=attempt.loading_s, pool=attempt.pools,
                     share=attempt.share,
                 ))  # fmt: skip
                 try:
@@ -1015,11 +1019,6 @@ class Worker:
         self.model_loads.record(model, seconds)
         log.info("model_loaded", extra={**self._ids(attempt), "model": model,
                  "duration_s": round(seconds, 3)})  # fmt: skip
-
-    def _pools_of(self, attempt: Attempt) -> str:
-        """The shared pools the attempt's kind takes, as the ledger names them."""
-        needs = self._needs_of(attempt.kind, attempt.task)  # a batch member's own, too
-        return ",".join(sorted(units_needed(needs, self.engine.settings.pools)))
 
     @staticmethod
     def _ids(attempt: Attempt) -> dict[str, Any]:
