@@ -164,10 +164,12 @@ async def load(storage: Storage, item: JSON) -> bytes:
     """The bytes of a recorded input, checked against its size and sha256.
 
     An input that is missing or does not match fails the attempt for good (``input_missing``,
-    ``input_corrupt``): another attempt would read the same object.
+    ``input_corrupt``): another attempt would read the same object. A record with a ``key``
+    names an object kept elsewhere (an output of another task, passed by reference); any
+    other is read from ``inputs/`` by its sha256.
     """
     sha256 = str(item["sha256"])
-    key = input_key(sha256)
+    key = str(item.get("key") or input_key(sha256))
     missing = Permanent(
         f"input {item['name']!r} is missing from storage: upload it again", code="input_missing"
     )

@@ -71,8 +71,15 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
 
 
 def input_rows(new: NewTask) -> list[tuple[str, str]]:
-    """The ``task_inputs`` rows of a new task: its inputs by sha256."""
-    return sorted({(str(item["sha256"]), new.id) for item in new.inputs if "sha256" in item})
+    """The ``task_inputs`` rows of a new task: its uploaded inputs by sha256 (an input with
+    a ``key`` is another task's object, read where it is, not an upload under ``inputs/``)."""
+    return sorted(
+        {
+            (str(item["sha256"]), new.id)
+            for item in new.inputs
+            if "sha256" in item and "key" not in item
+        }
+    )
 
 
 def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
