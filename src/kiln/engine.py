@@ -199,7 +199,8 @@ class Engine:
         An event that ends a running attempt writes its row of the GPU-second ledger in the
         same transaction (``kiln.store.usage``): ``loading_s``, ``pool`` and ``share`` (of
         a batch's call) are what its worker knows (the supervisor passes none: no load
-        timed, the pools from the attempt's pool slots, a whole share).
+        timed, the pools from the attempt's pool slots, a whole share). An event that leaves
+        GENERATING after a model load records the load's seconds on its row (``loading_s``).
         """
         try:
             to = check(task.status, event, target)
@@ -229,6 +230,7 @@ class Engine:
             steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
             bump_epoch=bump_epoch, fenced=fenced, leader=leader,
             counters=self._with_minutes(counted), usage=usage,
+            loading_s=loading_s if loading_s > 0 and task.status is Status.GENERATING else None,
         )  # fmt: skip
         updated, events = await self.store.apply(change)
         _log_transitions(events)
@@ -424,12 +426,12 @@ class Engine:
 
 def _log_transitions(events: Sequence[TaskEvent]) -> None:
     for e in events:
-        logs.line(
-            log, "transition",
-            {"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
-             "from": e.from_status, "to": e.status, "event": str(e.event),
-             "duration_s": e.dwell_s},
-        )  # fmt: skip
+        fields = {"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
+                  "from": e.from_status, "to": e.status, "event": str(e.event),
+                  "duration_s": e.dwell_s}  # fmt: skip
+        if e.loading_s is not None:
+            fields["loading_s"] = e.loading_s
+        logs.line(log, "transition", fields)
 
 
 def attempt_usage(

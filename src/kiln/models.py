@@ -145,9 +145,12 @@ class TaskEvent:
     at: float
     dwell_s: float | None
     final: bool
+    #: Seconds the attempt spent loading models in the status this event leaves
+    #: (``ctx.loading_model``); None when it loaded none.
+    loading_s: float | None = None
 
     def to_json(self) -> JSON:
-        return {
+        found: JSON = {
             "seq": self.seq,
             "task_id": self.task_id,
             "type": "status",
@@ -159,6 +162,9 @@ class TaskEvent:
             "error": self.error,
             "at": iso(self.at),
         }
+        if self.loading_s is not None:
+            found["loading_s"] = round(self.loading_s, 3)
+        return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,24 @@ def test_completed_task_page_shows_its_timeline_in_order_with_durations(
     assert console_errors == []
 
 
+def test_the_timeline_shows_how_long_the_model_took_to_load(
+    page: Page, server: Server, console_errors: list[str]
+) -> None:
+    # Given a task on a model no worker held yet (the demo backend loads it, about a second)
+    model = f"demo-{unique_prompt('model').split()[-1]}"
+    task = server.submit(unique_prompt("lighthouse"), steps=2, width=64, height=64, model=model)
+    server.wait_status(task["id"], "SUCCESS")
+
+    # When its page is opened
+    open_task(page, task["id"])
+
+    # Then the step that left GENERATING says how long the load took, the others say nothing
+    generated = page.locator('[data-testid="timeline-entry"][data-event="generated"]')
+    expect(generated).to_contain_text(re.compile(r"model loaded in \d+(\.\d+)? (ms|s)"))
+    expect(page.get_by_test_id("timeline-entry").filter(has_text="model loaded")).to_have_count(1)
+    assert console_errors == []
+
+
 def test_approve_button_releases_a_task_held_for_review(page: Page, server: Server) -> None:
     # Given a task submitted from the form with "Flag for review"
     page.goto("/")

@@ -1,15 +1,18 @@
-"""A worker's attempts in the GPU-second ledger: the model loads it timed, the pool its kind
-takes, itself as the worker, and the seconds of the event log."""
+"""A worker's attempts in the GPU-second ledger and the event log: the model loads it timed,
+the pool its kind takes, itself as the worker, and the seconds of the event log, on each
+store."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
+
 import kiln
 from kiln.app import running
 from kiln.config import Settings
-from kiln.states import Status
+from kiln.states import Event, Status
 from kiln.worker import Context
 
 
@@ -28,8 +31,18 @@ class SlowLoader:
         await asyncio.sleep(0.01)
 
 
-async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(settings: Settings) -> None:
-    app = kiln.App(settings=settings.with_(pools={"gpu": 1}))
+@pytest.fixture(params=["sqlite", "postgres"])
+def load_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return settings.with_(database_url=server.new_database())
+    return settings
+
+
+async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(
+    load_settings: Settings,
+) -> None:
+    app = kiln.App(settings=load_settings.with_(pools={"gpu": 1}))
     app.task("test.load", resources={"gpu": 1}, model="model")(SlowLoader())
     async with app:
         # Given two tasks on model a: the first loads it, the second finds it loaded
@@ -52,3 +65,9 @@ async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(settings:
         generating = [e.dwell_s for e in log if e.from_status is Status.GENERATING]
         waiting = [e.dwell_s for e in log if e.from_status is Status.WAITING_FOR_RESOURCE]
         assert [row.generating_s] == generating and [row.waiting_s] == waiting
+    # And the event that left GENERATING after the load records the load's own seconds (in
+    # the API's events too); no other event carries any
+    loaded = [(e.event, e.loading_s) for e in events[0] if e.loading_s is not None]
+    assert loaded == [(Event.GENERATED, timed.total_s)]
+    assert events[0][-2].to_json()["loading_s"] == round(timed.total_s, 3)
+    assert all(e.loading_s is None and "loading_s" not in e.to_json() for e in events[1])

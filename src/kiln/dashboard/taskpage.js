@@ -667,6 +667,7 @@ class TaskPage {
         meta = `from ${event.from}`;
       }
       if (Number.isFinite(event.attempt) && event.attempt > 0) meta += ` · attempt ${event.attempt}`;
+      if (Number.isFinite(event.loading_s)) meta += ` · model loaded in ${formatDuration(event.loading_s * 1000)}`;
       const entry = h(
         "li",
         {

@@ -79,6 +79,7 @@ class PostgresTx(Counting):
             [str(r.target) for r in rows], [r.final for r in rows],
             [r.task.attempt for r in rows], [r.task.epoch for r in rows],
             [dumps(r.error) for r in rows], [r.at for r in rows], [r.dwell_s for r in rows],
+            [r.loading_s for r in rows],
         )  # fmt: skip
         seqs = {event_id: seq for seq, event_id in await self.all(Q.insert_events, args)}
         return [r.event_for(seqs[event_id]) for event_id, r in zip(ids, rows, strict=True)]

@@ -499,7 +499,8 @@ class PostgresStore(Store):
 
 def _is_plain(change: Change) -> bool:
     """A fenced single step of a worker that needs nothing but the row, its event and the
-    counts: no leader, no epoch bump, no extra counters, no wake-up, no dedup re-entry."""
+    counts: no leader, no epoch bump, no extra counters, no wake-up, no dedup re-entry, no
+    model load to record on its event."""
     target = change.steps[-1][1]
     return (
         len(change.steps) == 1
@@ -510,6 +511,7 @@ def _is_plain(change: Change) -> bool:
         and not change.counters
         and target not in CLAIMABLE
         and change.expect_status not in NOT_LIVE
+        and change.loading_s is None  # rare (a model was loaded): the transaction writes it
     )
 
 

@@ -79,6 +79,9 @@ class Change:
     #: Set when the change ends a running attempt: its row of the GPU-second ledger is
     #: written in the same transaction.
     usage: AttemptUsage | None = None
+    #: The seconds the attempt spent loading models in GENERATING, for the event row of
+    #: the step that leaves it (None: no model was loaded, or it does not leave it).
+    loading_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

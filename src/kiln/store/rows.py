@@ -96,12 +96,12 @@ def task_from_row(row: Sequence[Any]) -> Task:
 
 def event_from_row(row: Sequence[Any]) -> TaskEvent:
     """An event from a row of (seq, id, task_id, tenant, event, from_status, to_status,
-    attempt, epoch, error, at, dwell_s, final), as the events queries read them."""
+    attempt, epoch, error, at, dwell_s, final, loading_s), as the events queries read them."""
     return TaskEvent(
         seq=row[0], id=row[1], task_id=row[2], tenant=row[3], event=Event(row[4]),
         from_status=None if row[5] is None else STATUSES[row[5]], status=STATUSES[row[6]],
         attempt=row[7], epoch=row[8], error=loads(row[9]), at=row[10], dwell_s=row[11],
-        final=bool(row[12]),
+        final=bool(row[12]), loading_s=row[13],
     )  # fmt: skip
 
 

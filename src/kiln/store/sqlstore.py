@@ -320,8 +320,9 @@ class TaskOps(Ops):
             await tx.run(self.q.record_usage, used)
         for offset, (event, step_target) in enumerate(change.steps, start=1):
             final = offset == len(change.steps) and step_target in FINAL
+            loaded = change.loading_s if offset == 1 else None
             rows.append(EventRow(task, current[2] + offset, event, source, step_target,
-                                 change.error, now, dwell, final))  # fmt: skip
+                                 change.error, now, dwell, final, loaded))  # fmt: skip
             tx.bump(names.TRANSITIONS, f"{source}>{step_target}")
             source, dwell = step_target, 0.0
         events = await tx.insert_events(rows)

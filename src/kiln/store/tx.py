@@ -95,6 +95,8 @@ class EventRow:
     at: float
     dwell_s: float | None
     final: bool = False
+    #: Seconds the attempt spent loading models in the status this event leaves.
+    loading_s: float | None = None
 
     def event_for(self, seq: int) -> TaskEvent:
         return TaskEvent(
@@ -102,6 +104,7 @@ class EventRow:
             tenant=self.task.tenant, event=self.event, from_status=self.source,
             status=self.target, attempt=self.task.attempt, epoch=self.task.epoch,
             error=self.error, at=self.at, dwell_s=self.dwell_s, final=self.final,
+            loading_s=self.loading_s,
         )  # fmt: skip
 
 

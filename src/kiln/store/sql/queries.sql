@@ -91,19 +91,19 @@ WHERE id {IN_LIST} AND status IN {CLAIMABLE} RETURNING *
 -- events_of_task --
 -- (task_id, after, limit).
 SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
-    dwell_s, final
+    dwell_s, final, loading_s
 FROM events WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?
 
 -- events_of_tenant --
 -- (tenant, after, limit).
 SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
-    dwell_s, final
+    dwell_s, final, loading_s
 FROM events WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?
 
 -- events_after --
 -- (after, limit).
 SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
-    dwell_s, final
+    dwell_s, final, loading_s
 FROM events WHERE seq > ? ORDER BY seq LIMIT ?
 
 -- last_seq --

@@ -2,11 +2,11 @@
 
 -- insert_events --
 -- Event rows in one statement, their seqs back: arrays of (id, task_id, tenant, event,
--- from_status, to_status, final, attempt, epoch, error, at, dwell_s).
+-- from_status, to_status, final, attempt, epoch, error, at, dwell_s, loading_s).
 INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
-    epoch, error, at, dwell_s)
+    epoch, error, at, dwell_s, loading_s)
 SELECT * FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::text[],
-    ?::boolean[], ?::int[], ?::int[], ?::text[], ?::float8[], ?::float8[])
+    ?::boolean[], ?::int[], ?::int[], ?::text[], ?::float8[], ?::float8[], ?::float8[])
 RETURNING seq, id
 
 -- add_status_counts --
@@ -25,7 +25,7 @@ ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n
 -- Events after a seq, with the snapshot they were read in (kiln/store/postgres.py, tail):
 -- (after, limit).
 SELECT seq, id, task_id, tenant, event, from_status, to_status, attempt, epoch, error, at,
-    dwell_s, final, pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+    dwell_s, final, loading_s, pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
     pg_snapshot_xmax(pg_current_snapshot())::text::bigint
 FROM events WHERE seq > ? ORDER BY seq LIMIT ?
 

@@ -2,10 +2,10 @@
 
 -- insert_event --
 -- One event row; its seq back: (id, task_id, tenant, event, from_status, to_status, final,
--- attempt, epoch, error, at, dwell_s).
+-- attempt, epoch, error, at, dwell_s, loading_s).
 INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
-    epoch, error, at, dwell_s)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq
+    epoch, error, at, dwell_s, loading_s)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq
 
 -- add_status_count --
 -- (tenant, status, delta).

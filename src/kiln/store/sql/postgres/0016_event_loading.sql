@@ -1,0 +1,4 @@
+-- kiln schema v16 (PostgreSQL): the seconds an attempt spent loading models
+-- (ctx.loading_model) while in the status its event leaves (GENERATING); NULL when it
+-- loaded none.
+ALTER TABLE events ADD COLUMN loading_s double precision;
