@@ -9,11 +9,14 @@
    pipelines (sibling folders `a` and `b`, each worker's memory budget holding one).
 2. **Batching** (when torch and diffusers are installed, `make test-diffusers` installs
    them): the tiny random diffusers pipeline of the tests on the CPU, pictures per second
-   at batch 1, 4 and 8 (`benchmarks/diffusers_batch.py`).
+   at batch 1, 4 and 8 (`benchmarks/diffusers_batch.py`). With `--gpu` (a CUDA machine),
+   the same at 512×512, 20 steps, on Stable Diffusion 1.5's architecture at full size with
+   random weights, in half precision, with the peak GPU memory of each batch size.
 
 The last line is one JSON object with every figure.
 
     .venv/bin/python benchmarks/gpu.py --tasks 100 --rounds 3
+    .venv/bin/python benchmarks/gpu.py --tasks 100 --rounds 3 --gpu   # on a GPU machine
 """
 
 from __future__ import annotations
@@ -132,25 +135,35 @@ def tiny_routing(tasks: int, rounds: int) -> dict[str, Any] | str:
         return routing(tasks, rounds, 0.0, "random", models)
 
 
-def batching(pictures: int, rounds: int) -> dict[str, Any] | str:
+def batching(pictures: int, rounds: int, *, gpu: bool = False) -> dict[str, Any] | str:
+    """Pictures per second at batch 1, 4 and 8: the tiny pipeline on the CPU, or (``gpu``)
+    SD 1.5's architecture with random weights at 512×512, 20 steps, on CUDA."""
     try:
         import diffusers  # noqa: F401
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         return "skipped: torch and diffusers are not installed (make test-diffusers)"
+    if gpu and not torch.cuda.is_available():
+        return "skipped: no CUDA device"
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from diffusers_batch import tiny_throughput
+    from diffusers_batch import peak_gpu_gib, tiny_throughput
 
+    shape: dict[str, Any] = (
+        {"architecture": "sd15", "device": "cuda", "side": 512, "steps": 20} if gpu else {}
+    )
     found: dict[int, list[float]] = {1: [], 4: [], 8: []}
+    memory: dict[int, float | None] = {}
     for n in range(rounds):
         for size in (1, 4, 8) if n % 2 == 0 else (8, 4, 1):
-            rate = tiny_throughput(size, pictures)
+            rate = tiny_throughput(size, pictures, **shape)
             found[size].append(rate)
+            memory[size] = peak_gpu_gib(shape.get("device", "cpu"))
             print(f"round {n + 1} batch {size}: {rate:.2f} pictures/s", flush=True)
     medians = {size: statistics.median(rates) for size, rates in found.items()}
     return {
         f"batch_{size}": {"pictures_per_s": round(rate, 2),
-                          "vs_batch_1": round(rate / medians[1], 2)}
+                          "vs_batch_1": round(rate / medians[1], 2),
+                          "peak_gpu_gib": memory[size]}
         for size, rate in medians.items()
     }  # fmt: skip
 
@@ -162,6 +175,7 @@ def main() -> None:
     parser.add_argument("--load-s", type=float, default=0.5, help="a simulated model load")
     parser.add_argument("--pictures", type=int, default=16, help="per batching measurement")
     parser.add_argument("--skip-batching", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="also SD 1.5's architecture on CUDA")
     args = parser.parse_args()
     result: dict[str, Any] = {
         "benchmark": "gpu",
@@ -176,6 +190,8 @@ def main() -> None:
     if not args.skip_batching:
         result["routing_tiny_diffusers_random"] = tiny_routing(args.tasks, args.rounds)
         result["batching_tiny_cpu"] = batching(args.pictures, args.rounds)
+        if args.gpu:
+            result["batching_sd15_512_gpu"] = batching(args.pictures, args.rounds, gpu=True)
     print(json.dumps(result))
 
 
