@@ -27,12 +27,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+import kiln
+from kiln import demo
 from kiln.api.app import create_app
+from kiln.app import running
+from kiln.config import Settings
 from kiln.states import Status
 from kiln.tracing import Tracing, parse_traceparent
 
 from .cli_workers import CliWorkers
 from .conftest import wait_for_status, wait_until
+from .webhook_receiver import receiving
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +197,43 @@ async def test_a_task_s_trace_runs_from_the_request_span_through_a_worker_proces
     assert generate["start"] <= load["start"] <= load["end"] <= generate["end"]
     # And a finished span of this task never came twice
     assert len({s["span_id"] for s in spans}) == len(spans)
+
+
+async def test_a_webhook_delivery_is_a_client_span_whose_context_the_receiver_gets(
+    settings: Settings,
+) -> None:
+    # Given an app with tracing on (in memory), webhooks to a receiver on 127.0.0.1
+    memory = InMemorySpanExporter()
+    app = kiln.App(settings=settings.with_(webhook_allow_private=True))
+    demo.register(app)
+    tracing = app.engine.tracing = Tracing(SimpleSpanProcessor(memory))
+    params = {"prompt": "a fox", "width": 64, "height": 64, "steps": 2,
+              "simulate": {"step_ms": 0}}  # fmt: skip
+    with receiving() as receiver:
+        async with app, running(app.worker(concurrency=1).run(), app.supervisor().run()):
+            # When a task submitted in a span finishes and its final event is posted
+            with tracing.tracer.start_as_current_span("request") as request:
+                made = await app.submit("image.generate", params, webhook_url=receiver.url)
+            await wait_for_status(app.store, made.task.id, Status.SUCCESS, timeout_s=30)
+
+            async def posted() -> bool:
+                return bool(receiver.received) and any(
+                    s.name == "kiln.webhook" for s in memory.get_finished_spans()
+                )
+
+            await wait_until(posted, timeout_s=30, what="the delivery and its span")
+        [delivery] = receiver.received
+    # Then the delivery is a CLIENT span under the request's span, and the receiver got
+    # its context, so its own spans join the task's trace
+    (span,) = [s for s in memory.get_finished_spans() if s.name == "kiln.webhook"]
+    assert span.kind is SpanKind.CLIENT and span.context is not None
+    assert span.parent is not None
+    assert span.parent.span_id == request.get_span_context().span_id
+    assert span.context.trace_id == request.get_span_context().trace_id
+    assert parse_traceparent(delivery.headers["traceparent"]) == (
+        span.context.trace_id, span.context.span_id, 1,
+    )  # fmt: skip
+    attributes = span.attributes or {}
+    assert attributes["kiln.task_id"] == made.task.id
+    assert attributes["kiln.webhook.event_id"] == delivery.headers["kiln-webhook-id"]
+    assert attributes["http.response.status_code"] == 200
