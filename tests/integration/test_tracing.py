@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 import kiln
 from kiln import demo
@@ -36,7 +36,7 @@ from kiln.states import Status
 from kiln.tracing import Tracing, parse_traceparent
 
 from .cli_workers import CliWorkers
-from .conftest import wait_for_status, wait_until
+from .conftest import AdvancingClock, claim_generating, demo_params, wait_for_status, wait_until
 from .webhook_receiver import receiving
 
 pytestmark = pytest.mark.slow
@@ -237,3 +237,29 @@ async def test_a_webhook_delivery_is_a_client_span_whose_context_the_receiver_ge
     assert attributes["kiln.task_id"] == made.task.id
     assert attributes["kiln.webhook.event_id"] == delivery.headers["kiln-webhook-id"]
     assert attributes["http.response.status_code"] == 200
+
+
+async def test_an_attempt_the_supervisor_expires_is_emitted_by_the_supervisor(
+    fake_app: kiln.App, clock: AdvancingClock
+) -> None:
+    memory = InMemorySpanExporter()
+    fake_app.engine.tracing = Tracing(SimpleSpanProcessor(memory))
+    # Given a task claimed by a worker that then stopped heartbeating
+    made = await fake_app.submit("image.generate", demo_params("a meadow"), max_attempts=3)
+    claimed = await claim_generating(fake_app, lease_ttl_s=1.0)
+    claimed_at = clock.now
+    # When its lease lapses and the supervisor sweeps
+    clock.advance(1.5)
+    assert (await fake_app.supervisor().sweep()).expired == 1
+    # Then the supervisor's process emitted the attempt, expired, with the fake clock's
+    # moments: from the submission to the expiry
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    assert set(spans) == {"kiln.attempt", "kiln.queue", "kiln.generate"}
+    attempt = spans["kiln.attempt"]
+    attrs = attempt.attributes or {}
+    assert (attrs["kiln.task_id"], attrs["kiln.attempt"]) == (made.task.id, claimed.attempt)
+    assert (attrs["kiln.outcome"], attrs["kiln.error_code"]) == ("expired", "lease_expired")
+    assert attempt.status.status_code is StatusCode.ERROR
+    assert attempt.end_time == round(clock.now * 1e9)
+    generate = spans["kiln.generate"]
+    assert (generate.start_time, generate.end_time) == (round(claimed_at * 1e9), attempt.end_time)
