@@ -377,6 +377,7 @@ class App:
         body.update({k: v for k, v in (("run_at", run_at), ("delay_s", delay_s)) if v is not None})
         if when is not None and when > now:
             contents = [*contents, f"run_at:{round(when * 1000)}"]
+        tracing = self.engine.tracing  # the API's request span, when tracing is on
         new = NewTask(
             id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
             fingerprint=canonical.digest(body), idempotency_key=idempotency_key,
@@ -386,6 +387,7 @@ class App:
             model=task_kind.model_of(clean),
             batch_key=task_kind.batch.key_of(clean) if task_kind.batch else None,
             run_at=when, rerun_of=rerun_of,
+            trace=tracing.current() if tracing is not None else None,
         )  # fmt: skip
         result = await self.store.submit(new)
         if result.created:

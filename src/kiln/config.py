@@ -75,6 +75,7 @@ class Settings:
     sqlite_synchronous: str = "FULL"
     log_format: str = "text"
     log_level: str = "INFO"
+    tracing: str = "auto"
     output_urls: str = "proxy"
     db_pool_size: int = 10
     retention_s: float | None = None
@@ -180,6 +181,13 @@ class Settings:
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def otel_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``OTEL_*`` variables (default: of ``os.environ``). The OpenTelemetry SDK reads
+    them itself; kiln reads them only to decide whether tracing is on (kiln.tracing)."""
+    env = os.environ if environ is None else environ
+    return {name: value for name, value in env.items() if name.startswith("OTEL_")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +353,10 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_LOG_LEVEL", "log_level",
        values.choice("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", upper=True),
        "the lowest level logged", group=PROCESSES),
+    _v("KILN_TRACING", "tracing", values.choice("auto", "on", "off"), "OpenTelemetry "
+       "traces (the `kiln[otel]` extra, docs/tracing.md): `auto` is on when an "
+       "`OTEL_EXPORTER_OTLP_*ENDPOINT` or `OTEL_TRACES_EXPORTER` is set; `on` needs the "
+       "extra; `OTEL_SDK_DISABLED=true` turns it off", group=PROCESSES),
     _v("KILN_SERVER", "server", TEXT, "the kiln API the client commands talk to "
        "(`--server`)", group=CLIENT),
     _v("KILN_API_KEY", "api_key", SECRET, "the key the client commands send "
@@ -562,5 +574,6 @@ __all__ = [
     "Variable",
     "groups",
     "markdown",
+    "otel_env",
     "variable",
 ]

@@ -41,6 +41,15 @@ from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.store.records import AttemptUsage
 from kiln.store.usage import FOREVER, UsageSum, outcome_of
+from kiln.tracing import (
+    EVENTS_READ,
+    Load,
+    Tracing,
+    ended_attempt,
+    ended_review,
+    open_tracing,
+    spans_of,
+)
 
 log = logging.getLogger("kiln")
 
@@ -84,6 +93,8 @@ class Engine:
         #: Called with a task id when this process asks a running task to stop, so a
         #: worker in the same process stops at once instead of at its next heartbeat.
         self.cancel_listeners: list[Callable[[str], None]] = []
+        self._tracing: Tracing | None = None
+        self._tracing_opened = False
 
     # wiring
 
@@ -131,18 +142,35 @@ class Engine:
             self.store.watch_ready(self._wake.set)  # and when another process did
         return self._wake
 
+    @property
+    def tracing(self) -> Tracing | None:
+        """This process's OpenTelemetry spans (KILN_TRACING, docs/tracing.md), or None
+        when tracing is off; opened on first use."""
+        if not self._tracing_opened:
+            self._tracing = open_tracing(self.settings)
+            self._tracing_opened = True
+        return self._tracing
+
+    @tracing.setter
+    def tracing(self, tracing: Tracing | None) -> None:
+        self._tracing, self._tracing_opened = tracing, True
+
     def now(self) -> float:
         """The store's clock: the time every lease, deadline and retry is measured in."""
         return self.store.clock()
 
     def open(self) -> None:
         """Open the store and the storage now (a bad URL fails here, not later)."""
-        _ = self.store, self.storage
+        _ = self.store, self.storage, self.tracing
 
     async def close(self) -> None:
-        """Stop the event hub and close the store."""
+        """Stop the event hub, export the spans still pending and close the store."""
         if self._hub is not None:
             await self._hub.close()
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.close)
+            self._tracing_opened = False
+            self._tracing = None
         if self._store is not None:
             await self._store.close()
 
@@ -186,6 +214,7 @@ class Engine:
         loading_s: float = 0.0,
         pool: str | None = None,
         share: float = 1.0,
+        loads: Sequence[Load] = (),
     ) -> Task:
         """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
         fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
@@ -201,6 +230,9 @@ class Engine:
         a batch's call) are what its worker knows (the supervisor passes none: no load
         timed, the pools from the attempt's pool slots, a whole share). An event that leaves
         GENERATING after a model load records the load's seconds on its row (``loading_s``).
+
+        With tracing on, a change that ends an attempt (or a review) emits its spans,
+        built from the task's event rows; ``loads`` are the model loads its worker timed.
         """
         try:
             to = check(task.status, event, target)
@@ -235,7 +267,21 @@ class Engine:
         updated, events = await self.store.apply(change)
         _log_transitions(events)
         self.written(events)
+        if self.tracing is not None and (ended_attempt(events) or ended_review(events)):
+            await self._trace(self.tracing, updated, events, loads)
         return updated
+
+    async def _trace(
+        self, tracing: Tracing, task: Task, events: list[TaskEvent], loads: Sequence[Load]
+    ) -> None:
+        """Emit the spans of the attempt or review ``events`` ended. Tracing never fails a
+        change: what goes wrong here is logged and the change stands."""
+        try:
+            history = await self.store.events(task_id=task.id, limit=EVENTS_READ)
+            stored = await self.store.trace(task.id)
+            tracing.emit(spans_of(task, history, events, stored, loads))
+        except Exception:
+            log.exception("tracing_failed", extra={"task_id": task.id})
 
     async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:
         """Count an event the state table refused (here and in the store) and log it."""

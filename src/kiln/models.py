@@ -37,6 +37,15 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The W3C trace context a task was submitted in (``traceparent``, ``tracestate``):
+    kept in ``task_traces`` when tracing is on (kiln.tracing), its spans' parent."""
+
+    traceparent: str
+    tracestate: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class NewTask:
     """What a submission asks for, validated and canonical."""
 
@@ -63,6 +72,8 @@ class NewTask:
     run_at: float | None = None
     #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
     rerun_of: str | None = None
+    #: The trace context it was submitted in, when tracing is on (None: none to store).
+    trace: TraceContext | None = None
 
 
 @dataclass(frozen=True, slots=True)

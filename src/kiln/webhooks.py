@@ -33,10 +33,12 @@ import re
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
+from kiln import tracing
 from kiln.config_values import webhook_key
 from kiln.engine import Engine, SupportsEngine, engine_of
 from kiln.errors import InvalidRequest
@@ -533,13 +535,30 @@ class Dispatcher:
             "User-Agent": "kiln-webhooks",
             **signed_headers(self.settings.webhook_secret, delivery.event_id, sent_at, body),
         }
+        span = await self._span(delivery)
+        if span is not None:  # tracing on: the receiver's spans join the task's trace
+            headers.update(tracing.headers_of(span))
         request = await pinned_request(
             self.client, delivery.url, body, headers, self.resolve,
             allow_private=self.settings.webhook_allow_private,
         )  # fmt: skip
+        started = self.engine.now()
         response = await self.client.send(request, stream=True)
         await response.aclose()  # the status is the answer; the body is not read
+        if span is not None and self.engine.tracing is not None:
+            attributes = {**span.attributes, "http.response.status_code": response.status_code}
+            error = f"answered {response.status_code}" if response.status_code >= 400 else None
+            self.engine.tracing.emit([replace(span, start=started, end=self.engine.now(),
+                                              attributes=attributes, error=error)])  # fmt: skip
         return response.status_code, retry_after_s(response)
+
+    async def _span(self, delivery: WebhookDelivery) -> tracing.SpanPlan | None:
+        """The delivery attempt's span (kiln.tracing), or None when tracing is off."""
+        if self.engine.tracing is None:
+            return None
+        stored = await self.engine.store.trace(delivery.task_id)
+        return tracing.webhook_span(delivery.task_id, stored, delivery.event_id,
+                                    delivery.attempts + 1)  # fmt: skip
 
     def _failed_try(
         self, delivery: WebhookDelivery, why: str, status: int | None = None,

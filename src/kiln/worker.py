@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kiln import canonical
+from kiln import canonical, tracing
 from kiln.breakers import UNAVAILABLE, Breakers
 from kiln.bus import ProgressEvent
 from kiln.engine import Engine, SupportsEngine, engine_of
@@ -140,6 +140,8 @@ class Attempt:
     outcome: asyncio.Future[HandlerResult | BaseException] | None = None
     #: Seconds this attempt spent loading models (``ctx.loading_model``), for the ledger.
     loading_s: float = 0.0
+    #: Those loads as (model, started, ended) on the store's clock, for its trace spans.
+    loads: list[tuple[str, float, float]] = field(default_factory=list)
     #: Its share of the call that generated it (1/n of a batch of n), for the ledger.
     share: float = 1.0
     #: The leading supervisor asked it to yield its slot (its heartbeat said so).
@@ -695,8 +697,17 @@ class Worker:
             params = kind.parse(attempt.task.params)
             ctx = Context(self, attempt, params)
             self.engine.hub.local_progress.add(attempt.task.id)
-            produced = _as_outputs(await kind.handler(ctx, params))
+            with tracing.outgoing(await self._trace_headers(attempt)):
+                produced = _as_outputs(await kind.handler(ctx, params))
         return params, produced
+
+    async def _trace_headers(self, attempt: Attempt) -> dict[str, str]:
+        """With tracing on, the ``traceparent`` the handler's outgoing HTTP carries (its
+        attempt's generate span); nothing otherwise."""
+        if self.engine.tracing is None:
+            return {}
+        task = attempt.task
+        return tracing.attempt_headers(task.id, task.epoch, await self.engine.store.trace(task.id))
 
     async def _acquired(self, attempt: Attempt) -> None:
         if attempt.task.status is Status.WAITING_FOR_RESOURCE:  # else the claim acquired
@@ -909,7 +920,7 @@ class Worker:
                     attempt.task, event, target, fields=changes, fenced=True,
                     retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
                     loading_s=attempt.loading_s, pool=attempt.pools,
-                    share=attempt.share,
+                    share=attempt.share, loads=attempt.loads,
                 ))  # fmt: skip
                 try:
                     attempt.task = await asyncio.shield(write)
@@ -1016,6 +1027,8 @@ class Worker:
 
     def model_loaded(self, attempt: Attempt, model: str, seconds: float) -> None:
         attempt.loading_s += seconds
+        now = self.engine.now()
+        attempt.loads.append((model, now - seconds, now))
         self.model_loads.record(model, seconds)
         log.info("model_loaded", extra={**self._ids(attempt), "model": model,
                  "duration_s": round(seconds, 3)})  # fmt: skip

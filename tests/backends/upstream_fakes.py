@@ -173,6 +173,9 @@ class FakeComfyUI:
     sockets: dict[str, WebSocket] = field(default_factory=dict)
     clients: list[str] = field(default_factory=list)
     running: set[asyncio.Task[None]] = field(default_factory=set)
+    #: The headers of each ``POST /prompt`` and of each socket's opening request.
+    prompt_headers: list[dict[str, str]] = field(default_factory=list)
+    socket_headers: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def calls(self) -> int:
@@ -191,6 +194,7 @@ class FakeComfyUI:
         )
 
     async def socket(self, websocket: WebSocket) -> None:
+        self.socket_headers.append(dict(websocket.headers))
         await websocket.accept()
         sid = websocket.query_params.get("clientId") or uuid.uuid4().hex
         self.sockets[sid] = websocket
@@ -203,6 +207,7 @@ class FakeComfyUI:
         self.sockets.pop(sid, None)
 
     async def queue_prompt(self, request: Request) -> Response:
+        self.prompt_headers.append(dict(request.headers))
         body = await request.json()
         behaviour = self.script.pop(0) if self.script else "ok"
         self.prompts.append(body)

@@ -40,6 +40,7 @@ from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
 from kiln.api.metrics import RequestMetrics
 from kiln.api.openapi import openapi_builder
+from kiln.api.request_spans import RequestSpans
 from kiln.api.schemas import HealthOut
 from kiln.api.server_limits import BodyDeadline
 from kiln.api.state import ApiState, api_state
@@ -364,6 +365,8 @@ def create_app(
     errors.install(api)
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
+    if app.engine.tracing is not None:  # KILN_TRACING: outermost, so it spans the rest
+        api.add_middleware(RequestSpans, tracing=app.engine.tracing)
     api.include_router(tasks.router)
     api.include_router(bulk.router)
     api.include_router(deliveries.router)

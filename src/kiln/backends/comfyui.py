@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from PIL import Image
 
+from kiln import tracing
 from kiln.backends.upstream import (
     BAD_RESPONSE,
     REJECTED,
@@ -247,7 +248,10 @@ class ComfyUIBackend:
         async with self.upstream.call(timeout_s=self.timeout_s) as http:
             try:
                 url = self.socket_url(run.client_id)
-                async with connect(url, max_size=MAX_MESSAGE_BYTES) as socket:
+                traced = tracing.outgoing_headers()  # the attempt's trace context, if any
+                async with connect(
+                    url, max_size=MAX_MESSAGE_BYTES, additional_headers=traced
+                ) as socket:
                     run.prompt_id = await self._queue(http, graph, run.client_id)
                     await ctx.progress(None, None, stage="queued")
                     await self._follow(socket, ctx, run)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 import httpx
 
+from kiln import tracing
 from kiln.circuit import CircuitBreaker
 from kiln.errors import Permanent, Retryable, TaskError
 
@@ -133,7 +134,9 @@ class Upstream:
         if self._tls is None:
             self._tls = httpx.create_ssl_context()
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
-        return httpx.AsyncClient(timeout=timeout, verify=self._tls)
+        # The attempt's trace context (kiln.tracing; none when tracing is off).
+        headers = tracing.outgoing_headers()
+        return httpx.AsyncClient(timeout=timeout, verify=self._tls, headers=headers)
 
     @contextlib.asynccontextmanager
     async def call(self, *, timeout_s: float) -> AsyncIterator[httpx.AsyncClient]:

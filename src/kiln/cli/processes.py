@@ -68,6 +68,7 @@ def opened(app: kiln.App) -> kiln.App:
             raise ConfigError(str(exc)) from None
         except ImportError as exc:
             raise _missing_extra(url, exc) from None
+    _ = app.engine.tracing  # KILN_TRACING=on without the otel extra: a usage error too
     return app
 
 

@@ -337,12 +337,12 @@ class PostgresStore(Store):
     # the one-statement paths
 
     async def submit(self, new: NewTask) -> SubmitResult:
-        if new.idempotency_key is None and not new.inputs:
+        if new.idempotency_key is None and not new.inputs and new.trace is None:
             task = await self._insert_in_one_statement(new)
             if task is not None:
                 return SubmitResult(task, created=True)
-        # A key to claim, inputs to record, or the same content already live or done: in a
-        # transaction.
+        # A key to claim, inputs or a trace context to record, or the same content already
+        # live or done: in a transaction.
         return await super().submit(new)
 
     async def _insert_in_one_statement(self, new: NewTask) -> Task | None:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from kiln import counters as names
 from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
-from kiln.models import NewTask, SubmitResult, Task, TaskEvent
+from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.states import CLAIMABLE, FINAL, Event, Status
 from kiln.store.claims import ClaimOps
 from kiln.store.inputs import InputOps
@@ -174,6 +174,9 @@ class TaskOps(Ops):
         )
         if new.inputs:
             await tx.many(self.q.add_task_input, input_rows(new))
+        if new.trace is not None:  # only when tracing is on: no statement otherwise
+            trace = (task.id, new.trace.traceparent, new.trace.tracestate)
+            await tx.run(self.q.insert_trace, trace)
         tx.count_status(new.tenant, Status.PENDING, 1)
         await tx.notify_ready()
         return task
@@ -239,6 +242,11 @@ class TaskOps(Ops):
             sql, args = self.q.events_after, (after, limit)
 
         return await self._rows(sql, args, event_from_row)
+
+    async def trace(self, task_id: str) -> TraceContext | None:
+        """The trace context ``task_id`` was submitted in (None: none was stored)."""
+        found = await self._rows(self.q.get_trace, (task_id,), tuple)
+        return TraceContext(found[0][0], found[0][1]) if found else None
 
     async def last_seq(self) -> int:
         """Where a tail of the log may start (see ``tail``)."""
@@ -455,7 +463,8 @@ class TaskOps(Ops):
                 return []
             ids = [task.id for task in tasks]
             for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
-                          self.q.drop_task_inputs, self.q.purge_tasks):  # fmt: skip
+                          self.q.drop_task_inputs, self.q.purge_traces,
+                          self.q.purge_tasks):  # fmt: skip
                 await tx.run(query, (ids,))
             for task in tasks:
                 tx.count_status(task.tenant, task.status, -1)

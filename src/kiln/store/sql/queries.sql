@@ -189,6 +189,9 @@ DELETE FROM idempotency_keys WHERE task_id {IN_LIST}
 -- purge_deliveries --
 DELETE FROM webhook_deliveries WHERE task_id {IN_LIST}
 
+-- purge_traces --
+DELETE FROM task_traces WHERE task_id {IN_LIST}
+
 -- purge_tasks --
 DELETE FROM tasks WHERE id {IN_LIST}
 
@@ -713,3 +716,13 @@ UPDATE schedules SET paused = ?, next_at = ?, updated_at = ? WHERE id = ?
 -- delete_schedule --
 -- (id).
 DELETE FROM schedules WHERE id = ?
+
+-- trace contexts (kiln/tracing.py) -------------------------------------------------------
+
+-- insert_trace --
+-- The trace context a new task was submitted in: (task_id, traceparent, tracestate).
+INSERT INTO task_traces (task_id, traceparent, tracestate) VALUES (?, ?, ?)
+
+-- get_trace --
+-- A task's trace context: (task_id).
+SELECT traceparent, tracestate FROM task_traces WHERE task_id = ?
