@@ -4,9 +4,11 @@ a task that changed meanwhile, tenants kept apart."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import replace
 
+import psycopg
 import pytest
 
 import kiln
@@ -18,6 +20,8 @@ from kiln.models import NewTask, Task
 from kiln.states import Event, Status
 from kiln.store import Store
 from kiln.store.bulk import BulkFilter
+from kiln.store.postgres import PostgresStore
+from services.postgres import PostgresServer
 
 from .factories import KIND, SettableClock, claim_one, drive, make_new_task, step_change
 
@@ -244,3 +248,47 @@ async def test_bad_filters_and_cursors_are_refused_and_change_nothing(
     now = await store.get(task.id)
     assert now is not None and now.status is Status.FAILED and now.version == task.version
     assert bulk_actions.decode_cursor(bulk_actions.encode_cursor(None)) is None
+
+
+async def test_on_postgres_a_task_changed_while_the_page_waits_for_it_is_skipped(
+    postgres_server: PostgresServer, settings: Settings, clock: SettableClock
+) -> None:
+    # Given three failed tasks on PostgreSQL, one of them locked by another transaction
+    url = postgres_server.new_database()
+    store = await PostgresStore.open(url, clock=clock)
+    try:
+        app = kiln.App(store=store, settings=settings, clock=clock, rng=random.Random(7))
+        tasks = [await failed(store, new(n), "upstream_unavailable") for n in range(3)]
+        held = tasks[1].id
+        found = retry_filter(app, status=["FAILED"])
+        async with await psycopg.AsyncConnection.connect(url) as other:
+            async with other.transaction():
+                await other.execute("SELECT 1 FROM tasks WHERE id = %s FOR UPDATE", (held,))
+                # When a page selects all three and waits for that task's lock
+                page = asyncio.create_task(bulk_action(app.engine, "retry", found, dry_run=False))
+                await waiting_for_a_lock(url, page)
+                # And the other transaction changes it (as a single retry would) and commits
+                await other.execute("UPDATE tasks SET status = 'RETRYING' WHERE id = %s", (held,))
+            answer = await page
+        # Then the page's compare-and-set refused it alone: skipped; the others retried
+        assert (answer["matched"], answer["retried"], answer["skipped"]) == (3, 2, 1)
+        assert held not in answer["task_ids"]
+        assert "retry" not in await events_of(store, held)
+    finally:
+        await store.close()
+
+
+async def waiting_for_a_lock(url: str, page: asyncio.Task[object]) -> None:
+    """Until a session of the store waits on a row lock (the page reached the held task)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as watcher:
+        for _ in range(1000):
+            assert not page.done(), "the page did not wait for the held task"
+            cursor = await watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            )
+            row = await cursor.fetchone()
+            if row is not None and row[0] > 0:
+                return
+            await asyncio.sleep(0.01)
+    pytest.fail("no session waited for the lock")
