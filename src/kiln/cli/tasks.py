@@ -223,7 +223,9 @@ def _answer(task: JSON, as_json: bool, line: str) -> None:
         typer.echo(line)
 
 
-BulkId = Annotated[str | None, typer.Argument(metavar="[ID]", help="one task; or filter")]
+BulkId = Annotated[
+    str | None, typer.Argument(metavar="ID", help="one task; leave it out to act by filter")
+]
 
 
 def _by_filter(task_id: str | None, found: JSON, everything: bool) -> bool:
