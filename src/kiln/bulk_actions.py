@@ -2,7 +2,7 @@
 names, a page at a time.
 
 A page is one transaction (:mod:`kiln.store.bulk`): up to ``limit`` tasks selected by
-keyset on ``(created_at, id)``, each changed by the very compare-and-set (with its event
+keyset on the (time-ordered) task id, each changed by the very compare-and-set (with its event
 row) that ``POST /v1/tasks/{id}/cancel`` or ``/retry`` makes. The answer's ``cursor``
 resumes after the page's last task; an action interrupted and resumed, or run again from
 the start, never acts twice on a task: a retried task is no longer FAILED, a cancelled one
@@ -21,7 +21,7 @@ from kiln.engine import Engine, rerun_fields
 from kiln.errors import InvalidCursor, InvalidRequest
 from kiln.models import JSON, Task
 from kiln.states import ACTIVE, RUNNING, Event, IllegalTransition, Status
-from kiln.store.bulk import ASK_TO_STOP, BulkFilter, PageKey, Plan
+from kiln.store.bulk import ASK_TO_STOP, BulkFilter, Plan
 from kiln.timing import parse_moment
 
 #: The statuses each action applies to, as the single action's rules say.
@@ -35,8 +35,8 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 #: A relative time: this long before now (``90s``, ``15m``, ``1h``, ``2d``, ``1w``).
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
-#: A cursor: the last task's created_at (as Python writes the float) and id.
-CURSOR_TEXT = r"-?[0-9]{1,20}(\.[0-9]{1,20})?(e[+-]?[0-9]{1,3})?~tsk_[0-9a-hjkmnp-tv-z]{26}"
+#: A cursor: the id of the page's last task (kiln.canonical.new_task_id).
+CURSOR_TEXT = r"tsk_[0-9a-hjkmnp-tv-z]{26}"
 _CURSOR = re.compile(CURSOR_TEXT)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
@@ -133,22 +133,13 @@ def filter_of(
     )
 
 
-def encode_cursor(key: PageKey | None) -> str | None:
-    """``<created_at>~<id>``: the float as Python writes it (it reads back the same)."""
-    return None if key is None else f"{key.created_at!r}~{key.id}"
-
-
-def decode_cursor(cursor: str | None) -> PageKey | None:
-    """The key a page's ``cursor`` stands for; InvalidCursor for text no page could give."""
-    if cursor is None:
-        return None
-    created_at, _, task_id = cursor.partition("~")
-    if _CURSOR.fullmatch(cursor) is None:
+def check_cursor(cursor: str | None) -> None:
+    """Refuse (InvalidCursor) text that is not a task id, as no page could give it."""
+    if cursor is not None and _CURSOR.fullmatch(cursor) is None:
         raise InvalidCursor(
             "the cursor is not one a page gave: pass the previous answer's cursor as is",
             details=[{"loc": ["body", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
         )
-    return PageKey(float(created_at), task_id)
 
 
 def planner(engine: Engine, action: str) -> Callable[[Task], Plan]:
@@ -184,17 +175,17 @@ async def bulk_action(
             f"limit must be 1..{MAX_LIMIT}",
             details=[{"loc": ["body", "limit"], "msg": f"1..{MAX_LIMIT}", "type": "value_error"}],
         )
-    after = decode_cursor(cursor)
+    check_cursor(cursor)
     done = DONE_FIELD[action]
     answer: JSON = {"action": action, "dry_run": dry_run}
     if dry_run:
-        matched = await engine.store.bulk_count(found, after)
+        matched = await engine.store.bulk_count(found, cursor)
         answer.update(matched=matched, skipped=0, cursor=None, **{done: 0})
         if action == "cancel":
             answer["cancel_requested"] = 0
         return answer
-    page = await engine.act_page(found, after, limit, planner(engine, action))
-    answer.update(matched=page.matched, skipped=page.skipped, cursor=encode_cursor(page.last))
+    page = await engine.act_page(found, cursor, limit, planner(engine, action))
+    answer.update(matched=page.matched, skipped=page.skipped, cursor=page.last)
     answer[done] = len(page.changed)
     if action == "cancel":
         answer["cancel_requested"] = len(page.asked)

@@ -37,7 +37,7 @@ from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
 from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
-from kiln.store.bulk import BulkFilter, BulkPage, PageKey, Plan
+from kiln.store.bulk import BulkFilter, BulkPage, Plan
 from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.store.records import AttemptUsage
@@ -308,7 +308,7 @@ class Engine:
         )  # fmt: skip
 
     async def act_page(
-        self, found: BulkFilter, after: PageKey | None, limit: int, plan: Callable[[Task], Plan]
+        self, found: BulkFilter, after: str | None, limit: int, plan: Callable[[Task], Plan]
     ) -> BulkPage:
         """One page of a bulk action in one transaction (:mod:`kiln.store.bulk`), then what
         :meth:`apply` and :meth:`request_cancel` do after theirs: the log lines, the wake-up

@@ -89,8 +89,8 @@ class RetryFilterIn(_FilterIn):
     status: Annotated[list[RetryStatus], Field(max_length=10, description=_STATUS_HELP)] = []
 
 
-#: The cursor as a page gives it: the last task's created_at (as Python writes the float)
-#: and id. Any such text is a place to resume after.
+#: The cursor as a page gives it: the id of its last task. Any such text is a place to
+#: resume after.
 CURSOR_PATTERN = f"^{bulk_actions.CURSOR_TEXT}$"
 
 

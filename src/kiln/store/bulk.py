@@ -1,8 +1,11 @@
 """Bulk actions' pages: select the tasks a filter names after a key, act on each, one
 transaction a page.
 
-A page is selected by keyset on ``(created_at, id)``, oldest first, so the next page
-resumes after the last key of this one, whatever changed meanwhile. In the same
+A page is selected by keyset on the task id, oldest first: ids are time-ordered (the
+creating process's clock, then a counter: :func:`kiln.canonical.new_id`), so this is
+creation order, and the primary key's index can walk it from the cursor (no index added
+to the submit path for it). The next page
+resumes after the last id of this one, whatever changed meanwhile. In the same
 transaction each selected task gets what the policy above (:mod:`kiln.bulk_actions`)
 plans for it: a :class:`~kiln.store.records.Change` (the very compare-and-set with its
 event rows that a single action makes, in a savepoint of its own) or :data:`ASK_TO_STOP`
@@ -45,26 +48,18 @@ class BulkFilter:
     not_cancel_requested: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class PageKey:
-    """Where a page ended: the next one starts after this ``(created_at, id)``."""
-
-    created_at: float
-    id: str
-
-
 @dataclass(slots=True)
 class BulkPage:
     """What one page did: the tasks it selected, those changed, those asked to stop, those
-    that had changed first (skipped), the event rows written, and where it ended (None:
-    no task after it matched when it was read)."""
+    that had changed first (skipped), the event rows written, and the id it ended at
+    (None: no task after it matched when it was read)."""
 
     matched: int = 0
     changed: list[Task] = field(default_factory=list)
     asked: list[Task] = field(default_factory=list)
     skipped: int = 0
     events: list[TaskEvent] = field(default_factory=list)
-    last: PageKey | None = None
+    last: str | None = None
 
 
 def _code_of(dialect: str) -> str:
@@ -73,8 +68,8 @@ def _code_of(dialect: str) -> str:
     return "json_extract(error, '$.code')"
 
 
-def where_of(dialect: str, found: BulkFilter, after: PageKey | None) -> tuple[str, list[Any]]:
-    """The WHERE clause (``?`` parameters) of ``found`` after the key ``after``."""
+def where_of(dialect: str, found: BulkFilter, after: str | None) -> tuple[str, list[Any]]:
+    """The WHERE clause (``?`` parameters) of ``found`` after the task id ``after``."""
     clauses = ["status {IN_LIST}"]
     args: list[Any] = [[str(s) for s in found.statuses]]
     for column, values in (("kind", found.kinds), (_code_of(dialect), found.codes)):
@@ -93,8 +88,8 @@ def where_of(dialect: str, found: BulkFilter, after: PageKey | None) -> tuple[st
     if found.not_cancel_requested:
         clauses.append("cancel_requested = {FALSE}")
     if after is not None:
-        clauses.append("(created_at > ? OR (created_at = ? AND id > ?))")
-        args.extend([after.created_at, after.created_at, after.id])
+        clauses.append("id > ?")
+        args.append(after)
     if dialect == "sqlite":  # json_each takes the list as JSON text
         args = [json.dumps(a) if isinstance(a, list) else a for a in args]
     return " AND ".join(clauses), args
@@ -106,7 +101,7 @@ class BulkOps(Ops):
     async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
         raise NotImplementedError  # the Store's (TaskOps)
 
-    async def bulk_count(self, found: BulkFilter, after: PageKey | None = None) -> int:
+    async def bulk_count(self, found: BulkFilter, after: str | None = None) -> int:
         """How many tasks ``found`` names after ``after``: what a dry run answers."""
         where, args = where_of(self.q.dialect, found, after)
         return await self._count(self.q.sql(f"SELECT count(*) FROM tasks WHERE {where}"), args)
@@ -114,16 +109,14 @@ class BulkOps(Ops):
     async def bulk_page(
         self,
         found: BulkFilter,
-        after: PageKey | None,
+        after: str | None,
         limit: int,
         plan: Callable[[Task], Plan],
     ) -> BulkPage:
         """Select up to ``limit`` tasks ``found`` names after ``after`` and act on each as
         ``plan`` says, all in one transaction (each task in a savepoint of its own)."""
         where, args = where_of(self.q.dialect, found, after)
-        sql = self.q.sql(
-            f"SELECT * FROM tasks WHERE {where} ORDER BY created_at, id LIMIT ?"
-        )  # the keyset order: the next page resumes after the last row of this one
+        sql = self.q.sql(f"SELECT * FROM tasks WHERE {where} ORDER BY id LIMIT ?")
 
         async def write(tx: Tx) -> BulkPage:
             page = BulkPage()
@@ -131,7 +124,7 @@ class BulkOps(Ops):
             tasks = [task_from_row(row) for row in rows[:limit]]
             page.matched = len(tasks)
             if len(rows) > limit:
-                page.last = PageKey(tasks[-1].created_at, tasks[-1].id)
+                page.last = tasks[-1].id
             for task in tasks:
                 await self._act(tx, page, task, plan(task))
             return page
