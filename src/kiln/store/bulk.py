@@ -4,13 +4,13 @@ transaction a page.
 A page is selected by keyset on the task id, oldest first: ids are time-ordered (the
 creating process's clock, then a counter: :func:`kiln.canonical.new_id`), so this is
 creation order, and the primary key's index can walk it from the cursor (no index added
-to the submit path for it). The next page
-resumes after the last id of this one, whatever changed meanwhile. In the same
-transaction each selected task gets what the policy above (:mod:`kiln.bulk_actions`)
-plans for it: a :class:`~kiln.store.records.Change` (the very compare-and-set with its
-event rows that a single action makes, in a savepoint of its own) or :data:`ASK_TO_STOP`
-(a running task's ``cancel_requested``). A task that changed between the select and its
-own compare-and-set is refused alone and counted as skipped; the others commit.
+to the submit path for it). The next page resumes after the last id of this one, whatever
+changed meanwhile. In the same transaction each selected task gets what the policy above
+(:mod:`kiln.bulk_actions`) plans for it: a :class:`~kiln.store.records.Change` (the very
+compare-and-set with its event rows that a single action makes, in a savepoint of its
+own) or :data:`ASK_TO_STOP` (a running task's ``cancel_requested``). A task that changed
+between the select and its own compare-and-set is refused alone and counted as skipped;
+the others commit.
 """
 
 from __future__ import annotations
