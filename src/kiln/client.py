@@ -187,6 +187,33 @@ def rerun_call(
     return Call("POST", wire.task_path(task_id, "rerun"), read_submitted, body=body)
 
 
+@dataclass(frozen=True, slots=True)
+class BulkAsk:
+    """One bulk action (``POST /v1/tasks/cancel`` or ``/retry``) as its pages ask it."""
+
+    action: str
+    filter: Mapping[str, Any]
+    all_tasks: bool
+    dry_run: bool
+    limit: int
+
+    def call(self, cursor: str | None) -> Call:
+        body: JSON = {"filter": dict(self.filter), "all": self.all_tasks,
+                      "dry_run": self.dry_run, "limit": self.limit}  # fmt: skip
+        if cursor is not None:
+            body["cursor"] = cursor
+        return Call("POST", f"{wire.TASKS_PATH}/{self.action}", body=body)
+
+    def next_of(self, page: JSON) -> BulkAsk | None:
+        """The ask of the next page, or None after the last (a dry run is one page). The
+        filter becomes the one the server resolved (relative times made absolute), so
+        every page names the same tasks."""
+        if self.dry_run or page.get("cursor") is None:
+            return None
+        return BulkAsk(self.action, page.get("filter") or self.filter, self.all_tasks,
+                       self.dry_run, self.limit)  # fmt: skip
+
+
 def list_call(status: str | None, kind: str | None, limit: int, cursor: str | None) -> Call:
     query = {"status": status, "kind": kind, "limit": limit, "cursor": cursor}
     return Call("GET", wire.TASKS_PATH, params={k: v for k, v in query.items() if v is not None})
@@ -457,6 +484,41 @@ class Client(_Base):
         result: JSON = self.call(Call("POST", wire.task_path(task_id, "retry")))
         return result
 
+    def cancel_many(
+        self,
+        filter: Mapping[str, Any] | None = None,
+        *,
+        all_tasks: bool = False,
+        dry_run: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Iterator[JSON]:
+        """Cancel the tasks ``filter`` names (``status``, ``kind``, ``code``: lists;
+        ``tenant``; ``created_after``/``created_before``: unix seconds, RFC 3339 or ``1h``),
+        page by page from ``cursor``: one answer per page (``matched``, ``cancelled``,
+        ``cancel_requested``, ``skipped``, ``cursor``). An empty filter needs
+        ``all_tasks=True``; ``dry_run`` answers one page with the count."""
+        return self._pages(BulkAsk("cancel", filter or {}, all_tasks, dry_run, limit), cursor)
+
+    def retry_many(
+        self,
+        filter: Mapping[str, Any] | None = None,
+        *,
+        all_tasks: bool = False,
+        dry_run: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Iterator[JSON]:
+        """Retry the final tasks ``filter`` names, page by page: see :meth:`cancel_many`
+        (the answers count ``retried``)."""
+        return self._pages(BulkAsk("retry", filter or {}, all_tasks, dry_run, limit), cursor)
+
+    def _pages(self, ask: BulkAsk | None, cursor: str | None) -> Iterator[JSON]:
+        while ask is not None:
+            page: JSON = self.call(ask.call(cursor))
+            yield page
+            ask, cursor = ask.next_of(page), page.get("cursor")
+
     def review(self, task_id: str, decision: str, reason: str | None = None) -> JSON:
         result: JSON = self.call(review_call(task_id, decision, reason))
         return result
@@ -653,6 +715,40 @@ class AsyncClient(_Base):
     async def retry(self, task_id: str) -> JSON:
         result: JSON = await self.call(Call("POST", wire.task_path(task_id, "retry")))
         return result
+
+    async def cancel_many(
+        self,
+        filter: Mapping[str, Any] | None = None,
+        *,
+        all_tasks: bool = False,
+        dry_run: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> AsyncIterator[JSON]:
+        """See :meth:`Client.cancel_many`."""
+        ask = BulkAsk("cancel", filter or {}, all_tasks, dry_run, limit)
+        async for page in self._pages(ask, cursor):
+            yield page
+
+    async def retry_many(
+        self,
+        filter: Mapping[str, Any] | None = None,
+        *,
+        all_tasks: bool = False,
+        dry_run: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> AsyncIterator[JSON]:
+        """See :meth:`Client.retry_many`."""
+        ask = BulkAsk("retry", filter or {}, all_tasks, dry_run, limit)
+        async for page in self._pages(ask, cursor):
+            yield page
+
+    async def _pages(self, ask: BulkAsk | None, cursor: str | None) -> AsyncIterator[JSON]:
+        while ask is not None:
+            page: JSON = await self.call(ask.call(cursor))
+            yield page
+            ask, cursor = ask.next_of(page), page.get("cursor")
 
     async def review(self, task_id: str, decision: str, reason: str | None = None) -> JSON:
         result: JSON = await self.call(review_call(task_id, decision, reason))

@@ -37,6 +37,7 @@ from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
 from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
+from kiln.store.bulk import BulkFilter, BulkPage, Plan
 from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.store.records import AttemptUsage
@@ -338,6 +339,35 @@ class Engine:
         for listener in self.cancel_listeners:
             listener(task.id)
         return task
+
+    # many tasks at once (bulk actions)
+
+    def user_change(self, task: Task, event: Event, fields: dict[str, Any] | None = None) -> Change:
+        """The compare-and-set :meth:`apply` makes for a user's action on ``task`` as read
+        (cancel, retry: no retry to plan, no attempt ended), for a page of such changes in
+        one transaction (:meth:`act_page`). IllegalTransition when the table refuses."""
+        to = check(task.status, event)
+        changes = dict(fields or {})
+        if to not in RUNNING:
+            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
+        return Change(
+            task_id=task.id, expect_status=task.status, expect_epoch=None,
+            steps=((event, to),), fields=changes,
+        )  # fmt: skip
+
+    async def act_page(
+        self, found: BulkFilter, after: str | None, limit: int, plan: Callable[[Task], Plan]
+    ) -> BulkPage:
+        """One page of a bulk action in one transaction (:mod:`kiln.store.bulk`), then what
+        :meth:`apply` and :meth:`request_cancel` do after theirs: the log lines, the wake-up
+        of this process's streams, and the cancel listeners of its workers."""
+        page = await self.store.bulk_page(found, after, limit, plan)
+        _log_transitions(page.events)
+        self.written(page.events)
+        for task in page.asked:
+            for listener in self.cancel_listeners:
+                listener(task.id)
+        return page
 
     # reads
 

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from kiln import backends
-from kiln.api import bulk, deliveries, docs, errors, events, schedules, tasks
+from kiln.api import bulk, bulk_actions, deliveries, docs, errors, events, schedules, tasks
 from kiln.api import usage as usage_routes
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
@@ -367,6 +367,7 @@ def create_app(
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     if app.engine.tracing is not None:  # KILN_TRACING: outermost, so it spans the rest
         api.add_middleware(RequestSpans, tracing=app.engine.tracing)
+    api.include_router(bulk_actions.router)  # before /tasks/{task_id}/...
     api.include_router(tasks.router)
     api.include_router(bulk.router)
     api.include_router(deliveries.router)

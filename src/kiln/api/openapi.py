@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kiln.api.bulk_actions import CancelRequest, RetryRequest
 from kiln.api.schedules import ScheduleRequest
 from kiln.api.schemas import BatchRequest, RerunRequest, ReviewRequest, SubmitRequest
 from kiln.app import App
@@ -116,7 +117,7 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             components["SubmitUploadRequest"] = submit_schema(app, components, uploads=True)
             body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
             body["content"]["multipart/form-data"] = upload
-        for model in (ReviewRequest, BatchRequest, RerunRequest):
+        for model in (ReviewRequest, BatchRequest, RerunRequest, CancelRequest, RetryRequest):
             components[model.__name__] = _model_schema(model, components)
         if not settings.auth_enabled:
             _without_security(schema)

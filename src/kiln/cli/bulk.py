@@ -94,3 +94,77 @@ def rerun(
         tasks.print_json(task)
     else:
         typer.echo(task["id"])
+
+
+# bulk cancel and retry by filter
+
+Statuses = Annotated[
+    list[str] | None,
+    typer.Option("--status", metavar="STATUS", help="by status (repeat, or a,b); by filter"),
+]
+Kinds = Annotated[list[str] | None, typer.Option("--kind", metavar="KIND", help="by kind")]
+Codes = Annotated[
+    list[str] | None, typer.Option("--code", metavar="CODE", help="by the latest error.code")
+]
+Tenant = Annotated[str | None, typer.Option("--tenant", help="one tenant's tasks (admin key)")]
+Since = Annotated[
+    str | None,
+    typer.Option("--since", help="created since: 1h, 30m, 2d, an RFC 3339 time or unix seconds"),
+]
+Before = Annotated[str | None, typer.Option("--before", help="created before: as --since")]
+AllTasks = Annotated[bool, typer.Option("--all", help="act with no filter: every task")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="only count the tasks that match")]
+Limit = Annotated[int, typer.Option("--limit", min=1, max=1000, help="tasks a page")]
+
+
+def _names(values: list[str] | None) -> list[str]:
+    """``--status FAILED --status TIMEOUT`` or ``--status FAILED,TIMEOUT``."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def _moment(raw: str | None) -> float | str | None:
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return raw
+
+
+def bulk_filter(
+    status: list[str] | None,
+    kind: list[str] | None,
+    code: list[str] | None,
+    tenant: str | None,
+    since: str | None,
+    before: str | None,
+) -> JSON:
+    """The API's ``filter`` from the command's options (the server checks the values)."""
+    found: JSON = {"status": _names(status), "kind": _names(kind), "code": _names(code),
+                   "tenant": tenant, "created_after": _moment(since),
+                   "created_before": _moment(before)}  # fmt: skip
+    return {k: v for k, v in found.items() if v not in (None, [])}
+
+
+def run_bulk(client: Client, action: str, found: JSON, *, everything: bool, dry_run: bool,
+             limit: int, as_json: bool) -> None:  # fmt: skip
+    """``kiln cancel|retry --status ...``: one line per page, then the totals."""
+    done = "cancelled" if action == "cancel" else "retried"
+    ask = client.cancel_many if action == "cancel" else client.retry_many
+    totals = {"matched": 0, done: 0, "cancel_requested": 0, "skipped": 0}
+    pages = ask(found, all_tasks=everything, dry_run=dry_run, limit=limit)
+    for number, page in enumerate(pages, start=1):
+        if as_json:
+            typer.echo(json.dumps(page))
+        for key in totals:
+            totals[key] += int(page.get(key) or 0)
+        if dry_run:
+            typer.echo(f"dry run: {action} would act on {page['matched']} tasks", err=as_json)
+            return
+        if not as_json:
+            asked = f", cancel requested {page['cancel_requested']}" if action == "cancel" else ""
+            typer.echo(f"page {number}: matched {page['matched']}, {done} {page[done]}{asked}, "
+                       f"skipped {page['skipped']}")  # fmt: skip
+    asked = f", cancel requested {totals['cancel_requested']}" if action == "cancel" else ""
+    typer.echo(f"total: matched {totals['matched']}, {done} {totals[done]}{asked}, "
+               f"skipped {totals['skipped']}", err=as_json)  # fmt: skip

@@ -223,12 +223,37 @@ def _answer(task: JSON, as_json: bool, line: str) -> None:
         typer.echo(line)
 
 
+BulkId = Annotated[
+    str | None, typer.Argument(metavar="ID", help="one task; leave it out to act by filter")
+]
+
+
+def _by_filter(task_id: str | None, found: JSON, everything: bool) -> bool:
+    """Whether the command acts by filter (else on ``task_id``); a usage error for both
+    or neither."""
+    if task_id is not None and (found or everything):
+        raise InvalidRequest("give a task ID or filter options (--status, --code, ...), not both")
+    if task_id is None and not (found or everything):
+        raise InvalidRequest("give a task ID, or filter options (--status, --code, ...; --all)")
+    return task_id is None
+
+
 @cli.command()
 @handled
-def cancel(task_id: TaskId, as_json: AsJson = False, server: Server = None,
-           api_key: ApiKey = None) -> None:  # fmt: skip
-    """Cancel a task (running tasks stop at their worker's next heartbeat)."""
+def cancel(task_id: BulkId = None, as_json: AsJson = False, server: Server = None,
+           api_key: ApiKey = None, status: bulk.Statuses = None, kind: bulk.Kinds = None,
+           code: bulk.Codes = None, tenant: bulk.Tenant = None, since: bulk.Since = None,
+           before: bulk.Before = None, everything: bulk.AllTasks = False,
+           dry_run: bulk.DryRun = False, limit: bulk.Limit = 100) -> None:  # fmt: skip
+    """Cancel a task (running tasks stop at their worker's next heartbeat), or every task
+    a filter names, a page at a time: `kiln cancel --status PENDING --kind image.generate`."""
+    found = bulk.bulk_filter(status, kind, code, tenant, since, before)
     with client_of(server, api_key) as client:
+        if _by_filter(task_id, found, everything):
+            bulk.run_bulk(client, "cancel", found, everything=everything, dry_run=dry_run,
+                          limit=limit, as_json=as_json)  # fmt: skip
+            return
+        assert task_id is not None
         task = client.cancel(task_id)
     done = "CANCELLED" if task["status"] == "CANCELLED" else f"cancel requested ({task['status']})"
     _answer(task, as_json, f"{task['id']} {done}")
@@ -236,10 +261,20 @@ def cancel(task_id: TaskId, as_json: AsJson = False, server: Server = None,
 
 @cli.command()
 @handled
-def retry(task_id: TaskId, as_json: AsJson = False, server: Server = None,
-          api_key: ApiKey = None) -> None:  # fmt: skip
-    """Retry a final FAILED, TIMEOUT or CANCELLED task now."""
+def retry(task_id: BulkId = None, as_json: AsJson = False, server: Server = None,
+          api_key: ApiKey = None, status: bulk.Statuses = None, kind: bulk.Kinds = None,
+          code: bulk.Codes = None, tenant: bulk.Tenant = None, since: bulk.Since = None,
+          before: bulk.Before = None, everything: bulk.AllTasks = False,
+          dry_run: bulk.DryRun = False, limit: bulk.Limit = 100) -> None:  # fmt: skip
+    """Retry a final FAILED, TIMEOUT or CANCELLED task now, or every one a filter names, a
+    page at a time: `kiln retry --status FAILED --code upstream_unavailable --since 1h`."""
+    found = bulk.bulk_filter(status, kind, code, tenant, since, before)
     with client_of(server, api_key) as client:
+        if _by_filter(task_id, found, everything):
+            bulk.run_bulk(client, "retry", found, everything=everything, dry_run=dry_run,
+                          limit=limit, as_json=as_json)  # fmt: skip
+            return
+        assert task_id is not None
         task = client.retry(task_id)
     _answer(
         task, as_json, f"{task['id']} {task['status']} (attempts allowed: {task['max_attempts']})"

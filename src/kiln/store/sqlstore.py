@@ -21,6 +21,7 @@ from kiln import counters as names
 from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.store.bulk import BulkOps
 from kiln.store.claims import ClaimOps
 from kiln.store.inputs import InputOps
 from kiln.store.load import LoadOps
@@ -503,6 +504,7 @@ class Store(
     LoadOps,
     ScheduleOps,
     UsageOps,
+    BulkOps,
 ):
     """A durable home for tasks, their event log, idempotency records and leaders.
 

@@ -1,0 +1,165 @@
+"""Bulk actions' pages: select the tasks a filter names after a key, act on each, one
+transaction a page.
+
+A page is selected by keyset on the task id, oldest first: ids are time-ordered (the
+creating process's clock, then a counter: :func:`kiln.canonical.new_id`), so this is
+creation order, and the primary key's index can walk it from the cursor (no index added
+to the submit path for it). The next page resumes after the last id of this one, whatever
+changed meanwhile. In the same transaction each selected task gets what the policy above
+(:mod:`kiln.bulk_actions`) plans for it: a :class:`~kiln.store.records.Change` (the very
+compare-and-set with its event rows that a single action makes, in a savepoint of its
+own) or :data:`ASK_TO_STOP` (a running task's ``cancel_requested``). A task that changed
+between the select and its own compare-and-set is refused alone and counted as skipped;
+the others commit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kiln.errors import Conflict
+from kiln.models import Task, TaskEvent
+from kiln.states import Status
+from kiln.store.records import Change
+from kiln.store.rows import task_from_row
+from kiln.store.tx import Ops, Refused, Tx, alone
+
+#: What the policy plans for a running task that a cancel names: ask its worker to stop.
+ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
+
+Plan = Change | Literal["ask_to_stop"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkFilter:
+    """Which tasks a bulk action names. ``statuses`` is never empty (the policy fills in
+    the statuses its action applies to); the other fields narrow when given."""
+
+    statuses: tuple[Status, ...]
+    kinds: tuple[str, ...] = ()
+    codes: tuple[str, ...] = ()
+    tenant: str | None = None
+    created_after: float | None = None
+    created_before: float | None = None
+    #: Leave out tasks whose cancel was asked already (a cancel would not change them).
+    not_cancel_requested: bool = False
+
+
+@dataclass(slots=True)
+class BulkPage:
+    """What one page did: the tasks it selected, those changed, those asked to stop, those
+    that had changed first (skipped), the event rows written, and the id it ended at
+    (None: no task after it matched when it was read)."""
+
+    matched: int = 0
+    changed: list[Task] = field(default_factory=list)
+    asked: list[Task] = field(default_factory=list)
+    skipped: int = 0
+    events: list[TaskEvent] = field(default_factory=list)
+    last: str | None = None
+
+
+def _code_of(dialect: str) -> str:
+    if dialect == "postgres":
+        return "(error::jsonb->>'code')"
+    return "json_extract(error, '$.code')"
+
+
+def where_of(dialect: str, found: BulkFilter, after: str | None) -> tuple[str, list[Any]]:
+    """The WHERE clause (``?`` parameters) of ``found`` after the task id ``after``."""
+    clauses = ["status {IN_LIST}"]
+    args: list[Any] = [[str(s) for s in found.statuses]]
+    for column, values in (("kind", found.kinds), (_code_of(dialect), found.codes)):
+        if values:
+            clauses.append(f"{column} {{IN_LIST}}")
+            args.append(list(values))
+    if found.tenant is not None:
+        clauses.append("tenant = ?")
+        args.append(found.tenant)
+    if found.created_after is not None:
+        clauses.append("created_at >= ?")
+        args.append(found.created_after)
+    if found.created_before is not None:
+        clauses.append("created_at < ?")
+        args.append(found.created_before)
+    if found.not_cancel_requested:
+        clauses.append("cancel_requested = {FALSE}")
+    if after is not None:
+        clauses.append("id > ?")
+        args.append(after)
+    if dialect == "sqlite":  # json_each takes the list as JSON text
+        args = [json.dumps(a) if isinstance(a, list) else a for a in args]
+    return " AND ".join(clauses), args
+
+
+class BulkOps(Ops):
+    """Bulk actions' counts and pages, for :class:`kiln.store.sqlstore.Store`."""
+
+    async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
+        raise NotImplementedError  # the Store's (TaskOps)
+
+    async def bulk_count(self, found: BulkFilter, after: str | None = None) -> int:
+        """How many tasks ``found`` names after ``after``: what a dry run answers."""
+        where, args = where_of(self.q.dialect, found, after)
+        return await self._count(self.q.sql(f"SELECT count(*) FROM tasks WHERE {where}"), args)
+
+    async def bulk_page(
+        self,
+        found: BulkFilter,
+        after: str | None,
+        limit: int,
+        plan: Callable[[Task], Plan],
+    ) -> BulkPage:
+        """Select up to ``limit`` tasks ``found`` names after ``after`` and act on each as
+        ``plan`` says, all in one transaction (each task in a savepoint of its own)."""
+        where, args = where_of(self.q.dialect, found, after)
+        sql = self.q.sql(f"SELECT * FROM tasks WHERE {where} ORDER BY id LIMIT ?")
+
+        async def write(tx: Tx) -> BulkPage:
+            page = BulkPage()
+            rows = await tx.all(sql, [*args, limit + 1])
+            tasks = [task_from_row(row) for row in rows[:limit]]
+            page.matched = len(tasks)
+            if len(rows) > limit:
+                page.last = tasks[-1].id
+            for task in tasks:
+                await self._act(tx, page, task, plan(task))
+            return page
+
+        return await self._write(write)
+
+    async def _act(self, tx: Tx, page: BulkPage, task: Task, planned: Plan) -> None:
+        if planned is None:
+            page.skipped += 1
+            return
+        op: Callable[[Tx], Awaitable[Any]]
+        if planned == ASK_TO_STOP:
+            op = self._ask_to_stop(task)
+        else:
+            change = planned
+
+            def op(tx: Tx) -> Awaitable[Any]:
+                return self._apply(tx, change)
+
+        done = await alone(tx, op)
+        if isinstance(done, Exception):
+            page.skipped += 1
+        elif isinstance(done, Task):
+            page.asked.append(done)
+        else:
+            page.changed.append(done[0])
+            page.events.extend(done[1])
+
+    def _ask_to_stop(self, task: Task) -> Callable[[Tx], Awaitable[Task | Refused]]:
+        now = self.clock()
+
+        async def write(tx: Tx) -> Task | Refused:
+            row = await tx.one(self.q.request_cancel, (now, now, task.id))
+            if row is None:
+                return Refused(Conflict(f"task {task.id} is not running"))
+            return task_from_row(row)
+
+        return write
