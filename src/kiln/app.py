@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import canonical, logs, timing, webhooks
+from kiln import canonical, logs, pipelines, timing, transform, webhooks
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -212,8 +212,14 @@ class App:
         return register
 
     def kind(self, name: str) -> TaskKind:
-        """The registered kind ``name``, or UnknownKind."""
+        """The registered kind ``name``, or UnknownKind. ``pipeline`` is kiln's own
+        (docs/pipelines.md): its params are checked step by step, no worker serves it."""
+        if name == pipelines.KIND:
+            return TaskKind(name, _no_handler, pipelines.Shape, normalize=self._plan_pipeline)
         return find_kind(self.kinds, name)
+
+    def _plan_pipeline(self, params: JSON) -> JSON:
+        return pipelines.plan(params, self.kind, transform.outputs_of)
 
     # the engine's parts, as attributes of the App
 
@@ -387,7 +393,10 @@ class App:
             batch_key=task_kind.batch.key_of(clean) if task_kind.batch else None,
             run_at=when, rerun_of=rerun_of,
         )  # fmt: skip
-        result = await self.store.submit(new)
+        if kind == pipelines.KIND:
+            result = await self.store.submit_pipeline(new)
+        else:
+            result = await self.store.submit(new)
         if result.created:
             logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
                                           "to": "PENDING", "attempt": 0})  # fmt: skip
@@ -487,6 +496,10 @@ class App:
         """The task, or NotFound, also when it belongs to another tenant."""
         return await self.engine.get(task_id, tenant)
 
+    async def pipeline_steps(self, pipeline: Task) -> dict[str, Task]:
+        """The steps a pipeline made so far, by ``name/copy`` (docs/pipelines.md)."""
+        return await self.store.pipeline_steps(pipeline)
+
     async def queue_position(self, task: Task) -> int | None:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.engine.queue_position(task)
@@ -561,6 +574,8 @@ class App:
             if task.final:
                 raise AlreadyFinal(f"task {task_id} is already {task.status}")
             try:
+                if task.kind == pipelines.KIND:
+                    return await self.store.cancel_pipeline(task.id)
                 if task.status in RUNNING:
                     return await self.engine.request_cancel(task)
                 return await self.engine.apply(task, Event.CANCEL)
@@ -577,6 +592,8 @@ class App:
                                    "TIMEOUT or CANCELLED tasks can be retried")  # fmt: skip
             fields = rerun_fields(task, self.now())
             try:
+                if task.kind == pipelines.KIND:
+                    return await self.store.retry_pipeline(task.id, {})
                 return await self.engine.apply(task, Event.RETRY, fields=fields)
             except Conflict:
                 continue
@@ -731,6 +748,10 @@ class App:
         return Supervisor(
             self.engine, interval_s=interval_s, owner=owner, batch=batch, leader_ttl_s=leader_ttl_s
         )
+
+
+async def _no_handler(ctx: Any, params: Any) -> None:
+    raise AssertionError("a pipeline is never claimed")
 
 
 @contextlib.asynccontextmanager

@@ -228,11 +228,13 @@ class Engine:
             expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
             steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
             bump_epoch=bump_epoch, fenced=fenced, leader=leader,
-            counters=self._with_minutes(counted), usage=usage,
+            counters=self._with_minutes(counted), usage=usage, pipeline_id=task.pipeline_id,
         )  # fmt: skip
         updated, events = await self.store.apply(change)
         _log_transitions(events)
         self.written(events)
+        if updated.pipeline_id is not None and updated.final:
+            self.submitted()  # the step may have made the next ones: streams and workers look
         return updated
 
     async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:

@@ -63,6 +63,11 @@ class NewTask:
     run_at: float | None = None
     #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
     rerun_of: str | None = None
+    #: A step of a pipeline (docs/pipelines.md): the pipeline's id, the step's name and
+    #: its copy (0 unless the step repeats); None for every other task.
+    pipeline_id: str | None = None
+    step: str | None = None
+    step_copy: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,11 @@ class Task:
     yield_requested_at: float | None = None
     #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
     rerun_of: str | None = None
+    #: A step of a pipeline (docs/pipelines.md): the pipeline's id, the step's name and
+    #: its copy (0 unless the step repeats); None for every other task.
+    pipeline_id: str | None = None
+    step: str | None = None
+    step_copy: int | None = None
 
     @property
     def final(self) -> bool:

@@ -510,6 +510,7 @@ def _is_plain(change: Change) -> bool:
         and not change.counters
         and target not in CLAIMABLE
         and change.expect_status not in NOT_LIVE
+        and (change.pipeline_id is None or target not in FINAL)  # a step's end goes on
     )
 
 

@@ -79,6 +79,9 @@ class Change:
     #: Set when the change ends a running attempt: its row of the GPU-second ledger is
     #: written in the same transaction.
     usage: AttemptUsage | None = None
+    #: The pipeline of a step (docs/pipelines.md): a final status advances it in the same
+    #: transaction. None for every other task (and for the changes that path makes).
+    pipeline_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
