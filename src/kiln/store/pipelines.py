@@ -78,17 +78,22 @@ async def start(
     return await advance(ops, tx, applied[0])
 
 
-async def step_ended(ops: Host, tx: Tx, step: Task) -> None:
+async def step_ended(ops: Host, tx: Tx, step: Task, event: Event) -> None:
     """A step of a pipeline reached a final status: advance its pipeline (when it still
-    runs) in the same transaction."""
+    runs) in the same transaction. A running step that stopped for a cancel taken back
+    (its pipeline was retried meanwhile: no cancel asked any more) runs again instead."""
     assert step.pipeline_id is not None
     if await tx.one(ops.q.lock_task, (step.pipeline_id,)) is None:
         return
     row = await tx.one(ops.q.get_task, (step.pipeline_id,))
     assert row is not None
     pipeline = task_from_row(row)
-    if pipeline.status is Status.GENERATING:
-        await advance(ops, tx, pipeline)
+    if pipeline.status is not Status.GENERATING:
+        return
+    if event in (Event.STOPPED, Event.FORCE_CANCEL) and not step.cancel_requested:
+        await _retry_step(ops, tx, step)
+        return
+    await advance(ops, tx, pipeline)
 
 
 async def _steps(ops: Host, tx: Tx, ids: list[str]) -> dict[str, Task]:
@@ -267,19 +272,26 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
     tasks = await _steps(ops, tx, list(step_map(pipeline).values()))
     now = ops.clock()
     for step in tasks.values():
-        if step.pipeline_id != pipeline.id or step.status not in graph.ENDED:
-            continue
-        again = {"max_attempts": max(step.max_attempts, step.attempt) + 1, "finished_at": None,
-                 "next_retry_at": now, "ready_at": now, "cancel_requested": False,
-                 "cancel_requested_at": None,
-                 "deadline_at": max(step.deadline_at, now + step.deadline_s)}  # fmt: skip
-        change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
-                        steps=((Event.RETRY, Status.RETRYING),), fields=again)  # fmt: skip
-        applied = await ops._apply(tx, change)
-        if isinstance(applied, Refused):
-            raise applied.error
+        if step.pipeline_id == pipeline.id and step.status in RUNNING and step.cancel_requested:
+            await tx.run(ops.q.keep_running, (now, step.id))  # its cancel was the pipeline's
+        if step.pipeline_id == pipeline.id and step.status in graph.ENDED:
+            await _retry_step(ops, tx, step)
     events = (Event.RETRY, Event.RUN_STEPS)
     return await start(ops, tx, pipeline, events, {**fields, "finished_at": None})
+
+
+async def _retry_step(ops: Host, tx: Tx, step: Task) -> None:
+    """A manual retry of one step: due now, one more attempt (as ``App.retry``)."""
+    now = ops.clock()
+    again = {"max_attempts": max(step.max_attempts, step.attempt) + 1, "finished_at": None,
+             "next_retry_at": now, "ready_at": now, "cancel_requested": False,
+             "cancel_requested_at": None,
+             "deadline_at": max(step.deadline_at, now + step.deadline_s)}  # fmt: skip
+    change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
+                    steps=((Event.RETRY, Status.RETRYING),), fields=again)  # fmt: skip
+    applied = await ops._apply(tx, change)  # no pipeline_id: it does not advance it
+    if isinstance(applied, Refused):
+        raise applied.error
 
 
 async def steps_of(ops: Host, tx: Tx, pipeline: Task) -> dict[str, Task]:

@@ -334,7 +334,7 @@ class TaskOps(Ops):
         if target in CLAIMABLE:
             await tx.notify_ready()
         if change.pipeline_id is not None and target in FINAL:
-            await pipelines.step_ended(self, tx, task)
+            await pipelines.step_ended(self, tx, task, change.steps[-1][0])
         return task, events
 
     # pipelines (kiln.store.pipelines)

@@ -38,6 +38,11 @@ UPDATE tasks SET result = ?, progress_step = ?, progress_total = ?, progress_at 
     updated_at = ?
 WHERE id = ? RETURNING *
 
+-- keep_running --
+-- A retried pipeline's running step no longer asked to stop: (now, id).
+UPDATE tasks SET cancel_requested = {FALSE}, cancel_requested_at = NULL, updated_at = ?
+WHERE id = ? AND status IN {RUNNING}
+
 -- pipeline_steps --
 -- The final steps of pipelines, purged with them: ([pipeline ids]).
 SELECT * FROM tasks WHERE pipeline_id {IN_LIST} AND status IN {FINAL}
