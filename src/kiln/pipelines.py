@@ -35,6 +35,9 @@ WILDCARD = "*"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 REF = re.compile(r"^step:([A-Za-z0-9_-]{1,64})/(\*|[A-Za-z0-9._-]{1,128})$")
 STEP_KEYS = {"name", "kind", "params", "inputs", "repeat"}
+#: What :func:`plan` adds to a step; a step given with them (the stored params of a
+#: pipeline, sent again by a rerun) is planned anew, these ignored.
+PLANNED_KEYS = {"copies", "timeouts"}
 
 #: A copy of a step: (step name, copy index).
 Copy = tuple[str, int]
@@ -71,13 +74,20 @@ def parse(params: Any) -> list[JSON]:
         raise _refuse(f"steps must be a list of 1 to {MAX_STEPS} steps", "steps")
     seen: dict[str, int] = {}
     total = 0
-    for index, step in enumerate(steps):
+    given = [_unplanned(step) for step in steps]
+    for index, step in enumerate(given):
         _check_step(step, index, seen)
         seen[step["name"]] = step.get("repeat", 1)
         total += seen[step["name"]]
     if total > MAX_TASKS:
         raise _refuse(f"a pipeline runs at most {MAX_TASKS} tasks, this one {total}", "steps")
-    return [dict(step) for step in steps]
+    return given
+
+
+def _unplanned(step: Any) -> Any:
+    if not isinstance(step, dict):
+        return step
+    return {key: value for key, value in step.items() if key not in PLANNED_KEYS}
 
 
 def _check_step(step: Any, index: int, seen: Mapping[str, int]) -> None:

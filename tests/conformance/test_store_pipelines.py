@@ -17,8 +17,9 @@ import kiln
 from kiln.config import Settings
 from kiln.errors import InvalidRequest
 from kiln.models import JSON, Task
+from kiln.scheduler import tick_task
 from kiln.states import Event, Status
-from kiln.store import Store
+from kiln.store import ScheduleRecord, Store, Tick
 from kiln.store import pipelines as store_pipelines
 
 from .backends import Row
@@ -339,3 +340,36 @@ async def test_retention_keeps_a_pipelines_steps_with_it(
     assert {t.id for t in purged} >= {pipeline.id, generate.id}
     assert len(purged) == 4
     assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
+
+
+async def test_a_rerun_of_a_pipeline_plans_its_steps_again(app: kiln.App) -> None:
+    # Given a pipeline (its stored params show each step's copies and timeouts)
+    first = await submit(app, chain())
+    assert "copies" in first.params["steps"][0]
+    # When it is run again as a new variation
+    again = (await app.rerun(first.id, dedup=False)).task
+    # Then a new pipeline runs the same steps, from its first
+    assert again.id != first.id and again.status is Status.GENERATING
+    assert again.params == first.params
+    assert list(await steps(app, again.id)) == ["generate/0"]
+
+
+async def test_a_schedule_tick_starts_a_pipeline_with_its_first_steps(app: kiln.App) -> None:
+    # Given a schedule whose ticks submit a pipeline, and the leadership
+    now = app.store.clock()
+    planned = app.kind("pipeline").validate(chain())
+    submission = {"kind": "pipeline", "params": planned, "priority": 0, "max_attempts": 3,
+                  "deadline_s": 3600.0, "metadata": {}}  # fmt: skip
+    schedule = await app.store.create_schedule(ScheduleRecord(
+        id="sch_pl", tenant="acme", cron="* * * * * *", timezone="UTC", submission=submission,
+        overlap="queue", missed="fire_once", paused=False, next_at=now,
+    ))  # fmt: skip
+    token = await app.store.lead("supervisor", "s1", 30)
+    assert token is not None
+    # When its tick fires
+    tick = Tick(schedule.id, now, now + 1, tick_task(schedule, now), now)
+    done = await app.store.handle_tick(tick, token)
+    # Then the pipeline runs with its first step made in that transaction
+    assert done is not None and done.task is not None
+    assert done.task.kind == "pipeline" and done.task.status is Status.GENERATING
+    assert list(await steps(app, done.task.id)) == ["generate/0"]
