@@ -217,8 +217,11 @@ class Shape(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    steps: list[dict[str, Any]]
-    on_failure: str = "stop"
+    steps: list[dict[str, Any]] = pydantic.Field(
+        description='1 to 20 steps in order, each {"name", "kind", "params", "inputs": '
+        '{"image": "step:NAME/OUTPUT" or "step:NAME/*"}, "repeat"} (docs/pipelines.md)'
+    )
+    on_failure: str = pydantic.Field("stop", description="stop or continue")
 
 
 class StepKind(Protocol):

@@ -133,6 +133,23 @@ async def test_submit_creates_the_pipeline_and_its_first_steps_together(
     assert await app.store.claim(worker_id="w", kinds=["pipeline"], limit=5, lease_ttl_s=9) == []
 
 
+async def test_the_supervisor_never_finds_a_running_pipeline_due(app: kiln.App, clock: Any) -> None:
+    # Given a running pipeline, long past its submission's deadline_s
+    pipeline = await submit(app, chain(), deadline_s=60)
+    clock.advance(10_000)
+    # Then the sweep's read does not hold it (its step, PENDING, is due for its deadline)
+    due = await app.store.due(limit=100, cancel_grace_s=1)
+    swept = [t.id for group in (due.deadline_passed, due.lease_expired, due.state_expired,
+                                due.cancel_overdue) for t in group]  # fmt: skip
+    assert pipeline.id not in swept and len(swept) == 1
+    # And it is no ghost, and autoscaling sees no running work of kind pipeline
+    assert await app.store.count_ghosts(older_than_s=0) == 0
+    load = await app.store.queue_load()
+    assert [kind for kind, _, _ in load.claimed] == []
+    assert [kind for kind, _, _ in load.ready] == [GEN]
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+
+
 @pytest.mark.parametrize(
     ("params", "why"),
     [
