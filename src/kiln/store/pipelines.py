@@ -140,16 +140,20 @@ async def advance(ops: Host, tx: Tx, pipeline: Task) -> Task:
         row = await tx.one(ops.q.pipeline_progress, args)
         assert row is not None
         return task_from_row(row)
-    error: JSON | None = None
-    if verdict.failed:
-        first = tasks[mapping[graph.key(verdict.failed[0])]]
-        cause = (first.error or {}).get("code", str(first.status).lower())
-        error = {
-            "code": "step_failed",
-            "retryable": False,
-            "message": f"step {graph.key(verdict.failed[0])} ended {first.status}: {cause}",
-        }
+    error = _failure(verdict.failed, mapping, tasks)
     return await _end(ops, tx, pipeline, verdict.end, fields, error, tasks)
+
+
+def _failure(
+    failed: list[graph.Copy], mapping: dict[str, str], tasks: dict[str, Task]
+) -> JSON | None:
+    """The pipeline's error when steps ended without success (none when none did)."""
+    if not failed:
+        return None
+    first = tasks[mapping[graph.key(failed[0])]]
+    cause = (first.error or {}).get("code", str(first.status).lower())
+    message = f"step {graph.key(failed[0])} ended {first.status}: {cause}"
+    return {"code": "step_failed", "retryable": False, "message": message}
 
 
 def _copy(key: str) -> graph.Copy:
