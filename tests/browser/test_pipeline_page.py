@@ -35,6 +35,7 @@ def test_a_pipeline_page_shows_its_chain_of_steps_live(
     first = chain.locator('[data-step="generate/0"]')
     last = chain.locator('[data-step="thumbnail/0"]')
     # Then the chain shows both steps, the second waiting for its input at first
+    expect(page.locator(".task-title")).to_have_text("pipeline: generate → thumbnail")
     expect(first).to_be_visible()
     expect(last).to_have_attribute("data-status", "NOT_MADE")
     # And both end SUCCESS with their output thumbnails, and the pipeline with them
