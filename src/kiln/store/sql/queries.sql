@@ -677,8 +677,8 @@ WHERE status IN {CLAIMABLE} AND ready_at <= ? GROUP BY kind
 -- claimed_tasks --
 -- The claimed tasks (waiting for a resource, generating, uploading), one row each, read
 -- from the lease index: at most the live workers' slots plus the dead ones' not yet swept.
--- A running pipeline holds no lease and is no worker's (docs/pipelines.md).
-SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING} AND lease_owner IS NOT NULL
+-- A running pipeline (kind pipeline) is no worker's (docs/pipelines.md).
+SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING} AND kind <> 'pipeline'
 
 -- pool_line_rows --
 -- The live rows of every pool's line (as pool_usage counts them): (pool, held, since); (now).
