@@ -1,7 +1,8 @@
 """Pipelines with real `kiln worker` and `kiln supervisor` processes, on SQLite and
 PostgreSQL (docs/pipelines.md): a generate -> upscale -> thumbnail pipeline through a
 SIGKILL of a worker inside a step and another between steps, each step done exactly once
-with its outputs passed by reference; and a fan-out of ten into a contact sheet."""
+with its outputs passed by reference; a fan-out of ten into a contact sheet; and a cancel
+then a retry that reruns only the step that did not succeed."""
 
 from __future__ import annotations
 
@@ -118,3 +119,42 @@ async def test_fan_out_of_ten_then_a_contact_sheet(
         sheet = steps["sheet/0"].result["outputs"][0] if steps["sheet/0"].result else {}
         picture = Image.open(io.BytesIO(await app.storage.get(sheet["key"])))
         assert picture.size == (5 * 32, 2 * 32)
+
+
+async def test_cancel_then_retry_reruns_only_the_steps_that_did_not_succeed(
+    tmp_path: Path, new_database: Callable[[], str], cli_workers: MakeWorkers
+) -> None:
+    workers = cli_workers(tmp_path, new_database(), KILN_LEASE_TTL_S="1")
+    params = {"steps": [
+        {"name": "quick", "kind": "image.generate",
+         "params": {"prompt": "a quick fox", "steps": 2, "simulate": {"step_ms": 0}, **SMALL}},
+        {"name": "slow", "kind": "image.generate",
+         "params": {"prompt": "a slow fox", "steps": 20, "simulate": {"step_ms": 100}, **SMALL}},
+    ]}  # fmt: skip
+    async with app_of(workers) as app:
+        pipeline = (await app.submit("pipeline", params)).task
+        workers.start("--concurrency", "2")
+        # Given one step done and the other generating in a `kiln worker` process
+        quick = await step(app, pipeline.id, "quick/0")
+        slow = await step(app, pipeline.id, "slow/0")
+        assert quick is not None and slow is not None
+        await wait_for_status(app.store, quick.id, Status.SUCCESS, timeout_s=30)
+        await wait_for_status(app.store, slow.id, Status.GENERATING, timeout_s=30)
+        # When the pipeline is cancelled
+        cancelled = await app.cancel(pipeline.id)
+        # Then it is CANCELLED at once, and the worker stops the running step
+        assert cancelled.status is Status.CANCELLED
+        stopped = await wait_for_status(app.store, slow.id, Status.CANCELLED, timeout_s=30)
+        assert stopped.result is None
+        # When it is retried
+        assert (await app.retry(pipeline.id)).status is Status.GENERATING
+        done = await wait_for_status(app.store, pipeline.id, Status.SUCCESS, timeout_s=60)
+        steps = await app.pipeline_steps(done)
+        # Then only the step that had not succeeded ran again; each succeeded once
+        assert steps["quick/0"].attempt == 1 and steps["slow/0"].attempt == 2
+        for task in steps.values():
+            events = await task_events(app.store, task.id)
+            assert [e.event for e in events].count(Event.UPLOADED) == 1, task.id
+        log = [e.event for e in await task_events(app.store, pipeline.id)]
+        assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_CANCELLED, Event.RETRY,
+                       Event.RUN_STEPS, Event.STEPS_DONE]  # fmt: skip
