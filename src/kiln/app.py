@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import canonical, logs, timing, webhooks
+from kiln import canonical, logs, pipelines, timing, transform, webhooks
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -212,8 +212,14 @@ class App:
         return register
 
     def kind(self, name: str) -> TaskKind:
-        """The registered kind ``name``, or UnknownKind."""
+        """The registered kind ``name``, or UnknownKind. ``pipeline`` is kiln's own
+        (docs/pipelines.md): its params are checked step by step, no worker serves it."""
+        if name == pipelines.KIND:
+            return TaskKind(name, _no_handler, pipelines.Shape, normalize=self._plan_pipeline)
         return find_kind(self.kinds, name)
+
+    def _plan_pipeline(self, params: JSON) -> JSON:
+        return pipelines.plan(params, self.kind, transform.outputs_of)
 
     # the engine's parts, as attributes of the App
 
@@ -389,7 +395,10 @@ class App:
             run_at=when, rerun_of=rerun_of,
             trace=tracing.current() if tracing is not None else None,
         )  # fmt: skip
-        result = await self.store.submit(new)
+        if kind == pipelines.KIND:
+            result = await self.store.submit_pipeline(new)
+        else:
+            result = await self.store.submit(new)
         if result.created:
             logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
                                           "to": "PENDING", "attempt": 0})  # fmt: skip
@@ -489,6 +498,10 @@ class App:
         """The task, or NotFound, also when it belongs to another tenant."""
         return await self.engine.get(task_id, tenant)
 
+    async def pipeline_steps(self, pipeline: Task) -> dict[str, Task]:
+        """The steps a pipeline made so far, by ``name/copy`` (docs/pipelines.md)."""
+        return await self.store.pipeline_steps(pipeline)
+
     async def queue_position(self, task: Task) -> int | None:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.engine.queue_position(task)
@@ -563,12 +576,24 @@ class App:
             if task.final:
                 raise AlreadyFinal(f"task {task_id} is already {task.status}")
             try:
+                if task.kind == pipelines.KIND:
+                    return await self._cancel_pipeline(task.id)
                 if task.status in RUNNING:
                     return await self.engine.request_cancel(task)
                 return await self.engine.apply(task, Event.CANCEL)
             except Conflict:
                 continue
         raise Conflict(f"task {task_id} keeps changing; try again")
+
+    async def _cancel_pipeline(self, pipeline_id: str) -> Task:
+        """Cancel a pipeline; the workers of this process hear at once of its steps that
+        were running (asked to stop)."""
+        cancelled = await self.store.cancel_pipeline(pipeline_id)
+        for step in (await self.pipeline_steps(cancelled)).values():
+            if step.cancel_requested and step.status in RUNNING:
+                for listener in self.cancel_listeners:
+                    listener(step.id)
+        return cancelled
 
     async def retry(self, task_id: str, tenant: str | None = None) -> Task:
         """Manual retry of a final FAILED, TIMEOUT or CANCELLED task: due now."""
@@ -579,6 +604,8 @@ class App:
                                    "TIMEOUT or CANCELLED tasks can be retried")  # fmt: skip
             fields = rerun_fields(task, self.now())
             try:
+                if task.kind == pipelines.KIND:
+                    return await self.store.retry_pipeline(task.id, {})
                 return await self.engine.apply(task, Event.RETRY, fields=fields)
             except Conflict:
                 continue
@@ -623,8 +650,20 @@ class App:
     ) -> AsyncIterator[Message]:
         """Status events (replayed from the log, then live) and live progress.
 
-        For one task the stream ends after its final event; the tenant feed never ends.
+        For one task the stream ends after its final event; the tenant feed never ends. A
+        pipeline's stream carries its steps' events too (:meth:`_watch_pipeline`).
         """
+        found = None if task_id is None else await self.engine.store.get(task_id)
+        if found is not None and found.kind == pipelines.KIND:
+            stream = self._watch_pipeline(found, after or 0)
+        else:
+            stream = self._watch(task_id, tenant=tenant, after=after, replay=replay)
+        async for message in stream:
+            yield message
+
+    async def _watch(
+        self, task_id: str | None, *, tenant: str | None, after: int | None, replay: bool
+    ) -> AsyncIterator[Message]:
         async with self.hub.subscribe(task_id=task_id, tenant=tenant) as sub:
             live_only = task_id is None and after is None and not replay
             last = after or 0
@@ -650,6 +689,31 @@ class App:
                         yield shown
                         if task_id is not None and shown.final:
                             return
+
+    async def _watch_pipeline(self, pipeline: Task, after: int) -> AsyncIterator[Message]:
+        """A pipeline's events and its steps' (status and progress), replayed then live,
+        until the pipeline's final event. New steps appear with a step's final event or
+        the pipeline's own: the steps are read again then."""
+        async with self.hub.subscribe(task_id=None, tenant=pipeline.tenant) as sub:
+            follow = _PipelineFollow(self, pipeline.id, after)
+            for event in await follow.catch_up() + await follow.catch_up():
+                yield event  # twice: steps made while the first replay read
+            current = await self.engine.store.get(pipeline.id)
+            if current is None or current.final:
+                return
+            while True:
+                message = await sub.queue.get()
+                batch = await follow.catch_up() if sub.lagged else follow.admit(message)
+                sub.lagged = False
+                while batch:
+                    shown = batch.pop(0)
+                    yield shown
+                    if shown.task_id == pipeline.id and shown.final:
+                        return
+                    if isinstance(shown, TaskEvent) and (
+                        shown.final or shown.task_id == pipeline.id
+                    ):
+                        batch += await follow.catch_up()
 
     async def _ended(self, task_id: str, replayed: bool, final_seen: bool) -> bool:
         """Whether a task stream is done after its replay: its latest event was final."""
@@ -733,6 +797,39 @@ class App:
         return Supervisor(
             self.engine, interval_s=interval_s, owner=owner, batch=batch, leader_ttl_s=leader_ttl_s
         )
+
+
+class _PipelineFollow:
+    """What a pipeline's stream has shown: the tasks it follows, the events it sent."""
+
+    def __init__(self, app: App, pipeline_id: str, after: int) -> None:
+        self.app, self.pipeline_id, self.after = app, pipeline_id, after
+        self.ids: set[str] = {pipeline_id}
+        self.seen: set[int] = set()
+
+    async def catch_up(self) -> list[Message]:
+        """The pipeline's steps read again, and the events of them all not sent yet."""
+        current = await self.app.engine.store.get(self.pipeline_id)
+        if current is not None:
+            self.ids.update(t.id for t in (await self.app.pipeline_steps(current)).values())
+        found = [e for i in sorted(self.ids) async for e in self.app._history(i, None, self.after)]
+        fresh = sorted((e for e in found if e.seq not in self.seen), key=lambda e: e.seq)
+        self.seen.update(e.seq for e in fresh)
+        return list(fresh)
+
+    def admit(self, message: Message) -> list[Message]:
+        """A live message, when it is one of the pipeline's and was not sent yet."""
+        if message.task_id not in self.ids:
+            return []
+        if isinstance(message, TaskEvent):
+            if message.seq in self.seen:
+                return []
+            self.seen.add(message.seq)
+        return [message]
+
+
+async def _no_handler(ctx: Any, params: Any) -> None:
+    raise AssertionError("a pipeline is never claimed")
 
 
 @contextlib.asynccontextmanager

@@ -450,6 +450,20 @@ class Client(_Base):
         result: JSON = self.call(submit_call(kind, params, idempotency_key, fields, files))
         return result
 
+    def submit_pipeline(
+        self,
+        steps: Sequence[Mapping[str, Any]],
+        *,
+        on_failure: str = "stop",
+        idempotency_key: str | None = None,
+        **fields: Any,
+    ) -> JSON:
+        """Submit a pipeline (docs/pipelines.md): ``steps`` in order, each ``{"name",
+        "kind", "params", "inputs": {"image": "step:NAME/OUTPUT"}, "repeat"}``. The
+        pipeline's task JSON, as :meth:`submit` answers; ``get`` shows its ``steps``."""
+        params = {"steps": list(steps), "on_failure": on_failure}
+        return self.submit("pipeline", params, idempotency_key=idempotency_key, **fields)
+
     def submit_many(self, items: Sequence[Mapping[str, Any]]) -> list[JSON]:
         """Submit up to 1,000 tasks in one request (``POST /v1/tasks/batch``): each item a
         submission body (``kind``, ``params``, ... and an optional ``idempotency_key``).
@@ -686,6 +700,18 @@ class AsyncClient(_Base):
         """See :meth:`Client.submit`."""
         result: JSON = await self.call(submit_call(kind, params, idempotency_key, fields, files))
         return result
+
+    async def submit_pipeline(
+        self,
+        steps: Sequence[Mapping[str, Any]],
+        *,
+        on_failure: str = "stop",
+        idempotency_key: str | None = None,
+        **fields: Any,
+    ) -> JSON:
+        """See :meth:`Client.submit_pipeline`."""
+        params = {"steps": list(steps), "on_failure": on_failure}
+        return await self.submit("pipeline", params, idempotency_key=idempotency_key, **fields)
 
     async def submit_many(self, items: Sequence[Mapping[str, Any]]) -> list[JSON]:
         """See :meth:`Client.submit_many`."""

@@ -262,7 +262,7 @@ class Engine:
             expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
             steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
             bump_epoch=bump_epoch, fenced=fenced, leader=leader,
-            counters=self._with_minutes(counted), usage=usage,
+            counters=self._with_minutes(counted), usage=usage, pipeline_id=task.pipeline_id,
             loading_s=loading_s if loading_s > 0 and task.status is Status.GENERATING else None,
         )  # fmt: skip
         updated, events = await self.store.apply(change)
@@ -270,6 +270,8 @@ class Engine:
         self.written(events)
         if self.tracing is not None and (ended_attempt(events) or ended_review(events)):
             await self._trace(self.tracing, updated, events, loads)
+        if updated.pipeline_id is not None and updated.final:
+            self.submitted()  # the step may have made the next ones: streams and workers look
         return updated
 
     async def _trace(

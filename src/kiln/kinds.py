@@ -136,6 +136,10 @@ class TaskKind:
         more = f" (and {len(details) - 3} more)" if len(details) > 3 else ""
         return InvalidRequest(f"invalid params for {self.name}: {named}{more}", details=details)
 
+    def batch_key_of(self, params: JSON) -> str | None:
+        """The batch a task with these (validated) params may join, or None."""
+        return None if self.batch is None else self.batch.key_of(params)
+
     def parse(self, params: JSON) -> Any:
         """The params as the handler takes them: the kind's model, or plain JSON."""
         return params if self.params is None else self.params.model_validate(params)

@@ -74,6 +74,11 @@ class NewTask:
     rerun_of: str | None = None
     #: The trace context it was submitted in, when tracing is on (None: none to store).
     trace: TraceContext | None = None
+    #: A step of a pipeline (docs/pipelines.md): the pipeline's id, the step's name and
+    #: its copy (0 unless the step repeats); None for every other task.
+    pipeline_id: str | None = None
+    step: str | None = None
+    step_copy: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +128,11 @@ class Task:
     yield_requested_at: float | None = None
     #: The task this one runs again (POST /v1/tasks/{id}/rerun); None for a submission.
     rerun_of: str | None = None
+    #: A step of a pipeline (docs/pipelines.md): the pipeline's id, the step's name and
+    #: its copy (0 unless the step repeats); None for every other task.
+    pipeline_id: str | None = None
+    step: str | None = None
+    step_copy: int | None = None
 
     @property
     def final(self) -> bool:

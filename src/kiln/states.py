@@ -46,6 +46,10 @@ class Event(StrEnum):
     DEADLINE = "deadline"
     LOSE = "lose"
     RELEASE = "release"
+    RUN_STEPS = "run_steps"
+    STEPS_DONE = "steps_done"
+    STEP_FAILED = "step_failed"
+    STEPS_CANCELLED = "steps_cancelled"
 
 
 class Actor(StrEnum):
@@ -132,6 +136,16 @@ TRANSITIONS: tuple[Rule, ...] = (
     _rule(Event.RELEASE, RUNNING, (S.PENDING,), Actor.WORKER,
           "graceful stop (I9): the attempt goes back uncounted, attempt-1, epoch+1, "
           "ready_at kept", fenced=True),
+    # A pipeline (kind ``pipeline``, docs/pipelines.md) is never claimed: it is GENERATING
+    # from its submit transaction (its first steps created in it) until its steps end.
+    _rule(Event.RUN_STEPS, (S.PENDING, S.RETRYING), (S.GENERATING,), Actor.ENGINE,
+          "pipeline: its ready steps created in the same transaction; no lease, no deadline"),
+    _rule(Event.STEPS_DONE, (S.GENERATING,), (S.SUCCESS,), Actor.ENGINE,
+          "pipeline: its last step succeeded, in that step's transaction"),
+    _rule(Event.STEP_FAILED, (S.GENERATING,), (S.FAILED,), Actor.ENGINE,
+          "pipeline: a step failed or timed out for good (on_failure policy)"),
+    _rule(Event.STEPS_CANCELLED, (S.GENERATING,), (S.CANCELLED,), Actor.ENGINE,
+          "pipeline: cancelled, or a step was cancelled; pending steps cancelled with it"),
 )  # fmt: skip
 
 RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}

@@ -25,10 +25,22 @@ from kiln.paint import encode
 if TYPE_CHECKING:
     from kiln.worker import Context
 
-__all__ = ["KIND", "TransformParams", "apply", "register"]
+__all__ = [
+    "KIND",
+    "SHEET",
+    "SheetParams",
+    "TransformParams",
+    "apply",
+    "outputs_of",
+    "register",
+    "sheet",
+]
 
 KIND = "image.transform"
 INPUT = "image"
+#: A contact sheet of many pictures: a pipeline's fan-in (docs/pipelines.md).
+SHEET = "image.contact_sheet"
+SHEET_INPUT = "images"
 FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/webp": "webp"}
 STAGES = ("load", "transform", "encode")
 
@@ -159,6 +171,70 @@ def make_handler(app: Registry) -> Handler:
     return transform
 
 
+class SheetParams(BaseModel):
+    """Parameters of an `image.contact_sheet` task: tiles of ``tile`` pixels, ``columns``
+    a row."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    columns: Annotated[int, Field(ge=1, le=20)] = 5
+    tile: Annotated[int, Field(ge=16, le=1024)] = 128
+
+
+def sheet(pictures: list[Image.Image], params: SheetParams) -> Image.Image:
+    """The pictures as thumbnails on a white grid, in order, ``columns`` a row."""
+    columns = min(params.columns, len(pictures))
+    rows = -(-len(pictures) // columns)
+    canvas = Image.new("RGB", (columns * params.tile, rows * params.tile), "white")
+    for index, picture in enumerate(pictures):
+        tile = upright(picture).convert("RGB")
+        tile.thumbnail((params.tile, params.tile), Image.Resampling.LANCZOS)
+        x, y = (index % columns) * params.tile, (index // columns) * params.tile
+        canvas.paste(tile, (x, y))
+    return canvas
+
+
+def make_sheet_handler(app: Registry) -> Handler:
+    """The `image.contact_sheet` handler: every input named ``images``, one PNG."""
+
+    async def contact_sheet(ctx: Context, params: SheetParams) -> Output:
+        items = [item for item in ctx.task.inputs if item.get("name") == SHEET_INPUT]
+        if not items:
+            raise Permanent("the task has no input 'images'", code="input_missing")
+        pictures = []
+        for index, item in enumerate(items):
+            await ctx.progress(index, len(items) + 1, stage="load")
+            data = await inputs.load(app.storage, item)
+            try:
+                pictures.append(inputs.open_image(data, app.settings.max_image_pixels))
+            except KilnError as exc:
+                raise Permanent(exc.message, code=exc.code) from None
+        result = await asyncio.to_thread(sheet, pictures, params)
+        body = await asyncio.to_thread(encode, result, "png")
+        await ctx.progress(len(items) + 1, len(items) + 1, stage="encode")
+        return Output("image.png", body, "image/png")
+
+    return contact_sheet
+
+
+def outputs_of(kind: str, params: JSON, read: list[str]) -> set[str] | None:
+    """The output names of kiln's own image kinds (what a pipeline's references are
+    checked against at submit); None for any other kind."""
+    names = {name for name, _ in OUTPUT_NAMES.values()}
+    if kind == "image.generate":
+        return {OUTPUT_NAMES[str(params.get("format", "png"))][0]}
+    if kind == SHEET:
+        return {"image.png"}
+    if kind != KIND:
+        return None
+    if params.get("format"):
+        return {OUTPUT_NAMES[str(params["format"])][0]}
+    same = {name for name in read if name in names}  # the input's format
+    return same if len(read) == 1 and same else None
+
+
 def register(app: Registry) -> None:
-    """Register `image.transform` on ``app``: one input, ``image``; no resource slot."""
+    """Register `image.transform` on ``app`` (one input, ``image``) and
+    `image.contact_sheet` (inputs named ``images``, any number); no resource slot."""
     app.task(KIND, params=TransformParams, inputs=(INPUT,), check=check_box)(make_handler(app))
+    app.task(SHEET, params=SheetParams, inputs=(SHEET_INPUT,))(make_sheet_handler(app))

@@ -73,9 +73,12 @@ def task_json(
     queue_position: int | None,
     deduplicated: bool = False,
     resource_wait: PoolWait | None = None,
+    steps: dict[str, Task] | None = None,
 ) -> JSON:
     """The task exactly as API.md shows it, plus ``resource_wait`` (its place in a shared
-    pool's line while WAITING_FOR_RESOURCE, else null)."""
+    pool's line while WAITING_FOR_RESOURCE, else null), and for pipelines
+    (docs/pipelines.md) a step's ``pipeline_id`` and ``step``, a pipeline's ``steps``
+    (``steps`` given: its steps made so far, by ``name/copy``)."""
     return {
         "id": task.id,
         "kind": task.kind,
@@ -105,7 +108,30 @@ def task_json(
         "model": task.model,
         "scheduled_for": iso(scheduled_for(task)),
         "rerun_of": task.rerun_of,
+        "pipeline_id": task.pipeline_id,
+        "step": None if task.step is None else {"name": task.step, "copy": task.step_copy},
+        "steps": None if steps is None else steps_json(task, steps),
     }
+
+
+def steps_json(pipeline: Task, made: dict[str, Task]) -> list[JSON]:
+    """Every copy of every step of a pipeline, in order: its task (null until made), its
+    status, progress, outputs and error."""
+    found = []
+    for step in pipeline.params.get("steps", []):
+        for copy in range(int(step.get("repeat", 1))):
+            task = made.get(f"{step['name']}/{copy}")
+            result = None if task is None else _result_json(task)
+            found.append({
+                "name": step["name"], "copy": copy, "kind": step["kind"],
+                "task_id": None if task is None else task.id,
+                "status": None if task is None else str(task.status),
+                "progress": None if task is None else task.progress(),
+                "outputs": [] if result is None else result["outputs"],
+                "error": None if task is None or task.status is Status.SUCCESS
+                else _error_json(task.error),
+            })  # fmt: skip
+    return found
 
 
 def scheduled_for(task: Task) -> float | None:

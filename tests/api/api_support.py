@@ -38,7 +38,7 @@ TASK_FIELDS = {
     "max_attempts", "priority", "params", "metadata", "inputs", "idempotency_key",
     "deduplicated", "cancel_requested", "next_retry_at", "error", "result", "created_at",
     "updated_at", "started_at", "finished_at", "webhook", "resource_wait", "model",
-    "scheduled_for", "rerun_of",
+    "scheduled_for", "rerun_of", "pipeline_id", "step", "steps",
 }  # fmt: skip
 
 

@@ -160,7 +160,8 @@ async def test_openapi_documents_the_upload_form(working: ApiUnderTest) -> None:
     assert form["required"] == ["request"]
     assert form["properties"]["image"]["format"] == "binary"
     components = schema["components"]["schemas"]
-    [upload_variant] = components["SubmitUploadRequest"]["oneOf"]
-    assert upload_variant["properties"]["kind"]["const"] == "image.transform"
+    variants = components["SubmitUploadRequest"]["oneOf"]
+    upload_kinds = sorted(v["properties"]["kind"]["const"] for v in variants)
+    assert upload_kinds == ["image.contact_sheet", "image.transform"]
     json_kinds = [v["properties"]["kind"]["const"] for v in components["SubmitRequest"]["oneOf"]]
     assert json_kinds == ["image.generate"]

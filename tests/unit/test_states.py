@@ -45,6 +45,11 @@ DESIGN_TABLE: dict[Event, tuple[set[Status | None], set[Status]]] = {
     E.DEADLINE: ({S.PENDING, S.RETRYING}, {S.TIMEOUT}),
     E.LOSE: ({S.SUCCESS}, {S.FAILED}),
     E.RELEASE: (set(RUNNING), {S.PENDING}),
+    # A pipeline's own events (docs/pipelines.md), added to DESIGN.md's table.
+    E.RUN_STEPS: ({S.PENDING, S.RETRYING}, {S.GENERATING}),
+    E.STEPS_DONE: ({S.GENERATING}, {S.SUCCESS}),
+    E.STEP_FAILED: ({S.GENERATING}, {S.FAILED}),
+    E.STEPS_CANCELLED: ({S.GENERATING}, {S.CANCELLED}),
 }
 
 SOURCES: list[Status | None] = [None, *Status]

@@ -231,6 +231,26 @@ class WebhookOut(_Out):
     events: list[str]
 
 
+class StepOfOut(_Out):
+    """Which step of its pipeline a task is (docs/pipelines.md)."""
+
+    name: str
+    copy_index: Annotated[int, Field(alias="copy", description="0 unless the step repeats")]
+
+
+class StepOut(_Out):
+    """One copy of one step of a pipeline: its task, null until its inputs exist."""
+
+    name: str
+    copy_index: Annotated[int, Field(alias="copy", description="0 unless the step repeats")]
+    kind: str
+    task_id: str | None
+    status: Status | None
+    progress: ProgressOut | None
+    outputs: list[OutputOut]
+    error: ErrorInfo | None
+
+
 class TaskOut(_Out):
     """A task as the API shows it (API.md, "The task")."""
 
@@ -275,6 +295,13 @@ class TaskOut(_Out):
     rerun_of: Annotated[
         str | None,
         Field(description="the task this one runs again (POST /v1/tasks/{id}/rerun)"),
+    ] = None
+    pipeline_id: Annotated[
+        str | None, Field(description="a step's pipeline (docs/pipelines.md)")
+    ] = None
+    step: StepOfOut | None = None
+    steps: Annotated[
+        list[StepOut] | None, Field(description="a pipeline's steps, in order, each copy")
     ] = None
 
 

@@ -23,6 +23,8 @@ class Standing:
     task: Task
     queue_position: int | None
     resource_wait: PoolWait | None
+    #: A pipeline's steps made so far, by ``name/copy`` (None for every other task).
+    steps: dict[str, Task] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, inputs, wire
+from kiln import canonical, inputs, pipelines, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
@@ -129,7 +129,8 @@ def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
 
 async def standing(state: ApiState, task: Task) -> Standing:
     position = await state.app.queue_position(task)
-    return Standing(task, position, await state.app.pool_wait(task))
+    steps = await state.app.pipeline_steps(task) if task.kind == pipelines.KIND else None
+    return Standing(task, position, await state.app.pool_wait(task), steps)
 
 
 def standing_response(
@@ -141,7 +142,7 @@ def standing_response(
 ) -> Response:
     body = task_json(
         found.task, queue_position=found.queue_position, deduplicated=deduplicated,
-        resource_wait=found.resource_wait,
+        resource_wait=found.resource_wait, steps=found.steps,
     )  # fmt: skip
     return RenderedJSON(body, status_code=status_code, headers=headers)
 

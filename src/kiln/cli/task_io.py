@@ -43,8 +43,9 @@ IN_REVIEW = 1
 
 
 def is_kind(word: str) -> bool:
-    """Whether the first argument of ``kiln submit`` names a kind (else it is a prompt)."""
-    return KIND_NAME.match(word) is not None
+    """Whether the first argument of ``kiln submit`` names a kind (else it is a prompt);
+    ``pipeline`` is one (docs/pipelines.md)."""
+    return word == "pipeline" or KIND_NAME.match(word) is not None
 
 
 # errors
@@ -243,6 +244,7 @@ class _View:
 
     def __init__(self, progress: Progress, task: JSON) -> None:
         self.progress = progress
+        self.task_id = task["id"]
         self.max_attempts = int(task["max_attempts"])
         self.bar: TaskID = progress.add_task(
             task["id"], total=None, status=task["status"], stage="", steps="", attempt=""
@@ -252,6 +254,11 @@ class _View:
             self.step(task.get("stage"), task["progress"])
 
     def show(self, message: JSON, refresh: Callable[[], JSON]) -> None:
+        if message.get("task_id", self.task_id) != self.task_id:  # a pipeline's step
+            if message.get("type") == "status":
+                line = f"  step {message['task_id']}: {message.get('from') or '-'} → "
+                self.progress.console.print(f"{line}{message['status']}", highlight=False)
+            return
         if message.get("type") == "status":
             if message.get("event") == "retry":
                 self.max_attempts = int(refresh()["max_attempts"])
@@ -343,6 +350,9 @@ def finish(client: Client, task: JSON, *, as_json: bool = False) -> int:
     elif task["status"] == "SUCCESS":
         for output in (task.get("result") or {}).get("outputs", []):
             typer.echo(client.output_url(output))
+        for step in task.get("steps") or []:  # a pipeline: each step and its outputs
+            urls = " ".join(client.output_url(o) for o in step["outputs"])
+            typer.echo(f"{step['name']}/{step['copy']} {step['status']} {urls}".rstrip())
     if task["status"] == "SUCCESS":
         return 0
     error = task.get("error") or {}

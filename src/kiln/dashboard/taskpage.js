@@ -28,6 +28,7 @@ import {
   queueText,
 } from "./ui.js";
 import { on, refreshTask, performAction, rerunTask, mergeTask, applyProgress, notes } from "./live.js";
+import { PipelineChain } from "./pipeline.js";
 
 const ERROR_TITLES = {
   FAILED: "Failed",
@@ -88,9 +89,11 @@ class TaskPage {
     this.params = $("dl", "kv");
     this.metadata = $("pre", "json");
     this.extra = $("dl", "kv");
+    this.chain = new PipelineChain();
     this.body = h(
       "div",
       { class: "task-grid" },
+      this.chain.root,
       h(
         "section",
         { class: "card media-card", "aria-label": "Image" },
@@ -170,6 +173,7 @@ class TaskPage {
   unmount() {
     this.gone = true;
     this.stream.close();
+    this.chain.close();
     for (const off of this.offs) off();
     if (this.media.blobUrl) URL.revokeObjectURL(this.media.blobUrl);
     document.title = "kiln";
@@ -226,7 +230,10 @@ class TaskPage {
   // ---- incoming data ----
 
   onStatus(event) {
-    if (event.task_id && event.task_id !== this.id) return;
+    if (event.task_id && event.task_id !== this.id) {
+      if (this.task && this.task.kind === "pipeline") this.load(); // a step moved
+      return;
+    }
     const seq = Number.isFinite(event.seq) ? event.seq : this.events.size + 1e12;
     this.events.set(seq, event);
     if (Number.isFinite(event.seq)) this.lastSeq = Math.max(this.lastSeq, event.seq);
@@ -237,6 +244,10 @@ class TaskPage {
   }
 
   onProgress(event) {
+    if (event.task_id && event.task_id !== this.id) {
+      this.chain.progress(event); // a pipeline's step
+      return;
+    }
     if (typeof event.preview === "string" && event.preview.startsWith("data:image/")) {
       this.preview = event.preview;
       this.previewAttempt = this.task ? this.task.attempt : null;
@@ -300,6 +311,7 @@ class TaskPage {
     this.renderError();
     this.renderMedia();
     this.renderDetails();
+    this.chain.render(task);
     setText(this.streamChip, this.streamText());
   }
 
@@ -349,6 +361,12 @@ class TaskPage {
     if (task.rerun_of) {
       const link = h("a", { href: `#/tasks/${encodeURIComponent(task.rerun_of)}`, class: "mono", text: task.rerun_of });
       this.facts.append(fact("Rerun of", link, "rerun-of"));
+    }
+    if (task.pipeline_id) {
+      const href = `#/tasks/${encodeURIComponent(task.pipeline_id)}`;
+      const step = task.step ? ` (step ${task.step.name}${task.step.copy ? ` #${task.step.copy + 1}` : ""})` : "";
+      const link = h("a", { href, class: "mono", text: task.pipeline_id });
+      this.facts.append(fact("Pipeline", h("span", {}, link, step), "pipeline-of"));
     }
   }
 

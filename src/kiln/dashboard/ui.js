@@ -346,6 +346,9 @@ export function shortId(id) {
 export function describeTask(task) {
   const prompt = task.params && typeof task.params.prompt === "string" ? task.params.prompt : "";
   if (prompt) return prompt;
+  if (task.kind === "pipeline" && Array.isArray(task.params && task.params.steps)) {
+    return `pipeline: ${task.params.steps.map((s) => s.name).join(" → ")}`;
+  }
   const op = task.params && typeof task.params.op === "string" ? ` (${task.params.op})` : "";
   return `${task.kind || "task"}${op}`;
 }

@@ -32,7 +32,7 @@ SUBMITTED = (
     "id", "tenant", "kind", "priority", "ready_at", "params", "metadata", "inputs",
     "fingerprint", "idempotency_key", "dedup_key", "max_attempts", "deadline_s",
     "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook", "model",
-    "batch_key", "rerun_of",
+    "batch_key", "rerun_of", "pipeline_id", "step", "step_copy",
 )  # fmt: skip
 #: Appended to a step's shape when it ends an attempt (its ledger row goes with it).
 USAGE_SHAPE = " +usage"

@@ -512,6 +512,7 @@ def _is_plain(change: Change) -> bool:
         and target not in CLAIMABLE
         and change.expect_status not in NOT_LIVE
         and change.loading_s is None  # rare (a model was loaded): the transaction writes it
+        and (change.pipeline_id is None or target not in FINAL)  # a step's end goes on
     )
 
 

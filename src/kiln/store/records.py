@@ -82,6 +82,9 @@ class Change:
     #: The seconds the attempt spent loading models in GENERATING, for the event row of
     #: the step that leaves it (None: no model was loaded, or it does not leave it).
     loading_s: float | None = None
+    #: The pipeline of a step (docs/pipelines.md): a final status advances it in the same
+    #: transaction. None for every other task (and for the changes that path makes).
+    pipeline_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

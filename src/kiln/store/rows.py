@@ -70,6 +70,9 @@ TASK_COLUMNS: tuple[str, ...] = (
     "batch_key",
     "yield_requested_at",
     "rerun_of",
+    "pipeline_id",
+    "step",
+    "step_copy",
 )
 _WEBHOOK = TASK_COLUMNS.index("webhook")
 STATUSES = {str(status): status for status in Status}
@@ -91,6 +94,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         status_since=row[34], started_at=row[35], finished_at=row[36],
         webhook=loads(row[_WEBHOOK]), model=row[_WEBHOOK + 1], batch_key=row[_WEBHOOK + 2],
         yield_requested_at=row[_WEBHOOK + 3], rerun_of=row[_WEBHOOK + 4],
+        pipeline_id=row[_WEBHOOK + 5], step=row[_WEBHOOK + 6], step_copy=row[_WEBHOOK + 7],
     )  # fmt: skip
 
 

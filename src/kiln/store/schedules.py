@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.counters import SCHEDULE_FIRES
 from kiln.errors import NotLeader
-from kiln.models import JSON, NewTask, SubmitResult, Task, iso
+from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, iso
+from kiln.pipelines import KIND as PIPELINE
 from kiln.states import FINAL
-from kiln.store.records import LeaderToken
+from kiln.store import pipelines
+from kiln.store.records import Change, LeaderToken
 from kiln.store.rows import dumps, task_from_row
 from kiln.store.tx import Ops, Refused, Row, Tx
 
@@ -120,6 +122,12 @@ class ScheduleOps(Ops):
         async def _submit(self, tx: Tx, new: NewTask) -> SubmitResult | Refused: ...
 
         async def _holds(self, tx: Tx, token: LeaderToken, now: float) -> bool: ...
+
+        async def _insert(self, tx: Tx, new: NewTask, now: float) -> Task | None: ...
+
+        async def _apply(
+            self, tx: Tx, change: Change
+        ) -> tuple[Task, list[TaskEvent]] | Refused: ...
 
     async def create_schedule(self, schedule: ScheduleRecord) -> ScheduleRecord:
         now = self.clock()
@@ -230,7 +238,10 @@ class ScheduleOps(Ops):
     async def _fire(self, tx: Tx, new: NewTask) -> tuple[str, Task | None]:
         """Submit a tick's task. Its key already taken by this very tick (a replay) is not a
         second fire; taken by another request (refused) leaves the tick unfired."""
-        result = await self._submit(tx, new)
+        if new.kind == PIPELINE:  # it starts with its first steps, as a submission does
+            result = await pipelines.submit(self, tx, new)
+        else:
+            result = await self._submit(tx, new)
         if isinstance(result, Refused):
             return "skipped_missed", None
         return ("fired" if result.created else "skipped_missed"), result.task

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 from kiln import counters as names
 from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
+from kiln.pipelines import KIND as PIPELINE
 from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.store import pipelines
 from kiln.store.bulk import BulkOps
 from kiln.store.claims import ClaimOps
 from kiln.store.inputs import InputOps
@@ -67,7 +69,7 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
         dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
         new.dedup_key, new.max_attempts, new.deadline_s, ready + new.deadline_s,
         dumps(timeouts), now, now, now, dumps(new.webhook), new.model, new.batch_key,
-        new.rerun_of,
+        new.rerun_of, new.pipeline_id, new.step, new.step_copy,
     ]  # fmt: skip
 
 
@@ -341,7 +343,27 @@ class TaskOps(Ops):
             tx.bump(name, labels)
         if target in CLAIMABLE:
             await tx.notify_ready()
+        if change.pipeline_id is not None and target in FINAL:
+            await pipelines.step_ended(self, tx, task, change.steps[-1][0])
         return task, events
+
+    # pipelines (kiln.store.pipelines)
+
+    async def submit_pipeline(self, new: NewTask) -> SubmitResult:
+        """Insert-or-get a pipeline; a new one is GENERATING with its first steps."""
+        return await self._write(lambda tx: pipelines.submit(self, tx, new))
+
+    async def cancel_pipeline(self, pipeline_id: str) -> Task:
+        """Cancel a running pipeline and its waiting steps; ask its running ones to stop."""
+        return await self._write(lambda tx: pipelines.cancel(self, tx, pipeline_id))
+
+    async def retry_pipeline(self, pipeline_id: str, fields: dict[str, Any]) -> Task:
+        """Run a final FAILED, TIMEOUT or CANCELLED pipeline's unfinished steps again."""
+        return await self._write(lambda tx: pipelines.retry(self, tx, pipeline_id, fields))
+
+    async def pipeline_steps(self, pipeline: Task) -> dict[str, Task]:
+        """A pipeline's steps made so far, by ``name/copy``."""
+        return await self._read(lambda tx: pipelines.steps_of(self, tx, pipeline))
 
     @staticmethod
     async def _revive(tx: Tx, sql: str, args: list[Any]) -> Row | None:
@@ -462,6 +484,9 @@ class TaskOps(Ops):
             tasks = [task_from_row(row) for row in await tx.all(sql, args)]
             if not tasks:
                 return []
+            pipelines_ = [task.id for task in tasks if task.kind == PIPELINE]
+            if pipelines_:  # a pipeline goes with its steps, never a step alone
+                tasks += map(task_from_row, await tx.all(self.q.pipeline_steps, (pipelines_,)))
             ids = [task.id for task in tasks]
             for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
                           self.q.drop_task_inputs, self.q.purge_traces,
@@ -480,7 +505,8 @@ def purge_candidates(
 ) -> tuple[str, list[Any]]:
     """The oldest final tasks a purge may delete (``?`` placeholders); reads through the
     ``tasks_finished`` index."""
-    sql = "SELECT * FROM tasks WHERE status IN {FINAL} AND finished_at < ?"
+    # A step is kept while its pipeline is (a later step may read its outputs by key).
+    sql = "SELECT * FROM tasks WHERE status IN {FINAL} AND finished_at < ? AND pipeline_id IS NULL"
     args: list[Any] = [finished_before]
     if tenant is not None:
         sql += " AND tenant = ?"

@@ -21,13 +21,31 @@ SELECT status, epoch, version, status_since, tenant, attempt FROM tasks WHERE id
 -- A new PENDING task, unless a live or successful task holds its content (then no row):
 -- (id, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint,
 -- idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts,
--- created_at, updated_at, status_since, webhook, model, batch_key, rerun_of).
+-- created_at, updated_at, status_since, webhook, model, batch_key, rerun_of, pipeline_id,
+-- step, step_copy).
 INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata, inputs,
     fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at,
-    timeouts, created_at, updated_at, status_since, webhook, model, batch_key, rerun_of)
-VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    timeouts, created_at, updated_at, status_since, webhook, model, batch_key, rerun_of,
+    pipeline_id, step, step_copy)
+VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
 DO NOTHING RETURNING *
+
+-- pipeline_progress --
+-- A running pipeline's map of steps and how many succeeded (docs/pipelines.md):
+-- (result, step, total, now, now, id).
+UPDATE tasks SET result = ?, progress_step = ?, progress_total = ?, progress_at = ?,
+    updated_at = ?
+WHERE id = ? RETURNING *
+
+-- keep_running --
+-- A retried pipeline's running step no longer asked to stop: (now, id).
+UPDATE tasks SET cancel_requested = {FALSE}, cancel_requested_at = NULL, updated_at = ?
+WHERE id = ? AND status IN {RUNNING}
+
+-- pipeline_steps --
+-- The final steps of pipelines, purged with them: ([pipeline ids]).
+SELECT * FROM tasks WHERE pipeline_id {IN_LIST} AND status IN {FINAL}
 
 -- dedup_lookup --
 -- The live or successful task holding a dedup key: (tenant, dedup_key).
@@ -662,7 +680,8 @@ WHERE status IN {CLAIMABLE} AND ready_at <= ? GROUP BY kind
 -- claimed_tasks --
 -- The claimed tasks (waiting for a resource, generating, uploading), one row each, read
 -- from the lease index: at most the live workers' slots plus the dead ones' not yet swept.
-SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING}
+-- A running pipeline (kind pipeline) is no worker's (docs/pipelines.md).
+SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING} AND kind <> 'pipeline'
 
 -- pool_line_rows --
 -- The live rows of every pool's line (as pool_usage counts them): (pool, held, since); (now).

@@ -47,8 +47,8 @@ WITH t AS (
     INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
         inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
         deadline_at, timeouts, created_at, updated_at, status_since, webhook, model,
-        batch_key, rerun_of)
-    VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+        batch_key, rerun_of, pipeline_id, step, step_copy)
+    VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
         AND status NOT IN {NOT_LIVE} DO NOTHING
     RETURNING *),
@@ -172,16 +172,17 @@ WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_tenant, k
     k_priority, k_ready_at, k_params, k_metadata, k_inputs, k_fingerprint,
     k_idempotency_key, k_dedup_key, k_max_attempts, k_deadline_s, k_deadline_at,
     k_timeouts, k_created_at, k_updated_at, k_status_since, k_webhook, k_model,
-    k_batch_key, k_rerun_of, k_event, k_at, k_n)),
+    k_batch_key, k_rerun_of, k_pipeline_id, k_step, k_step_copy, k_event, k_at, k_n)),
 t AS (
     INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
         inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
         deadline_at, timeouts, created_at, updated_at, status_since, webhook, model,
-        batch_key, rerun_of)
+        batch_key, rerun_of, pipeline_id, step, step_copy)
     SELECT k_id, k_tenant, k_kind, 'PENDING', k_priority, k_ready_at, k_params, k_metadata,
         k_inputs, k_fingerprint, k_idempotency_key, k_dedup_key, k_max_attempts,
         k_deadline_s, k_deadline_at, k_timeouts, k_created_at, k_updated_at,
-        k_status_since, k_webhook, k_model, k_batch_key, k_rerun_of
+        k_status_since, k_webhook, k_model, k_batch_key, k_rerun_of, k_pipeline_id, k_step,
+        k_step_copy
     FROM d ORDER BY k_n
     ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
         AND status NOT IN {NOT_LIVE} DO NOTHING

@@ -1,0 +1,7 @@
+-- kiln schema v17 (PostgreSQL): pipelines (docs/pipelines.md). A step of a pipeline is a
+-- task of its own that names its pipeline, its step and its copy (fan-out); NULL for
+-- every other task.
+ALTER TABLE tasks ADD COLUMN pipeline_id text;
+ALTER TABLE tasks ADD COLUMN step text;
+ALTER TABLE tasks ADD COLUMN step_copy integer;
+CREATE INDEX tasks_pipeline ON tasks (pipeline_id) WHERE pipeline_id IS NOT NULL;

@@ -1,0 +1,392 @@
+"""Pipelines on both stores (docs/pipelines.md): the pipeline and its first steps are one
+submit transaction; a step's SUCCESS makes the next steps (or ends the pipeline) in its
+own transaction; the failure policy, cancel, retry, content dedup per step, fan-out and
+fan-in, and retention that keeps a pipeline's steps with it."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+import pytest
+
+import kiln
+from kiln.config import Settings
+from kiln.errors import InvalidRequest
+from kiln.models import JSON, Task
+from kiln.scheduler import tick_task
+from kiln.states import Event, Status
+from kiln.store import ScheduleRecord, Store, Tick
+from kiln.store import pipelines as store_pipelines
+
+from .backends import Row
+
+GEN, USE, SHEET = "pl.generate", "pl.use", "pl.sheet"
+
+
+class GenParams(pydantic.BaseModel):
+    prompt: str
+    seed: int = 0
+    fail: bool = False
+
+
+class UseParams(pydantic.BaseModel):
+    size: int = 64
+
+
+async def _handler(ctx: Any, params: Any) -> None:
+    return None
+
+
+@pytest.fixture
+def app(store: Store, settings: Settings) -> kiln.App:
+    app = kiln.App(store=store, settings=settings, rng=random.Random(7))
+    app.task(GEN, params=GenParams)(_handler)
+    app.task(USE, params=UseParams, inputs=("image",))(_handler)
+    app.task(SHEET, inputs=("images",))(_handler)
+    return app
+
+
+def chain(prompt: str = "a fox", thumb: int = 32, **extra: Any) -> JSON:
+    """generate -> upscale -> thumbnail, each reading the previous step's out.png."""
+    return {
+        "steps": [
+            {"name": "generate", "kind": GEN, "params": {"prompt": prompt, **extra}},
+            {"name": "upscale", "kind": USE, "params": {"size": 128},
+             "inputs": {"image": "step:generate/out.png"}},
+            {"name": "thumb", "kind": USE, "params": {"size": thumb},
+             "inputs": {"image": "step:upscale/out.png"}},
+        ]
+    }  # fmt: skip
+
+
+def output(task: Task) -> JSON:
+    data = task.id.encode()
+    return {"name": "out.png", "key": f"tasks/{task.id}/{task.attempt}-{task.epoch}/out.png",
+            "content_type": "image/png", "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+
+
+async def claim(app: kiln.App, kind: str) -> Task:
+    claimed = await app.store.claim(worker_id="w-1", kinds=[kind], limit=1, lease_ttl_s=30.0)
+    assert len(claimed) == 1, f"nothing of {kind} to claim"
+    return claimed[0]
+
+
+async def succeed(app: kiln.App, task: Task) -> Task:
+    """Move a claimed step to SUCCESS as a worker does (fenced), with one output."""
+    task = await app.apply(task, Event.ACQUIRE, fenced=True)
+    task = await app.apply(task, Event.GENERATED, fenced=True)
+    result = {"outputs": [output(task)]}
+    return await app.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True,
+                           fields={"result": result, "error": None})  # fmt: skip
+
+
+async def fail(app: kiln.App, task: Task) -> Task:
+    error = {"code": "boom", "message": "broken", "retryable": False}
+    return await app.apply(task, Event.FAIL, fenced=True, retry_error=error)
+
+
+async def submit(app: kiln.App, params: JSON, **kw: Any) -> Task:
+    return (await app.submit("pipeline", params, tenant="acme", **kw)).task
+
+
+async def steps(app: kiln.App, pipeline_id: str) -> dict[str, Task]:
+    pipeline = await app.get(pipeline_id)
+    return await app.pipeline_steps(pipeline)
+
+
+def successor_missing(truth: Callable[..., list[Row]]) -> list[Row]:
+    """Steps that succeeded in a running pipeline whose successor in the chain does not
+    exist: a state no commit may leave (the successor is made in the same transaction)."""
+    return truth(
+        "SELECT s.id, s.step FROM tasks s JOIN tasks p ON p.id = s.pipeline_id"
+        " WHERE s.status = 'SUCCESS' AND s.step IN ('generate', 'upscale')"
+        " AND p.status = 'GENERATING' AND NOT EXISTS (SELECT 1 FROM tasks n"
+        " WHERE n.pipeline_id = s.pipeline_id AND n.step ="
+        " CASE s.step WHEN 'generate' THEN 'upscale' ELSE 'thumb' END)"
+    )
+
+
+async def test_submit_creates_the_pipeline_and_its_first_steps_together(
+    app: kiln.App, truth: Callable[..., list[Row]]
+) -> None:
+    # When a three-step pipeline is submitted
+    pipeline = await submit(app, chain())
+    # Then it runs at once (GENERATING, no lease, never due), with only its first step made
+    assert pipeline.status is Status.GENERATING and pipeline.lease_expires_at is None
+    assert pipeline.deadline_at == store_pipelines.NO_DEADLINE
+    made = await steps(app, pipeline.id)
+    assert list(made) == ["generate/0"]
+    first = made["generate/0"]
+    assert (first.status, first.pipeline_id, first.step, first.step_copy) == (
+        Status.PENDING, pipeline.id, "generate", 0,
+    )  # fmt: skip
+    # And its log is submit then run_steps, written with the step's submit
+    events = [(e.event, e.status) for e in await app.store.events(task_id=pipeline.id)]
+    assert events == [(Event.SUBMIT, Status.PENDING), (Event.RUN_STEPS, Status.GENERATING)]
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 2
+    # And no worker claims the pipeline itself
+    assert await app.store.claim(worker_id="w", kinds=["pipeline"], limit=5, lease_ttl_s=9) == []
+
+
+async def test_the_supervisor_never_finds_a_running_pipeline_due(app: kiln.App, clock: Any) -> None:
+    # Given a running pipeline, long past its submission's deadline_s
+    pipeline = await submit(app, chain(), deadline_s=60)
+    clock.advance(10_000)
+    # Then the sweep's read does not hold it (its step, PENDING, is due for its deadline)
+    due = await app.store.due(limit=100, cancel_grace_s=1)
+    swept = [t.id for group in (due.deadline_passed, due.lease_expired, due.state_expired,
+                                due.cancel_overdue) for t in group]  # fmt: skip
+    assert pipeline.id not in swept and len(swept) == 1
+    # And it is no ghost, and autoscaling sees no running work of kind pipeline
+    assert await app.store.count_ghosts(older_than_s=0) == 0
+    load = await app.store.queue_load()
+    assert [kind for kind, _, _ in load.claimed] == []
+    assert [kind for kind, _, _ in load.ready] == [GEN]
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ({"steps": [{"name": "a", "kind": "nope", "params": {}}]}, "unknown kind"),
+        ({"steps": [{"name": "a", "kind": GEN, "params": {"prompt": 3}}]}, "invalid pipeline step"),
+        ({"steps": [{"name": "a", "kind": USE, "params": {},
+                     "inputs": {"image": "step:b/out.png"}},
+                    {"name": "b", "kind": GEN, "params": {"prompt": "x"}}]}, "not an earlier"),
+        ({"steps": [{"name": "a", "kind": USE, "params": {},
+                     "inputs": {"image": "step:a/out.png"}}]}, "not an earlier"),
+        ({"steps": [{"name": "a", "kind": GEN, "params": {"prompt": "x"}, "repeat": 101}]},
+         "repeat"),
+        ({"steps": [{"name": "a", "kind": GEN, "params": {"prompt": "x"}},
+                    {"name": "a", "kind": GEN, "params": {"prompt": "y"}}]}, "two steps"),
+        ({"steps": [{"name": "a", "kind": USE, "params": {}}]}, "takes the inputs"),
+        ({"steps": []}, "steps must be"),
+        ({"steps": [{"name": "a", "kind": GEN, "params": {"prompt": "x"}}],
+          "on_failure": "shrug"}, "on_failure"),
+    ],
+)  # fmt: skip
+async def test_a_bad_pipeline_is_refused_and_nothing_is_stored(
+    app: kiln.App, truth: Callable[..., list[Row]], params: JSON, why: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=why):
+        await submit(app, params)
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
+
+
+async def test_each_success_makes_the_next_step_in_its_own_transaction(
+    app: kiln.App, truth: Callable[..., list[Row]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = await submit(app, chain())
+    generate = await claim(app, GEN)
+    # Given the step that makes the next one breaks after the step's SUCCESS was written
+    real = store_pipelines._create
+
+    async def broken(*args: Any) -> Task:
+        raise RuntimeError("crash between the step and its successor")
+
+    monkeypatch.setattr(store_pipelines, "_create", broken)
+    with pytest.raises(RuntimeError):
+        await succeed(app, generate)
+    # Then the step's SUCCESS rolled back with it: it is still UPLOADING, nothing lost
+    assert (await app.get(generate.id)).status is Status.UPLOADING
+    assert successor_missing(truth) == []
+    monkeypatch.setattr(store_pipelines, "_create", real)
+    # When the steps succeed one by one
+    uploading = await app.get(generate.id)
+    done = await app.apply(uploading, Event.UPLOADED, Status.SUCCESS, fenced=True,
+                           fields={"result": {"outputs": [output(uploading)]}})  # fmt: skip
+    assert successor_missing(truth) == []
+    upscale = await claim(app, USE)
+    # Then the next step reads the earlier step's stored object by its key (no copy)
+    assert upscale.step == "upscale"
+    assert upscale.inputs == [{**output(done), "name": "image"}]
+    upscaled = await succeed(app, upscale)
+    assert successor_missing(truth) == []
+    assert (await app.get(pipeline.id)).progress_step == 2
+    thumb = await claim(app, USE)
+    assert thumb.inputs[0]["key"] == output(upscaled)["key"]
+    await succeed(app, thumb)
+    # And the last step's SUCCESS ends the pipeline SUCCESS in the same transaction
+    ended = await app.get(pipeline.id)
+    assert ended.status is Status.SUCCESS and ended.progress_step == 3
+    log = [e.event for e in await app.store.events(task_id=pipeline.id)]
+    assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_DONE]
+    # And no step ever left the input uploads' table (references are not uploads)
+    assert truth("SELECT COUNT(*) FROM task_inputs")[0][0] == 0
+
+
+async def test_a_failed_step_stops_the_pipeline_and_cancels_what_waits(app: kiln.App) -> None:
+    # Given a fan-out of two and a step after each copy
+    params = {"steps": [
+        {"name": "generate", "kind": GEN, "params": {"prompt": "x"}, "repeat": 2},
+        {"name": "upscale", "kind": USE, "params": {}, "repeat": 2,
+         "inputs": {"image": "step:generate/out.png"}},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    first = await claim(app, GEN)
+    # When one copy fails for good
+    await fail(app, first)
+    # Then the pipeline is FAILED, naming the step, and the other copy is cancelled
+    ended = await app.get(pipeline.id)
+    assert ended.status is Status.FAILED and ended.error is not None
+    assert ended.error["code"] == "step_failed" and "boom" in ended.error["message"]
+    made = await steps(app, pipeline.id)
+    assert sorted(t.status for t in made.values()) == ["CANCELLED", "FAILED"]
+
+
+async def test_continue_lets_independent_steps_finish_before_failing(app: kiln.App) -> None:
+    params = {"on_failure": "continue", "steps": [
+        {"name": "bad", "kind": GEN, "params": {"prompt": "bad"}},
+        {"name": "good", "kind": GEN, "params": {"prompt": "good"}},
+        {"name": "after", "kind": USE, "params": {}, "inputs": {"image": "step:bad/out.png"}},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    one, two = await claim(app, GEN), await claim(app, GEN)
+    bad, good = (one, two) if one.step == "bad" else (two, one)
+    await fail(app, bad)
+    # Then the pipeline still runs while the independent step does
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+    await succeed(app, good)
+    # And ends FAILED once nothing else can run; the step after the failure is never made
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    assert sorted(await steps(app, pipeline.id)) == ["bad/0", "good/0"]
+
+
+async def test_cancel_stops_running_and_pending_steps_and_retry_reruns_only_the_rest(
+    app: kiln.App,
+) -> None:
+    params = {"steps": [
+        {"name": "generate", "kind": GEN, "params": {"prompt": "x"}, "repeat": 3},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    running = await claim(app, GEN)
+    done = await succeed(app, await claim(app, GEN))
+    # When the pipeline is cancelled with one copy running, one pending and one done
+    cancelled = await app.cancel(pipeline.id, "acme")
+    # Then it is CANCELLED at once, the pending copy is cancelled, the running one asked
+    assert cancelled.status is Status.CANCELLED
+    made = await steps(app, pipeline.id)
+    statuses = {t.id: t for t in made.values()}
+    assert statuses[done.id].status is Status.SUCCESS
+    assert statuses[running.id].cancel_requested
+    pending = [t for t in made.values() if t.id not in (done.id, running.id)]
+    assert [t.status for t in pending] == [Status.CANCELLED]
+    # And the running copy stops later without moving the pipeline again
+    running = await app.get(running.id)
+    await app.apply(running, Event.STOPPED, fenced=True)
+    assert (await app.get(pipeline.id)).status is Status.CANCELLED
+    # When the pipeline is retried
+    retried = await app.retry(pipeline.id, "acme")
+    # Then it runs again, only the copies that did not succeed are due again
+    assert retried.status is Status.GENERATING
+    made = await steps(app, pipeline.id)
+    assert made[done.step + "/" + str(done.step_copy)].status is Status.SUCCESS
+    assert sorted(t.status for t in made.values()) == ["RETRYING", "RETRYING", "SUCCESS"]
+    for _ in range(2):
+        await succeed(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+    # And the copy that had succeeded ran once
+    assert (await app.get(done.id)).attempt == 1
+    log = [e.event for e in await app.store.events(task_id=pipeline.id)]
+    assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_CANCELLED, Event.RETRY,
+                   Event.RUN_STEPS, Event.STEPS_DONE]  # fmt: skip
+
+
+async def test_a_step_whose_content_is_done_counts_as_done_at_once(app: kiln.App) -> None:
+    # Given a pipeline that ran to the end
+    first = await submit(app, chain())
+    for kind in (GEN, USE, USE):
+        await succeed(app, await claim(app, kind))
+    assert (await app.get(first.id)).status is Status.SUCCESS
+    # When another pipeline starts with the same first step and then differs
+    second = await submit(app, chain(thumb=16))
+    # Then its first step is the task that already did it (nothing to run), and its
+    # second step, reading the same object, is the earlier upscale too: only the last runs
+    made = await steps(app, second.id)
+    earlier = await steps(app, first.id)
+    assert made["generate/0"].id == earlier["generate/0"].id
+    assert made["upscale/0"].id == earlier["upscale/0"].id
+    assert made["thumb/0"].id != earlier["thumb/0"].id
+    assert (await app.get(second.id)).progress_step == 2
+    last = await claim(app, USE)
+    assert last.id == made["thumb/0"].id
+    await succeed(app, last)
+    assert (await app.get(second.id)).status is Status.SUCCESS
+
+
+async def test_fan_out_of_ten_then_fan_in(app: kiln.App) -> None:
+    params = {"steps": [
+        {"name": "generate", "kind": GEN, "params": {"prompt": "x", "seed": 40}, "repeat": 10},
+        {"name": "sheet", "kind": SHEET, "params": {}, "inputs": {"images": "step:generate/*"}},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    made = await steps(app, pipeline.id)
+    # Then ten copies exist at once, each with its own seed
+    assert sorted(t.params["seed"] for t in made.values()) == list(range(40, 50))
+    outputs = {}
+    for _ in range(10):
+        task = await succeed(app, await claim(app, GEN))
+        outputs[task.step_copy] = task.result["outputs"][0]["key"] if task.result else None
+        # And the fan-in step waits for all of them
+        assert ("sheet/0" in await steps(app, pipeline.id)) == (len(outputs) == 10)
+    sheet = await claim(app, SHEET)
+    # And it reads every copy's output, by key, in copy order
+    assert [i["key"] for i in sheet.inputs] == [outputs[i] for i in range(10)]
+    await succeed(app, sheet)
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+
+
+async def test_retention_keeps_a_pipelines_steps_with_it(
+    app: kiln.App, clock: Any, truth: Callable[..., list[Row]]
+) -> None:
+    pipeline = await submit(app, chain())
+    generate = await succeed(app, await claim(app, GEN))
+    clock.advance(100)
+    # A step that finished long ago is kept while its pipeline is
+    assert await app.store.purge(finished_before=clock()) == []
+    await succeed(app, await claim(app, USE))
+    await succeed(app, await claim(app, USE))
+    clock.advance(100)
+    # When the finished pipeline is purged, its steps go with it, in one transaction
+    purged = await app.store.purge(finished_before=clock())
+    assert {t.id for t in purged} >= {pipeline.id, generate.id}
+    assert len(purged) == 4
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
+
+
+async def test_a_rerun_of_a_pipeline_plans_its_steps_again(app: kiln.App) -> None:
+    # Given a pipeline (its stored params show each step's copies and timeouts)
+    first = await submit(app, chain())
+    assert "copies" in first.params["steps"][0]
+    # When it is run again as a new variation
+    again = (await app.rerun(first.id, dedup=False)).task
+    # Then a new pipeline runs the same steps, from its first
+    assert again.id != first.id and again.status is Status.GENERATING
+    assert again.params == first.params
+    assert list(await steps(app, again.id)) == ["generate/0"]
+
+
+async def test_a_schedule_tick_starts_a_pipeline_with_its_first_steps(app: kiln.App) -> None:
+    # Given a schedule whose ticks submit a pipeline, and the leadership
+    now = app.store.clock()
+    planned = app.kind("pipeline").validate(chain())
+    submission = {"kind": "pipeline", "params": planned, "priority": 0, "max_attempts": 3,
+                  "deadline_s": 3600.0, "metadata": {}}  # fmt: skip
+    schedule = await app.store.create_schedule(ScheduleRecord(
+        id="sch_pl", tenant="acme", cron="* * * * * *", timezone="UTC", submission=submission,
+        overlap="queue", missed="fire_once", paused=False, next_at=now,
+    ))  # fmt: skip
+    token = await app.store.lead("supervisor", "s1", 30)
+    assert token is not None
+    # When its tick fires
+    tick = Tick(schedule.id, now, now + 1, tick_task(schedule, now), now)
+    done = await app.store.handle_tick(tick, token)
+    # Then the pipeline runs with its first step made in that transaction
+    assert done is not None and done.task is not None
+    assert done.task.kind == "pipeline" and done.task.status is Status.GENERATING
+    assert list(await steps(app, done.task.id)) == ["generate/0"]
