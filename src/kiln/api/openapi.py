@@ -76,10 +76,10 @@ def upload_body(app: App) -> dict[str, Any] | None:
 
 def _schedule_schemas(components: dict[str, Any]) -> None:
     """A schedule's task is a submission without ``run_at`` and ``delay_s`` (its ticks say
-    when), in a zone the server knows."""
+    when) nor inputs by reference, in a zone the server knows."""
     task = copy.deepcopy(components["SubmitRequest"])
     for variant in task.get("oneOf", [task]):
-        for name in ("run_at", "delay_s"):
+        for name in ("run_at", "delay_s", "inputs"):
             variant.get("properties", {}).pop(name, None)
         variant.pop("not", None)
     task["title"] = "ScheduleTask"
