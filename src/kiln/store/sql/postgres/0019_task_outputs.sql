@@ -3,7 +3,9 @@
 -- docs/uploads.md) and the store finds it through an index instead of reading results.
 -- A row per output of a SUCCESS task; written by the database when a task becomes
 -- SUCCESS with a result (every path: a worker's upload step, an approval, a recovery, the
--- one-statement steps over arrays), and deleted with its task.
+-- one-statement steps over arrays), and deleted with its task. A task without outputs
+-- ('{"outputs":[]}', as the store writes it) costs the comparison in WHEN: the function is
+-- not called.
 CREATE TABLE task_outputs (
     tenant       text NOT NULL,
     sha256       text NOT NULL,
@@ -37,7 +39,8 @@ END;
 $$;
 
 CREATE TRIGGER task_outputs_success AFTER UPDATE OF status ON tasks FOR EACH ROW
-    WHEN (NEW.status = 'SUCCESS' AND OLD.status <> 'SUCCESS' AND NEW.result IS NOT NULL)
+    WHEN (NEW.status = 'SUCCESS' AND OLD.status <> 'SUCCESS' AND NEW.result IS NOT NULL
+          AND NEW.result <> '{"outputs":[]}')
     EXECUTE FUNCTION kiln_task_outputs_success();
 
 CREATE TRIGGER task_outputs_gone AFTER DELETE ON tasks FOR EACH ROW

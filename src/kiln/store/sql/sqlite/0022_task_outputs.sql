@@ -3,7 +3,8 @@
 -- docs/uploads.md) and the store finds it through an index instead of reading results.
 -- A row per output of a SUCCESS task; written by the database when a task becomes
 -- SUCCESS with a result (every path: a worker's upload step, an approval, a recovery),
--- and deleted with its task.
+-- and deleted with its task. A task without outputs ('{"outputs":[]}', as the store writes
+-- it) costs the comparison in WHEN and nothing more.
 CREATE TABLE task_outputs (
     tenant       TEXT NOT NULL,
     sha256       TEXT NOT NULL,
@@ -18,6 +19,7 @@ CREATE INDEX task_outputs_task ON task_outputs (task_id);
 
 CREATE TRIGGER task_outputs_success AFTER UPDATE OF status ON tasks
 WHEN new.status = 'SUCCESS' AND old.status <> 'SUCCESS' AND new.result IS NOT NULL
+     AND new.result <> '{"outputs":[]}'
 BEGIN
     INSERT OR IGNORE INTO task_outputs (tenant, sha256, task_id, name, key, content_type, size)
         SELECT new.tenant, json_extract(item.value, '$.sha256'), new.id,
