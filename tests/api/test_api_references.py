@@ -298,3 +298,16 @@ async def test_a_worker_runs_a_task_that_references_an_output(
         again = await api.submit(by_reference(THUMB, f"sha256:{output['sha256']}"))
         assert again.status_code == 200 and again.json()["id"] == task.id
         assert await pins(api) == [(output["sha256"], 0)]
+
+
+async def test_openapi_documents_inputs_by_reference_for_kinds_that_take_inputs(
+    keyed: ApiUnderTest,
+) -> None:
+    schema = (await keyed.client.get("/openapi.json")).json()["components"]["schemas"]
+
+    [upload] = schema["SubmitUploadRequest"]["oneOf"]
+    by_kind = {v["properties"]["kind"]["const"]: v for v in schema["SubmitRequest"]["oneOf"]}
+    inputs = upload["properties"]["inputs"]["anyOf"][0]
+    assert inputs["additionalProperties"]["pattern"] == "^sha256:[0-9a-fA-F]{64}$"
+    assert "inputs" not in by_kind["image.generate"]["properties"]
+    assert "inputs" not in schema["ScheduleTask"]["oneOf"][0]["properties"]

@@ -43,6 +43,8 @@ def submit_schema(app: App, components: dict[str, Any], *, uploads: bool = False
         variant = copy.deepcopy(base)
         variant["title"] = f"Submit {name}"
         variant["properties"]["kind"] = {"type": "string", "const": name}
+        if not kind.inputs:  # nothing to name by reference
+            variant["properties"].pop("inputs", None)
         if kind.params is not None:
             components[f"{name}.params"] = _model_schema(kind.params, components)
             variant["properties"]["params"] = {"$ref": REF_TEMPLATE.format(model=f"{name}.params")}
