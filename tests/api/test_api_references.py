@@ -311,3 +311,43 @@ async def test_openapi_documents_inputs_by_reference_for_kinds_that_take_inputs(
     assert inputs["additionalProperties"]["pattern"] == "^sha256:[0-9a-fA-F]{64}$"
     assert "inputs" not in by_kind["image.generate"]["properties"]
     assert "inputs" not in schema["ScheduleTask"]["oneOf"][0]["properties"]
+
+
+async def test_file_parts_and_references_mix_and_dedup_as_uploads_alike(
+    settings: Settings,
+) -> None:
+    # Given a kind of two inputs, both uploaded once
+    app = kiln_with_transform(settings)
+
+    @app.task("image.pair", inputs=("image", "mask"))
+    async def pair(ctx: Any, params: Any) -> None:
+        return None
+
+    async with running_api(settings, kiln_app=app) as api:
+        image, mask = png(20, 10), png(10, 20)
+        request = {"kind": "image.pair", "params": {}}
+        first = await api.client.post(
+            "/v1/tasks",
+            data={"request": json.dumps(request)},
+            files=[
+                ("mask", ("m.png", mask, "image/png")),
+                ("image", ("i.png", image, "image/png")),
+            ],
+        )
+        assert first.status_code == 201, first.text
+        # When the image is named by reference and the mask sent again as a file
+        mixed = await api.client.post(
+            "/v1/tasks",
+            data={"request": json.dumps({**request, "inputs": {"image": reference(image)}})},
+            files={"mask": ("m2.png", mask, "image/png")},
+        )
+        # and when both are named by reference
+        both = await api.submit(
+            {**request, "inputs": {"mask": reference(mask), "image": reference(image)}}
+        )
+
+    # Then both are the uploaded task: the inputs in the kind's order, however they came
+    assert [i["name"] for i in first.json()["inputs"]] == ["image", "mask"]
+    for again in (mixed, both):
+        assert again.status_code == 200, again.text
+        assert again.json()["deduplicated"] is True and again.json()["id"] == first.json()["id"]
