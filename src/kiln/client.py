@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,9 @@ from kiln.errors import KilnError
 JSON = dict[str, Any]
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
+#: An input named by its content: ``sha256:<64 hex>`` (docs/uploads.md, "Inputs by
+#: reference").
+REFERENCE_PREFIX = "sha256:"
 DEFAULT_TIMEOUT_S = 30.0
 #: A silent event stream is dropped and resumed after this long (servers ping more often).
 STREAM_READ_S = 60.0
@@ -152,6 +157,21 @@ class Call:
     body: Any = None
     headers: dict[str, str] = field(default_factory=dict)
     files: dict[str, Any] | None = None
+
+
+def input_reference(source: bytes | str | os.PathLike[str]) -> str:
+    """The reference that names these bytes (or the file at this path) as an input of a
+    submission, ``sha256:<hex>``, so that content the tenant already uploaded, or a task
+    of its made, is not sent again: ``client.submit(kind, params, inputs={"image": ref})``.
+    A reference the server does not know for the tenant is 422: upload the file then."""
+    digest = hashlib.sha256()
+    if isinstance(source, bytes):
+        digest.update(source)
+    else:
+        with open(source, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+    return REFERENCE_PREFIX + digest.hexdigest()
 
 
 def submit_call(
@@ -446,7 +466,9 @@ class Client(_Base):
         JSON plus ``created``, ``replayed`` and ``deduplicated``.
 
         ``files`` uploads inputs, as ``multipart/form-data``: ``{"image": ("fox.png", data)}``
-        (a name and bytes or an open binary file, as httpx takes them)."""
+        (a name and bytes or an open binary file, as httpx takes them). ``inputs`` names
+        inputs by content instead, ``{"image": input_reference(data)}``: an earlier upload
+        or output of the tenant's tasks, never sent again (both may be given)."""
         result: JSON = self.call(submit_call(kind, params, idempotency_key, fields, files))
         return result
 

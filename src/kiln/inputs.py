@@ -14,17 +14,25 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import re
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from kiln.errors import PayloadTooLarge, Permanent, StoreUnavailable, UnsupportedMediaType
+from kiln.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    Permanent,
+    StoreUnavailable,
+    UnsupportedMediaType,
+)
 from kiln.models import JSON
 from kiln.storage import Storage, sha256_hex
 from kiln.store import Deletion, Store
+from kiln.store.inputs import KnownObject
 
 log = logging.getLogger("kiln.inputs")
 
@@ -39,6 +47,10 @@ PILLOW_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "
 PILLOW_FORMATS = ("PNG", "JPEG", "WEBP")
 #: Bytes needed to tell the three formats apart (WebP's signature ends at byte 12).
 SNIFF_BYTES = 12
+#: An input named by its content instead of sent: ``sha256:`` and 64 hex digits.
+REFERENCE_PREFIX = "sha256:"
+REFERENCE_PATTERN = r"^sha256:[0-9a-fA-F]{64}$"
+_REFERENCE = re.compile(REFERENCE_PATTERN)
 #: EXIF orientations that turn the picture by 90 or 270 degrees.
 _QUARTER_TURNS = frozenset({5, 6, 7, 8})
 _ORIENTATION_TAG = 0x0112
@@ -250,3 +262,146 @@ async def delete(store: Store, storage: Storage, deletion: Deletion) -> int:
         gone.append(sha256)
     await store.forget_inputs(deletion, gone)
     return len(gone)
+
+
+# Inputs by reference ------------------------------------------------------------------------
+
+
+def reference(data: bytes) -> str:
+    """The reference that names these bytes as an input: ``sha256:<hex>``."""
+    return REFERENCE_PREFIX + sha256_hex(data)
+
+
+def referenced(value: str) -> str:
+    """The sha256 (lower case hex) a reference names; InvalidRequest when it is not one."""
+    if not isinstance(value, str) or not _REFERENCE.match(value):
+        raise InvalidRequest(f"{value!r} is not a reference: give sha256: and 64 hex digits")
+    return value[len(REFERENCE_PREFIX) :].lower()
+
+
+def unknown_reference(name: str, sha256: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"the input {name!r} names sha256:{sha256}, which is neither an upload nor an output "
+        "of this tenant's tasks: upload the file instead",
+        details=[{"loc": ["inputs", name], "msg": "unknown content", "type": "reference"}],
+    )
+
+
+async def refer(
+    store: Store,
+    storage: Storage,
+    tenant: str,
+    refs: Mapping[str, str],
+    *,
+    max_pixels: int,
+) -> tuple[list[JSON], Held]:
+    """The input records of ``refs`` (input name → sha256 hex), each content the tenant
+    already has, pinned like an upload until :func:`release`.
+
+    An earlier upload gives the very record its task has (the name aside): same sha256,
+    same dedup key, same object under ``inputs/``. An output of a SUCCESS task is copied
+    from its key into ``inputs/`` (size and sha256 checked, header probed), and is then an
+    upload like any other. Unknown content, another tenant's, or an upload whose object is
+    gone is InvalidRequest; an output that is not an image is UnsupportedMediaType, one
+    over ``max_pixels`` PayloadTooLarge. A refusal leaves no pin and no object behind.
+    """
+    found: dict[str, KnownObject] = {}
+    for name, sha256 in refs.items():
+        if sha256 not in found:
+            known = await store.find_object(tenant, sha256)
+            if known is None:
+                raise unknown_reference(name, sha256)
+            found[sha256] = known
+    pinned, fresh = await _pin(store, storage, sorted(found))
+    written: list[str] = []
+    try:
+        records: dict[str, JSON] = {}
+        for sha256, known in found.items():
+            name = next(n for n, s in refs.items() if s == sha256)
+            records[sha256] = await _kept(
+                storage, name, known, sha256 in fresh, max_pixels, written
+            )
+    except BaseException:
+        # A row the pin made for content nobody else had goes again too.
+        dropped = tuple(dict.fromkeys([*written, *sorted(fresh)]))
+        await release(store, storage, Held(tuple(pinned), dropped), drop=True)
+        raise
+    items = [{**records[sha256], "name": name} for name, sha256 in refs.items()]
+    return items, Held(tuple(pinned), tuple(written))
+
+
+async def _pin(
+    store: Store, storage: Storage, sha256s: Sequence[str]
+) -> tuple[list[str], set[str]]:
+    """Pin every input (waiting for a deletion of the same content to end, as
+    :func:`hold` does): the pinned ones, and those the store did not know (``write``)."""
+    pending = list(sha256s)
+    pinned: list[str] = []
+    fresh: set[str] = set()
+    deadline = asyncio.get_running_loop().time() + HOLD_WAIT_S
+    while pending:
+        pins = await store.pin_inputs(pending)
+        pinned += [sha256 for sha256 in pending if sha256 not in pins.busy]
+        fresh |= pins.write
+        pending = sorted(pins.busy)
+        if pending and asyncio.get_running_loop().time() > deadline:
+            await release(store, storage, Held(tuple(pinned), tuple(sorted(fresh))), drop=True)
+            raise StoreUnavailable("an input of this request is being deleted; try again")
+        if pending:
+            await asyncio.sleep(HOLD_POLL_S)  # a deletion takes one object delete
+    return pinned, fresh
+
+
+async def _kept(
+    storage: Storage,
+    name: str,
+    known: KnownObject,
+    fresh: bool,
+    max_pixels: int,
+    written: list[str],
+) -> JSON:
+    """The record of a referenced content whose input is pinned, its object under
+    ``inputs/`` made sure of (copied from the output when it is one)."""
+    sha256 = known.sha256
+    key = input_key(sha256)
+    if known.record is not None:
+        info = await storage.stat(key)
+        if info is None or info.size != known.record.get("size"):
+            raise InvalidRequest(
+                f"the input {name!r} names sha256:{sha256}, an upload that is no longer "
+                "stored: upload the file again",
+                details=[{"loc": ["inputs", name], "msg": "no longer stored", "type": "reference"}],
+            )
+        if all(k in known.record for k in ("content_type", "width", "height")):
+            return known.record
+        data = await storage.get(key)  # a record from before sizes were kept: read it
+        return record(name, data, _probe(data, max_pixels), sha256)
+    assert known.output is not None
+    output = known.output
+    gone = InvalidRequest(
+        f"the input {name!r} names sha256:{sha256}, the output {output['name']!r} of task "
+        f"{output['task_id']}, which is missing from storage or does not match its sha256",
+        details=[{"loc": ["inputs", name], "msg": "output not readable", "type": "reference"}],
+    )
+    if await storage.stat(str(output["key"])) is None:
+        raise gone
+    try:
+        data = await storage.get(str(output["key"]))
+    except FileNotFoundError:
+        raise gone from None
+    if len(data) != output["size"] or sha256_hex(data) != sha256:
+        raise gone
+    header = _probe(data, max_pixels)
+    if fresh:
+        await storage.put(key, data)
+        written.append(sha256)
+    elif await keep(storage, data, sha256):
+        written.append(sha256)
+    return record(name, data, header, sha256)
+
+
+def _probe(data: bytes, max_pixels: int) -> ImageHeader:
+    try:
+        return probe(data, max_pixels)
+    except PayloadTooLarge as exc:
+        raise PayloadTooLarge(f"{exc.message} (KILN_MAX_IMAGE_PIXELS allows more)") from None

@@ -47,6 +47,9 @@ def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
         where = ("body", "tasks", index)
         details = validation_details([{**e, "loc": (*where, *e["loc"])} for e in exc.errors()])
         raise InvalidRequest(f"item {index} is not a valid submission", details=details) from None
+    if item.inputs:  # inputs by reference: checked in full once they are found
+        tasks.check_references(state.app, item)
+        return item
     state.app.check_submission(
         item.kind, item.params, webhook_url=item.webhook_url,
         webhook_events=item.webhook_events, run_at=item.run_at, delay_s=item.delay_s,
@@ -72,7 +75,12 @@ async def take_tokens(state: ApiState, tenant: str, items: dict[int, BatchItemIn
 async def submitted(state: ApiState, principal: Principal, index: int, item: BatchItemIn) -> JSON:
     request = BatchItemIn.model_validate(item.model_dump(exclude={"idempotency_key"}))
     try:
-        done = await tasks.submit(state, principal, request, item.idempotency_key)
+        if request.inputs:
+            done = await tasks.submit_with_inputs(
+                state, principal, request, item.idempotency_key, rate=False
+            )
+        else:
+            done = await tasks.submit(state, principal, request, item.idempotency_key)
     except KilnError as exc:
         return refused(index, exc)
     result = done.result

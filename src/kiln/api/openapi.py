@@ -44,6 +44,8 @@ def submit_schema(app: App, components: dict[str, Any], *, uploads: bool = False
         variant = copy.deepcopy(base)
         variant["title"] = f"Submit {name}"
         variant["properties"]["kind"] = {"type": "string", "const": name}
+        if not kind.inputs:  # nothing to name by reference
+            variant["properties"].pop("inputs", None)
         if kind.params is not None:
             components[f"{name}.params"] = _model_schema(kind.params, components)
             variant["properties"]["params"] = {"$ref": REF_TEMPLATE.format(model=f"{name}.params")}
@@ -77,10 +79,10 @@ def upload_body(app: App) -> dict[str, Any] | None:
 
 def _schedule_schemas(components: dict[str, Any]) -> None:
     """A schedule's task is a submission without ``run_at`` and ``delay_s`` (its ticks say
-    when), in a zone the server knows."""
+    when) nor inputs by reference, in a zone the server knows."""
     task = copy.deepcopy(components["SubmitRequest"])
     for variant in task.get("oneOf", [task]):
-        for name in ("run_at", "delay_s"):
+        for name in ("run_at", "delay_s", "inputs"):
             variant.get("properties", {}).pop(name, None)
         variant.pop("not", None)
     task["title"] = "ScheduleTask"

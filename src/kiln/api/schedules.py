@@ -109,6 +109,11 @@ def submission_of(state: ApiState, task: SubmitRequest) -> dict[str, Any]:
             "a schedule's task runs at its ticks: give no run_at or delay_s",
             details=[{"loc": ["body", "task", "run_at"], "msg": "not here", "type": "value_error"}],
         )
+    if task.inputs:
+        raise InvalidRequest(
+            "a schedule's task cannot name inputs by reference: its ticks submit no inputs",
+            details=[{"loc": ["body", "task", "inputs"], "msg": "not here", "type": "value_error"}],
+        )
     app = state.app
     kind = app.kind(task.kind)
     params = kind.validate(task.params)

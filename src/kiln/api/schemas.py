@@ -15,6 +15,7 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 from pydantic.config import JsonDict
 
 from kiln import webhooks
+from kiln.inputs import REFERENCE_PATTERN
 from kiln.states import Status
 from kiln.timing import MAX_DELAY_S
 from kiln.wire import MAX_BATCH_ITEMS
@@ -109,6 +110,20 @@ class SubmitRequest(BaseModel):
             "a loopback, private or link-local address is refused unless the server allows it",
             examples=["https://example.com/hooks/kiln"],
             json_schema_extra={"pattern": WEBHOOK_URL_PATTERN},
+        ),
+    ] = None
+    inputs: Annotated[
+        dict[
+            Annotated[str, Field(min_length=1, max_length=64)],
+            Annotated[str, Field(pattern=REFERENCE_PATTERN)],
+        ]
+        | None,
+        Field(
+            max_length=15,
+            description="inputs named by content instead of uploaded: input name → "
+            "'sha256:<64 hex>' of an earlier upload or output of this tenant's tasks "
+            "(docs/uploads.md, 'Inputs by reference'); unknown content is 422",
+            examples=[{"image": "sha256:" + "9f2c" * 16}],
         ),
     ] = None
     webhook_events: Annotated[

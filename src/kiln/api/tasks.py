@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
 
@@ -23,8 +24,8 @@ from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
 from kiln.api.state import ApiState, Standing, Submitted, api_state
 from kiln.api.strict_json import RenderedJSON, parse_json
-from kiln.api.uploads import read_upload
-from kiln.app import CURSOR_PATTERN
+from kiln.api.uploads import UploadedFile, read_upload
+from kiln.app import CURSOR_PATTERN, App
 from kiln.breakers import breakers_json
 from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
@@ -221,33 +222,88 @@ async def submit(
 async def submit_upload(
     request: Request, state: ApiState, principal: Principal, key: str | None
 ) -> Submitted:
-    """``multipart/form-data`` submissions: the ``request`` part plus the input files.
-
-    Everything is checked before anything is stored (limits, types, the JSON, the kind,
-    its params against the inputs); then each input is stored once by sha256, and the
-    task submitted as a JSON one would be. When the submission is still refused (an
-    Idempotency-Key reused with other content, an outage), the inputs this request wrote
-    are removed again, so a refused request leaves nothing behind; while the request
-    runs its inputs are pinned, so retention leaves them be.
-    """
+    """``multipart/form-data`` submissions: the ``request`` part plus the input files (and
+    inputs named by reference in the ``request`` part's ``inputs``)."""
     upload = await read_upload(request, state.settings)
     body = validated(SubmitRequest, parse_json(upload.request, "request"), "request")
-    uploaded = [f.record() for f in upload.files]
-    state.app.check_submission(  # refused before any input is stored
-        body.kind, body.params, inputs=uploaded, webhook_url=body.webhook_url,
-        webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
-    )  # fmt: skip
-    await state.app.check_rate(principal.tenant)
-    store, storage = state.app.store, state.app.storage
+    return await submit_with_inputs(state, principal, body, key, upload.files)
+
+
+def check_references(app: App, body: SubmitRequest, files: Sequence[str] = ()) -> dict[str, str]:
+    """The inputs ``body`` names by reference (name → sha256), refused (InvalidRequest,
+    UnknownKind) before anything is looked up or pinned: the kind, its params, a name the
+    kind does not take or that a file part also sends."""
+    task_kind = app.kind(body.kind)
+    task_kind.validate(body.params)
+    refs = {name: inputs.referenced(value) for name, value in (body.inputs or {}).items()}
+    for name in refs:
+        if name not in task_kind.inputs or name in files:
+            why = "twice" if name in files else f"but {body.kind} does not take it"
+            detail = {"loc": ["inputs", name], "msg": "unexpected input", "type": "input"}
+            raise InvalidRequest(f"the input {name!r} was sent {why}", details=[detail])
+    return refs
+
+
+async def submit_with_inputs(
+    state: ApiState,
+    principal: Principal,
+    body: SubmitRequest,
+    key: str | None,
+    files: Sequence[UploadedFile] = (),
+    *,
+    rate: bool = True,
+) -> Submitted:
+    """A submission with inputs: uploaded files and inputs named by reference.
+
+    Everything is checked before anything is stored (limits, types, the JSON, the kind,
+    its params against the inputs); then each input is stored once by sha256 (a reference
+    is found among the tenant's uploads and outputs, an output copied into ``inputs/``),
+    and the task submitted as a JSON one would be. When the submission is still refused
+    (an Idempotency-Key reused with other content, an outage), the inputs this request
+    wrote are removed again, so a refused request leaves nothing behind; while the
+    request runs its inputs are pinned, so retention leaves them be. ``rate``: count the
+    submission against the tenant's rate limit (a batch took its tokens already).
+    """
+    app = state.app
+    uploaded = [f.record() for f in files]
+    refs = check_references(app, body, [f.name for f in files])
+    if not refs:
+        app.check_submission(  # refused before any input is stored
+            body.kind, body.params, inputs=uploaded, webhook_url=body.webhook_url,
+            webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
+        )  # fmt: skip
+    if rate:
+        await app.check_rate(principal.tenant)
+    store, storage = app.store, app.storage
+    referred: list[JSON] = []
     # Pinned while the task goes in, so retention never deletes them under this request.
-    held = await inputs.hold(store, storage, [(f.sha256, f.data) for f in upload.files])
+    by_ref = inputs.Held((), ())
+    if refs:
+        referred, by_ref = await inputs.refer(
+            store, storage, principal.tenant, refs, max_pixels=state.settings.max_image_pixels
+        )
     try:
-        result = await submit(state, principal, body, key, uploaded)
+        order = {name: n for n, name in enumerate(app.kind(body.kind).inputs)}
+        # In the kind's order, however they came: an upload and a reference are alike.
+        every = sorted([*uploaded, *referred], key=lambda i: order.get(str(i["name"]), -1))
+        if refs:
+            app.check_submission(
+                body.kind, body.params, inputs=every, webhook_url=body.webhook_url,
+                webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
+            )  # fmt: skip
+        held = await inputs.hold(store, storage, [(f.sha256, f.data) for f in files])
+    except BaseException:
+        await inputs.release(store, storage, by_ref, drop=True)
+        raise
+    try:
+        result = await submit(state, principal, body, key, every)
     except BaseException:
         # What this request wrote goes again, unless a task or another upload uses it.
         await inputs.release(store, storage, held, drop=True)
+        await inputs.release(store, storage, by_ref, drop=True)
         raise
     await inputs.release(store, storage, held)
+    await inputs.release(store, storage, by_ref)
     return result
 
 
@@ -287,8 +343,11 @@ async def submit_task(
         submitted = await submit_upload(request, state, principal, idempotency_key)
     else:
         body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
-        await state.app.check_rate(principal.tenant, body.kind, body.params)
-        submitted = await submit(state, principal, body, idempotency_key)
+        if body.inputs:  # inputs named by reference (docs/uploads.md)
+            submitted = await submit_with_inputs(state, principal, body, idempotency_key)
+        else:
+            await state.app.check_rate(principal.tenant, body.kind, body.params)
+            submitted = await submit(state, principal, body, idempotency_key)
     status_code, headers = _submit_answer(submitted.result)
     return standing_response(
         submitted.standing,

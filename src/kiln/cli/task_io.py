@@ -31,7 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kiln.client import Client
+from kiln.client import REFERENCE_PREFIX, Client
 from kiln.errors import InvalidRequest, KilnError
 
 JSON = dict[str, Any]
@@ -119,16 +119,24 @@ def _set(params: JSON, path: list[str], value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class InputFile:
-    """One ``--input name=@path``."""
+    """One ``--input name=@path``, or ``name=sha256:<hex>``: an input named by its content
+    (an earlier upload or output of the tenant), not sent again (``path`` is then None)."""
 
     name: str
-    path: Path
+    path: Path | None
+    reference: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> InputFile:
         name, sep, where = spec.partition("=")
+        if sep and name and where.lower().startswith(REFERENCE_PREFIX):
+            if not re.fullmatch(r"sha256:[0-9a-f]{64}", where.lower()):
+                raise InvalidRequest(f"--input {spec!r}: expected sha256: and 64 hex digits")
+            return cls(name, None, where.lower())
         if not sep or not name or not where.startswith("@"):
-            raise InvalidRequest(f"--input {spec!r}: expected name=@path (image=@photo.png)")
+            raise InvalidRequest(
+                f"--input {spec!r}: expected name=@path (image=@photo.png) or name=sha256:<hex>"
+            )
         path = Path(where[1:]).expanduser()
         if not path.is_file():
             raise InvalidRequest(f"--input {spec!r}: no file {path}")
@@ -154,10 +162,15 @@ class _Counted:
 def submit_with_progress(
     client: Client, kind: str, params: JSON, files: list[InputFile], **fields: Any
 ) -> JSON:
-    """Submit, uploading ``files`` as multipart with a byte progress bar on stderr."""
-    if not files:
+    """Submit, uploading ``files`` as multipart with a byte progress bar on stderr (those
+    given by reference go in the body's ``inputs``)."""
+    refs = {f.name: f.reference for f in files if f.reference is not None}
+    if refs:
+        fields = {**fields, "inputs": refs}
+    paths = {f.name: f.path for f in files if f.path is not None}
+    if not paths:
         return client.submit(kind, params, **fields)
-    total = sum(f.path.stat().st_size for f in files)
+    total = sum(path.stat().st_size for path in paths.values())
     columns = (TextColumn("uploading"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with ExitStack() as stack:
         progress = stack.enter_context(Progress(*columns, console=_stderr(), transient=True))
@@ -167,8 +180,8 @@ def submit_with_progress(
             progress.update(bar, advance=n)
 
         uploads = {
-            f.name: (f.path.name, _Counted(stack.enter_context(f.path.open("rb")), advance))
-            for f in files
+            name: (path.name, _Counted(stack.enter_context(path.open("rb")), advance))
+            for name, path in paths.items()
         }
         return client.submit(kind, params, files=uploads, **fields)
 

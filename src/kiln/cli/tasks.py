@@ -64,7 +64,13 @@ ParamsFile = Annotated[
 ]
 Inputs = Annotated[
     list[str] | None,
-    typer.Option("--input", "-i", metavar="NAME=@PATH", help="upload an input file"),
+    typer.Option(
+        "--input",
+        "-i",
+        metavar="NAME=@PATH",
+        help="upload an input file, or name one by content, not sent again: "
+        "NAME=sha256:<hex> (an earlier upload or output; sha256sum FILE gives the hex)",
+    ),
 ]
 Side = Annotated[int | None, typer.Option(help="64-2048, multiple of 8")]
 Simulate = Annotated[

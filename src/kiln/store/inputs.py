@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.models import JSON
+from kiln.store.rows import loads
 from kiln.store.tx import Ops, Tx
 
 #: How long a deletion under way, or a pin, is honoured before it counts as abandoned.
@@ -46,6 +48,17 @@ class Deletion:
 
     sha256s: tuple[str, ...]
     marked_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class KnownObject:
+    """Content a tenant has (by sha256): an earlier upload of one of its tasks (``record``,
+    that task's input record), or else an output of one of its SUCCESS tasks (``output``:
+    ``{"task_id", "name", "key", "content_type", "size"}``)."""
+
+    sha256: str
+    record: JSON | None = None
+    output: JSON | None = None
 
 
 class InputOps(Ops):
@@ -127,6 +140,26 @@ class InputOps(Ops):
         wanted = sorted(set(sha256s))
         rows = await self._rows(self.q.known_inputs, (wanted, wanted), tuple)
         return {row[0] for row in rows}
+
+    async def find_object(self, tenant: str, sha256: str) -> KnownObject | None:
+        """The content ``sha256`` as ``tenant`` has it, or None when none of its tasks has
+        it as an upload (``task_inputs``) or as an output (``task_outputs``, written by
+        the database when a task becomes SUCCESS). Both lookups go through an index:
+        nothing is read but the rows of that content."""
+
+        async def read(tx: Tx) -> KnownObject | None:
+            row = await tx.one(self.q.tenant_input, (sha256, tenant))
+            if row is not None:
+                for item in loads(row[0]) or []:
+                    if item.get("sha256") == sha256 and "key" not in item:
+                        return KnownObject(sha256, record=dict(item))
+            row = await tx.one(self.q.tenant_output, (tenant, sha256))
+            if row is None:
+                return None
+            names = ("task_id", "name", "key", "content_type", "size")
+            return KnownObject(sha256, output=dict(zip(names, row, strict=True)))
+
+        return await self._read(read)
 
     async def expire_keys(self, *, created_before: float, limit: int = 500) -> int:
         """Delete up to ``limit`` idempotency keys made before ``created_before``, oldest

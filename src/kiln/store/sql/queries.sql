@@ -638,6 +638,17 @@ DELETE FROM inputs WHERE sha256 = ? AND deleting_at = ?
 SELECT sha256 FROM inputs WHERE sha256 {IN_LIST}
 UNION SELECT sha256 FROM task_inputs WHERE sha256 {IN_LIST}
 
+-- tenant_input --
+-- The inputs of one of a tenant's tasks that has an upload of this content (through
+-- task_inputs' primary key, then the task's): (sha256, tenant).
+SELECT tasks.inputs FROM task_inputs JOIN tasks ON tasks.id = task_inputs.task_id
+WHERE task_inputs.sha256 = ? AND tasks.tenant = ? LIMIT 1
+
+-- tenant_output --
+-- An output of this content of one of a tenant's SUCCESS tasks: (tenant, sha256).
+SELECT task_id, name, key, content_type, size FROM task_outputs
+WHERE tenant = ? AND sha256 = ? ORDER BY task_id, name LIMIT 1
+
 -- expire_keys --
 -- Idempotency keys created before a time, oldest first: (created before, limit).
 DELETE FROM idempotency_keys WHERE (tenant, key) IN (SELECT tenant, key
