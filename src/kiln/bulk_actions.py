@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from kiln.engine import Engine, rerun_fields
 from kiln.errors import InvalidCursor, InvalidRequest
 from kiln.models import JSON, Task
+from kiln.pipelines import KIND as PIPELINE
 from kiln.states import ACTIVE, RUNNING, Event, IllegalTransition, Status
-from kiln.store.bulk import ASK_TO_STOP, BulkFilter, Plan
+from kiln.store.bulk import ASK_TO_STOP, CANCEL_PIPELINE, RETRY_PIPELINE, BulkFilter, Plan
 from kiln.timing import parse_moment
 
 #: The statuses each action applies to, as the single action's rules say.
@@ -146,6 +147,8 @@ def planner(engine: Engine, action: str) -> Callable[[Task], Plan]:
     """What a page does to each task it selected: the single action's change."""
 
     def plan(task: Task) -> Plan:
+        if task.kind == PIPELINE:  # as App.cancel and App.retry treat one: with its steps
+            return CANCEL_PIPELINE if action == "cancel" else RETRY_PIPELINE
         try:
             if action == "cancel":
                 if task.status in RUNNING:

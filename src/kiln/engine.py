@@ -354,7 +354,7 @@ class Engine:
             changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
         return Change(
             task_id=task.id, expect_status=task.status, expect_epoch=None,
-            steps=((event, to),), fields=changes,
+            steps=((event, to),), fields=changes, pipeline_id=task.pipeline_id,
         )  # fmt: skip
 
     async def act_page(

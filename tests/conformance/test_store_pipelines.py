@@ -390,3 +390,54 @@ async def test_a_schedule_tick_starts_a_pipeline_with_its_first_steps(app: kiln.
     assert done is not None and done.task is not None
     assert done.task.kind == "pipeline" and done.task.status is Status.GENERATING
     assert list(await steps(app, done.task.id)) == ["generate/0"]
+
+
+async def test_bulk_cancel_and_retry_treat_a_pipeline_as_its_own_actions_do(app: kiln.App) -> None:
+    from kiln.bulk_actions import FilterIn, bulk_action, filter_of
+
+    def found(action: str, **fields: Any) -> Any:
+        return filter_of(action, FilterIn(**fields), scope="acme", everything=False,
+                         now=app.now())  # fmt: skip
+
+    params = {"steps": [
+        {"name": "generate", "kind": GEN, "params": {"prompt": "bulk"}, "repeat": 3},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    running = await claim(app, GEN)
+    done = await succeed(app, await claim(app, GEN))
+    # When a bulk cancel names the running pipeline by kind
+    page = await bulk_action(app.engine, "cancel", found("cancel", kind=["pipeline"]),
+                             dry_run=False)  # fmt: skip
+    # Then it is cancelled as POST /v1/tasks/{id}/cancel does it: with its steps, not
+    # merely asked to stop (no worker would ever stop it)
+    assert (page["cancelled"], page["cancel_requested"], page["skipped"]) == (1, 0, 0)
+    cancelled = await app.get(pipeline.id)
+    assert cancelled.status is Status.CANCELLED and not cancelled.cancel_requested
+    made = await steps(app, pipeline.id)
+    assert (await app.get(running.id)).cancel_requested
+    assert sorted(t.status for t in made.values()) == ["CANCELLED", "SUCCESS",
+                                                       "WAITING_FOR_RESOURCE"]  # fmt: skip
+    await app.apply(await app.get(running.id), Event.STOPPED, fenced=True)
+    # When a bulk retry names it: only the steps that did not succeed run again
+    page = await bulk_action(app.engine, "retry", found("retry", kind=["pipeline"]),
+                             dry_run=False)  # fmt: skip
+    assert (page["retried"], page["skipped"]) == (1, 0)
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+    made = await steps(app, pipeline.id)
+    assert sorted(t.status for t in made.values()) == ["RETRYING", "RETRYING", "SUCCESS"]
+    # And run again, the same bulk retry finds nothing to do
+    again = await bulk_action(app.engine, "retry", found("retry", kind=["pipeline"]),
+                              dry_run=False)  # fmt: skip
+    assert (again["matched"], again["retried"]) == (0, 0)
+    # When the pending steps are cancelled by a bulk cancel of their kind
+    pending = found("cancel", kind=[GEN], status=["RETRYING"])
+    page = await bulk_action(app.engine, "cancel", pending, dry_run=False)
+    # Then the pipeline follows its first cancelled step, as for a single cancel of one:
+    # it ends CANCELLED and cancels its other pending step in that transaction, which the
+    # page then finds changed (skipped)
+    assert (page["matched"], page["cancelled"], page["skipped"]) == (2, 1, 1)
+    ended = await app.get(pipeline.id)
+    assert ended.status is Status.CANCELLED
+    made = await steps(app, pipeline.id)
+    assert sorted(t.status for t in made.values()) == ["CANCELLED", "CANCELLED", "SUCCESS"]
+    assert (await app.get(done.id)).attempt == 1

@@ -8,9 +8,11 @@ to the submit path for it). The next page resumes after the last id of this one,
 changed meanwhile. In the same transaction each selected task gets what the policy above
 (:mod:`kiln.bulk_actions`) plans for it: a :class:`~kiln.store.records.Change` (the very
 compare-and-set with its event rows that a single action makes, in a savepoint of its
-own) or :data:`ASK_TO_STOP` (a running task's ``cancel_requested``). A task that changed
-between the select and its own compare-and-set is refused alone and counted as skipped;
-the others commit.
+own), :data:`ASK_TO_STOP` (a running task's ``cancel_requested``), or for a pipeline
+:data:`CANCEL_PIPELINE` / :data:`RETRY_PIPELINE` (what ``POST /v1/tasks/{id}/cancel`` or
+``/retry`` does to one: :mod:`kiln.store.pipelines`, its steps with it). A task that
+changed between the select and its own compare-and-set is refused alone and counted as
+skipped; the others commit.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ from typing import Any, Literal
 from kiln.errors import Conflict
 from kiln.models import Task, TaskEvent
 from kiln.states import Status
+from kiln.store import pipelines
 from kiln.store.records import Change
 from kiln.store.rows import task_from_row
 from kiln.store.tx import Ops, Refused, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
+#: What it plans for a pipeline (kiln.store.pipelines): cancel it with its steps, or run
+#: the steps that did not succeed again.
+CANCEL_PIPELINE: Literal["cancel_pipeline"] = "cancel_pipeline"
+RETRY_PIPELINE: Literal["retry_pipeline"] = "retry_pipeline"
 
-Plan = Change | Literal["ask_to_stop"] | None
+Plan = Change | Literal["ask_to_stop", "cancel_pipeline", "retry_pipeline"] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,8 @@ class BulkOps(Ops):
         op: Callable[[Tx], Awaitable[Any]]
         if planned == ASK_TO_STOP:
             op = self._ask_to_stop(task)
+        elif not isinstance(planned, Change):  # a pipeline's own action
+            op = self._pipeline_op(task, planned)
         else:
             change = planned
 
@@ -147,11 +156,18 @@ class BulkOps(Ops):
         done = await alone(tx, op)
         if isinstance(done, Exception):
             page.skipped += 1
+        elif isinstance(done, Task) and planned != ASK_TO_STOP:
+            page.changed.append(done)  # a pipeline: its events reach streams by the tail
         elif isinstance(done, Task):
             page.asked.append(done)
         else:
             page.changed.append(done[0])
             page.events.extend(done[1])
+
+    def _pipeline_op(self, task: Task, planned: str) -> Callable[[Tx], Awaitable[Any]]:
+        if planned == CANCEL_PIPELINE:
+            return lambda tx: pipelines.cancel(self, tx, task.id)  # type: ignore[arg-type]
+        return lambda tx: pipelines.retry(self, tx, task.id, {})  # type: ignore[arg-type]
 
     def _ask_to_stop(self, task: Task) -> Callable[[Tx], Awaitable[Task | Refused]]:
         now = self.clock()
