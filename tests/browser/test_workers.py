@@ -3,6 +3,9 @@ admin (or anyone when auth is off); hidden from a tenant's key."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
@@ -23,7 +26,14 @@ def test_the_overview_lists_the_live_workers(
     expect(mine.first).to_be_visible(timeout=10_000)
     expect(mine.first).to_contain_text("image.generate")
     expect(mine.first).to_contain_text(" running")
-    expect(mine.first.get_by_test_id("worker-models")).to_have_text("no model loaded")
+    # And the models it holds as the API lists them (other tests on this shared server may
+    # have had a model loaded), or that it holds none
+    answer = httpx.get(f"{server.url}/v1/workers", headers=server.headers()).json()
+    held = [", ".join(w["models"]) or "no model loaded"
+            for w in answer["workers"] if w["pid"] == server.popen.pid]  # fmt: skip
+    assert held, answer
+    shown = re.compile("^(" + "|".join(re.escape(text) for text in held) + ")$")
+    expect(mine.first.get_by_test_id("worker-models")).to_have_text(shown)
     assert int(panel.get_attribute("data-count") or "0") >= 1
     assert console_errors == []
 
