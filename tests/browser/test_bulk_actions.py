@@ -149,7 +149,7 @@ def test_cancel_of_delayed_pending_tasks_with_a_tenant_key_and_a_refused_filter(
     held: list[Route] = []
 
     def hold_second_page(route: Route) -> None:
-        body = route.request.post_data_json
+        body = route.request.post_data_json or {}
         if body.get("cursor") and not held:
             held.append(route)
         else:
@@ -171,9 +171,10 @@ def test_cancel_of_delayed_pending_tasks_with_a_tenant_key_and_a_refused_filter(
     dialog.get_by_test_id("bulk-stop").click()
     expect(dialog.get_by_test_id("bulk-stop")).to_have_text("Stopping…")
     assert len(held) == 1
-    assert held[0].request.post_data_json["filter"]["created_after"] == pytest.approx(
-        parse_time(since)
-    )  # the answer's filter, sent back with the cursor
+    sent = held[0].request.post_data_json or {}
+    # the answer's filter, its time made unix seconds, sent back with the cursor
+    assert sent["filter"] == {"status": ["PENDING"], "created_after": parse_time(since)}
+    assert sent["cursor"].startswith("tsk_")
     held[0].continue_()
 
     # Then it stops after that page, says so, and one task is still PENDING
