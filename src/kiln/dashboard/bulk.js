@@ -106,14 +106,16 @@ export function createBulkBar(list, refresh) {
     statusSelect.value = w.status || "";
     if (document.activeElement !== kindInput) kindInput.value = w.kind || "";
     const busy = dialog.busy();
-    retryButton.disabled = busy || Boolean(w.status && !RETRYABLE.has(w.status));
-    cancelButton.disabled = busy || Boolean(w.status && !CANCELLABLE.has(w.status));
+    const canRetry = !w.status || RETRYABLE.has(w.status);
+    const canCancel = !w.status || CANCELLABLE.has(w.status);
+    retryButton.disabled = busy || !canRetry;
+    cancelButton.disabled = busy || !canCancel;
     const narrowing = w.code || w.since ? " Error code and created since narrow the action further." : "";
     setText(
       hint,
-      w.status && retryButton.disabled && cancelButton.disabled
-        ? `${w.status} tasks can be neither retried nor cancelled.`
-        : `Acts on every task these fields name, not only the rows shown.${narrowing}`,
+      canRetry || canCancel
+        ? `Acts on every task these fields name, not only the rows shown.${narrowing}`
+        : `${w.status} tasks can be neither retried nor cancelled.`,
     );
   }
 

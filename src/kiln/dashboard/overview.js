@@ -508,9 +508,11 @@ function createTaskList(counts) {
     filterChip.hidden = !state.filter && !state.kind;
     if (state.filter || state.kind) {
       clear(filterChip).append(
-        "Showing ",
-        state.filter ? badge(state.filter) : null,
-        state.kind ? h("code", { class: "filter-kind", text: state.kind }) : null,
+        ...[
+          "Showing ",
+          state.filter ? badge(state.filter) : null,
+          state.kind ? h("code", { class: "filter-kind", text: state.kind }) : null,
+        ].filter(Boolean),
         h("button", {
           type: "button",
           class: "linklike",
