@@ -206,3 +206,56 @@ def test_cancel_of_delayed_pending_tasks_with_a_tenant_key_and_a_refused_filter(
     assert console_errors == [
         f"console: Failed to load resource: {refused} ({secured_server.url}/v1/tasks/cancel)"
     ]
+
+
+def test_a_page_refused_midway_stops_the_run_and_shows_the_envelope(
+    page: Page, server: Server, console_errors: list[str]
+) -> None:
+    # Given two delayed PENDING tasks, and a server whose second page is refused with a 403
+    # envelope (answered here: the dashboard never names another tenant, so the real API
+    # gives it no such refusal to show)
+    ids = [
+        submit(server, "a far vase", {"step_ms": 5}, run_at=time.time() + 3600) for _ in range(2)
+    ]
+    since = server.task(ids[0])["created_at"]
+    refusal = {
+        "error": {"code": "forbidden", "message": "this key acts on tenant 'acme''s tasks only"}
+    }
+
+    def refuse_second_page(route: Route) -> None:
+        if (route.request.post_data_json or {}).get("cursor"):
+            route.fulfill(status=403, json=refusal)
+        else:
+            route.continue_()
+
+    page.route("**/v1/tasks/cancel", refuse_second_page)
+    open_overview(page)
+    page.get_by_test_id("bulk-bar").evaluate("el => { el.dataset.pageSize = '1'; }")
+    page.get_by_test_id("bulk-status").select_option("PENDING")
+    page.get_by_test_id("bulk-since").fill(since)
+
+    # When the cancel is confirmed
+    page.get_by_test_id("bulk-cancel").click()
+    dialog = page.get_by_test_id("bulk-dialog")
+    expect(dialog).to_have_attribute("data-count", "2")
+    dialog.get_by_test_id("bulk-confirm").click()
+
+    # Then the first page's work is counted, the run stops, and the refusal is shown
+    expect(dialog).to_have_attribute("data-outcome", "error", timeout=10_000)
+    expect(dialog).to_have_attribute("data-error-code", "forbidden")
+    expect(dialog.get_by_test_id("bulk-error")).to_have_text(
+        "forbidden this key acts on tenant 'acme''s tasks only"
+    )
+    expect(dialog.get_by_test_id("bulk-summary")).to_have_text(
+        "Stopped by an error: cancelled 1, skipped 0 (changed meanwhile), in 1 page."
+    )
+    assert sorted(statuses(server, ids)) == ["CANCELLED", "PENDING"]
+    for task_id in ids:  # leave no delayed task behind on the shared server
+        httpx.post(f"{server.url}/v1/tasks/{task_id}/cancel")
+    assert statuses(server, ids) == ["CANCELLED"] * 2
+    dialog.get_by_test_id("bulk-close").click()
+    expect(dialog).to_be_hidden()
+    refused = "the server responded with a status of 403 (Forbidden)"
+    assert console_errors == [
+        f"console: Failed to load resource: {refused} ({server.url}/v1/tasks/cancel)"
+    ]

@@ -62,11 +62,11 @@ export function createBulkBar(list, refresh) {
     spellcheck: "false", autocomplete: "off", maxlength: "64", dataset: { testid: "bulk-since" },
   });
   const retryButton = h("button", {
-    type: "button", class: "btn action-retry", text: "Retry…", dataset: { testid: "bulk-retry" },
+    type: "button", class: "btn action-retry", text: "Retry…", dataset: { testid: "bulk-retry" }, "aria-describedby": "bulk-hint",
     onclick: () => start("retry", retryButton),
   });
   const cancelButton = h("button", {
-    type: "button", class: "btn action-cancel", text: "Cancel…", dataset: { testid: "bulk-cancel" },
+    type: "button", class: "btn action-cancel", text: "Cancel…", dataset: { testid: "bulk-cancel" }, "aria-describedby": "bulk-hint",
     onclick: () => start("cancel", cancelButton),
   });
   const hint = h("p", { class: "bulk-hint muted small", id: "bulk-hint" });
