@@ -157,7 +157,12 @@ function createDialog(refresh) {
   const dismiss = h("button", { type: "button", class: "btn", dataset: { testid: "bulk-close" } });
   const el = h(
     "dialog",
-    { class: "bulk-dialog card", "aria-labelledby": "bulk-title", "aria-describedby": "bulk-message", dataset: { testid: "bulk-dialog" } },
+    {
+      class: "bulk-dialog card",
+      "aria-labelledby": "bulk-title",
+      "aria-describedby": "bulk-message",
+      dataset: { testid: "bulk-dialog" },
+    },
     title,
     message,
     progress,
@@ -183,7 +188,9 @@ function createDialog(refresh) {
       const err = run.error;
       clear(errorBox).append(
         h("p", {}, h("code", { class: "bulk-error-code", text: err.code }), " ", err.message),
-        ...(err.details || []).map((d) => h("p", { class: "small muted", text: d && d.msg ? `${(d.loc || []).join(".")}: ${d.msg}` : "" })),
+        ...(err.details || [])
+          .filter((d) => d && d.msg)
+          .map((d) => h("p", { class: "small muted", text: `${(d.loc || []).join(".")}: ${d.msg}` })),
       );
       el.dataset.errorCode = err.code;
     }
@@ -272,7 +279,8 @@ function createDialog(refresh) {
     }
     const changedText = `${ACTIONS[run.action].done} ${(run.changed - run.asked).toLocaleString()}`;
     const asked = run.asked ? `, asked ${run.asked.toLocaleString()} running to stop` : "";
-    const tail = `${changedText}${asked}, skipped ${run.skipped.toLocaleString()} (changed meanwhile), in ${run.pages} ${run.pages === 1 ? "page" : "pages"}.`;
+    const pages = `${run.pages} ${run.pages === 1 ? "page" : "pages"}`;
+    const tail = `${changedText}${asked}, skipped ${run.skipped.toLocaleString()} (changed meanwhile), in ${pages}.`;
     let head = "Done:";
     if (run.error) head = "Stopped by an error:";
     else if (cursor) head = "Stopped before the last page:";
