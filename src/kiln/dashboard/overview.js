@@ -35,6 +35,7 @@ import { createUploadForm } from "./upload.js";
 import { createBreakerPanel } from "./breakers.js";
 import { createWorkerPanel } from "./workers.js";
 import { createUsagePanel } from "./usage.js";
+import { createBulkBar } from "./bulk.js";
 
 const PAGE_SIZE = 50;
 const STATS_PERIOD_MS = 10000;
@@ -74,6 +75,10 @@ export function createOverview() {
 
   counts.onFilter = (status) => list.setFilter(status);
   list.onFilterChange = (status) => counts.showFilter(status);
+  list.onBulkDone = () => {
+    refreshStats();
+    list.load();
+  };
 
   let statsTimer = 0;
   let statsFailed = false;
@@ -404,7 +409,7 @@ const COLUMNS = [
 function createTaskList(counts) {
   const rows = new Map(); // id -> row
   const awaitingInsert = new Set(); // ids of new tasks to add once fetched
-  const state = { phase: "loading", error: null, cursor: null, filter: null, generation: 0, more: false };
+  const state = { phase: "loading", error: null, cursor: null, filter: null, kind: null, generation: 0, more: false };
 
   const tbody = h("tbody");
   const table = h(
@@ -435,20 +440,35 @@ function createTaskList(counts) {
   const foot = h("div", { class: "list-foot" }, moreButton);
   const filterChip = h("span", { class: "filter-chip", hidden: true });
   const title = h("h2", { text: "Tasks" });
+  const bulk = createBulkBar(
+    {
+      status: () => state.filter,
+      kind: () => state.kind,
+      setStatus: (status) => setFilter(status),
+      setKind: (kind) => setKind(kind),
+    },
+    () => list.onBulkDone(),
+  );
   const el = h(
     "section",
     { class: "card tasks-card", "aria-labelledby": "tasks-title" },
     h("header", { class: "card-head" }, title, filterChip),
+    bulk.el,
     h("div", { class: "table-wrap" }, table),
     stateBox,
     foot,
   );
   title.id = "tasks-title";
 
-  const list = { el, onFilterChange: () => {} };
+  const list = { el, onFilterChange: () => {}, onBulkDone: () => {} };
 
   function matchesFilter(task) {
-    return !state.filter || task.status === state.filter;
+    return (!state.filter || task.status === state.filter) && (!state.kind || task.kind === state.kind);
+  }
+
+  /** "FAILED", "image.generate", "FAILED image.generate": what the filters name. */
+  function filterText() {
+    return [state.filter, state.kind].filter(Boolean).join(" ");
   }
 
   function render() {
@@ -469,10 +489,10 @@ function createTaskList(counts) {
       );
     } else if (empty) {
       stateBox.dataset.testid = "empty-state";
-      if (state.filter) {
+      if (state.filter || state.kind) {
         stateBox.append(
-          h("p", { text: `No ${state.filter} tasks.` }),
-          h("button", { type: "button", class: "btn", text: "Show all tasks", onclick: () => setFilter(null) }),
+          h("p", { text: `No ${filterText()} tasks.` }),
+          h("button", { type: "button", class: "btn", text: "Show all tasks", onclick: () => showAll() }),
         );
       } else {
         stateBox.append(
@@ -485,21 +505,26 @@ function createTaskList(counts) {
     foot.hidden = !state.cursor || state.phase !== "ready";
     moreButton.disabled = state.more;
     setText(moreButton, state.more ? "Loading…" : "Load more");
-    filterChip.hidden = !state.filter;
-    if (state.filter) {
+    filterChip.hidden = !state.filter && !state.kind;
+    if (state.filter || state.kind) {
       clear(filterChip).append(
-        "Showing ",
-        badge(state.filter),
+        ...[
+          "Showing ",
+          state.filter ? badge(state.filter) : null,
+          state.kind ? h("code", { class: "filter-kind", text: state.kind }) : null,
+        ].filter(Boolean),
         h("button", {
           type: "button",
           class: "linklike",
           text: "Show all",
-          onclick: () => setFilter(null),
+          onclick: () => showAll(),
         }),
       );
       // The chip's badge is a label, not a task's status.
-      filterChip.querySelector(".badge").removeAttribute("data-testid");
+      const label = filterChip.querySelector(".badge");
+      if (label) label.removeAttribute("data-testid");
     }
+    bulk.render();
   }
 
   function createRow(task) {
@@ -614,6 +639,7 @@ function createTaskList(counts) {
   function listUrl(cursor) {
     const q = new URLSearchParams({ limit: String(PAGE_SIZE) });
     if (state.filter) q.set("status", state.filter);
+    if (state.kind) q.set("kind", state.kind);
     if (cursor) q.set("cursor", cursor);
     return `/v1/tasks?${q}`;
   }
@@ -681,6 +707,18 @@ function createTaskList(counts) {
     state.filter = status;
     list.onFilterChange(status);
     load();
+  }
+
+  function setKind(kind) {
+    if (state.kind === kind) return;
+    state.kind = kind;
+    load();
+  }
+
+  function showAll() {
+    state.kind = null;
+    if (state.filter) setFilter(null);
+    else load();
   }
 
   // Queue positions of visible rows, and the age of the oldest pending task. The list is

@@ -29,7 +29,7 @@ export const STATUS_LABELS = {
   CANCELLED: "Cancelled",
 };
 
-const CANCELLABLE = new Set([
+export const CANCELLABLE = new Set([
   "PENDING",
   "RETRYING",
   "WAITING_FOR_RESOURCE",
@@ -37,7 +37,7 @@ const CANCELLABLE = new Set([
   "UPLOADING",
   "NEEDS_REVIEW",
 ]);
-const RETRYABLE = new Set(["FAILED", "TIMEOUT", "CANCELLED"]);
+export const RETRYABLE = new Set(["FAILED", "TIMEOUT", "CANCELLED"]);
 
 /** Which action buttons apply to a task, in display order. */
 export function actionsFor(task) {
