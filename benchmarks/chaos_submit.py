@@ -94,7 +94,7 @@ def make_spec(i: int, rng: random.Random) -> Spec:
               "seed": i, "simulate": simulate, "model": f"m{i % 3}"}  # fmt: skip
     keyed = category in ("plain", "retryable") and rng.random() < KEYED_SHARE
     return Spec(category, TENANTS[i % len(TENANTS)], params, max_attempts, timeouts,
-                f"chaos-key-{i}" if keyed else None, label=params["prompt"])  # fmt: skip
+                f"chaos-key-{i}" if keyed else None, label=str(params["prompt"]))  # fmt: skip
 
 
 def make_pipeline(i: int, rng: random.Random, simulate: dict[str, Any]) -> Spec:
@@ -109,7 +109,7 @@ def make_pipeline(i: int, rng: random.Random, simulate: dict[str, Any]) -> Spec:
         simulate["permanent"] = True
         failing.append("generate")
     prompt = f"chaos {i} pipeline"
-    generate = {"name": "generate", "kind": KIND,
+    generate: dict[str, Any] = {"name": "generate", "kind": KIND,
                 "params": {"prompt": prompt, "width": 64, "height": 64,
                            "steps": rng.randint(3, 8), "seed": i, "simulate": simulate,
                            "model": f"m{i % 3}"}}  # fmt: skip
