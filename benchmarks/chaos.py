@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_checks import Check, Expected, Snapshot, check_all, load
+from chaos_checks import Check, Expected, Snapshot, check_all, load, step_map
 from chaos_submit import Submitter
 
 import kiln
@@ -397,6 +397,12 @@ def pipeline_figures(snap: Snapshot) -> dict[str, Any]:
         "pipeline_outcomes": dict(sorted(Counter(str(p.status) for p in pipelines).items())),
         "pipeline_steps": len(steps),
         "step_outcomes": dict(sorted(Counter(str(t.status) for t in steps).items())),
+        "steps_deduplicated": sum(
+            1
+            for p in pipelines
+            for task_id in step_map(p).values()
+            if task_id in snap.tasks and snap.tasks[task_id].pipeline_id != p.id
+        ),
         "steps_retried_with_pipeline": sum(
             1 for t in steps if any(e.event is Event.RETRY for e in snap.events.get(t.id, []))
         ),
@@ -455,7 +461,9 @@ def report_lines(result: dict[str, Any], args: argparse.Namespace) -> Iterator[s
         f"{figures['pipelines_cancelled_running']} while running, "
         f"{figures['pipelines_retried']} retried once ended); steps "
         f"{figures['pipeline_steps']} {figures['step_outcomes']}, "
-        f"{figures['steps_retried_with_pipeline']} retried with their pipeline"
+        f"{figures['steps_retried_with_pipeline']} retried with their pipeline, "
+        f"{figures['steps_deduplicated']} done by an earlier task of the same content "
+        f"({figures['pipelines_reusing']} pipelines reused a plain task's content)"
     )
     yield f"inputs by reference: {figures['by_reference']} transforms of earlier outputs"
     yield (

@@ -47,6 +47,9 @@ POLL_S = 0.05
 #: Pipelines: what is done to them once submitted, and the share retried once ended.
 PIPELINE_FOLLOW = (("cancel_pending", 0.12), ("cancel_running", 0.15))
 PIPELINE_RETRY_SHARE = 0.5
+#: Pipelines whose generate step has the very content of an earlier plain task (content
+#: dedup per step: when that task succeeded, it is the step).
+REUSE_SHARE = 0.25
 #: Chance, between two batches, of a transform of an earlier SUCCESS output by reference.
 REF_SHARE = 0.5
 
@@ -164,7 +167,11 @@ class Submitter:
         self._duplicates: list[Spec] = []
         self._to_cancel: set[str] = set()
         self._to_retry: set[str] = set()
+        self._plain: dict[str, Spec] = {}  # by label: plain specs a pipeline may reuse
         self._sources: list[str] = []  # plain tasks whose output may be referred to
+        # Its own dice: how many candidates it looks at depends on timing, and the task
+        # mix of a seed must not.
+        self._ref_rng = random.Random(rng.random())
 
     @property
     def settled(self) -> bool:
@@ -191,6 +198,7 @@ class Submitter:
             "pipelines_cancelled_pending": self.counts["pipelines_cancelled_pending"],
             "pipelines_cancelled_running": self.counts["pipelines_cancelled_running"],
             "pipelines_retried": self.counts["pipelines_retried"],
+            "pipelines_reusing": self.counts["pipelines_reusing"],
             "by_reference": self.counts["by_reference"],
         }
 
@@ -203,7 +211,8 @@ class Submitter:
                 if not await self._room():
                     return
                 specs = [
-                    make_spec(i, self.rng) for i in range(start, min(start + BATCH, self.tasks))
+                    self._reusing(make_spec(i, self.rng))
+                    for i in range(start, min(start + BATCH, self.tasks))
                 ]
                 await asyncio.gather(*(self._submit_new(spec) for spec in specs))
                 await self._resubmit_some()
@@ -248,6 +257,24 @@ class Submitter:
             return
         await self._follow_up(spec, first.task.id)
 
+    def _reusing(self, spec: Spec) -> Spec:
+        """A share of the pipelines get, as their generate step's params, those of an
+        earlier plain task of their tenant (made in an earlier batch, so the choice is
+        the seed's); that task is then sent again no more (its content may be the step's
+        by then, which a duplicate would rightly be answered with)."""
+        if spec.category != "pipeline":
+            return spec
+        roll, pick = self.rng.random(), self.rng.random()
+        earlier = sorted(s.label for s in self._plain.values() if s.tenant == spec.tenant)
+        if roll >= REUSE_SHARE or not earlier:
+            return spec
+        plain = self._plain[earlier[int(pick * len(earlier))]]
+        self._duplicates = [d for d in self._duplicates if d is not plain]
+        steps = [{**spec.params["steps"][0], "params": plain.params}, *spec.params["steps"][1:]]
+        failing = tuple(name for name in spec.failing_steps if name != "generate")
+        self.counts["pipelines_reusing"] += 1
+        return replace(spec, params={**spec.params, "steps": steps}, failing_steps=failing)
+
     def _record_created(self, spec: Spec, result: SubmitResult) -> None:
         task = result.task
         self.created.add(task.id)
@@ -261,6 +288,7 @@ class Submitter:
                 self.permanent.add(task.id)
         elif spec.category == "plain":
             self._sources.append(task.id)
+            self._plain.setdefault(spec.label, spec)
 
     async def _follow_up(self, spec: Spec, task_id: str) -> None:
         if spec.category == "pipeline":
@@ -286,7 +314,7 @@ class Submitter:
                 await self._replay(spec, task_id)
         if self._duplicates and self.rng.random() < 0.5:
             await self._duplicate(self._duplicates.pop(self.rng.randrange(len(self._duplicates))))
-        if self._sources and self.rng.random() < REF_SHARE:
+        if self._ref_rng.random() < REF_SHARE and self._sources:
             await self._by_reference()
 
     async def _replay(self, spec: Spec, task_id: str) -> None:
@@ -409,7 +437,7 @@ class Submitter:
         """Transform, by reference, the output of an earlier plain task that succeeded
         (one look at a few candidates; a source is used once)."""
         for _ in range(3):
-            task_id = self._sources[self.rng.randrange(len(self._sources))]
+            task_id = self._sources[self._ref_rng.randrange(len(self._sources))]
             task = await self.app.get(task_id)
             if not task.final:
                 continue
@@ -422,7 +450,7 @@ class Submitter:
 
     async def _submit_reference(self, source: Task) -> None:
         output = (source.result or {})["outputs"][0]
-        params = self.rng.choice(({"op": "thumbnail", "width": 24, "height": 24},
+        params = self._ref_rng.choice(({"op": "thumbnail", "width": 24, "height": 24},
                                   {"op": "resize", "width": 40, "height": 40},
                                   {"op": "convert", "format": "webp"}))  # fmt: skip
         refs = {transform.INPUT: inputs.referenced(f"sha256:{output['sha256']}")}
