@@ -290,6 +290,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         )  # fmt: skip
         snap = await load(app.store)
         integrity = sqlite_integrity(database_url)
+        deadlocks = postgres_deadlocks(database_url)
         checks = await check_all(app, expected, integrity=integrity)
         check_s = time.monotonic() - checks_started
     faults = count_faults(run_dir / "faults")
@@ -304,6 +305,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         "processes_started": len(fleet.started),
         "exited_by_themselves": chaos.exited_by_themselves,
         "storage_faults": sum(faults.values()),
+        "pg_deadlocks": deadlocks,
         "batched_calls": count_batches(run_dir / "logs"),
         "storage_faults_by_kind": dict(sorted(faults.items())),
         "outcomes": dict(sorted(Counter(str(t.status) for t in snap.tasks.values()).items())),
@@ -359,6 +361,20 @@ def sqlite_integrity(database_url: str) -> str | None:
     with contextlib.closing(sqlite3.connect(database_url.removeprefix("sqlite:///"))) as conn:
         rows = conn.execute("PRAGMA integrity_check").fetchall()
     return "; ".join(str(row[0]) for row in rows)
+
+
+def postgres_deadlocks(database_url: str) -> int | None:
+    """Deadlocks PostgreSQL detected in the run's database (each one's transaction is
+    rolled back and run again by the store); None on SQLite."""
+    if database_url.startswith("sqlite:///"):
+        return None
+    import psycopg
+
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else None
 
 
 def chaos_happened(figures: dict[str, Any]) -> Check:
@@ -455,6 +471,8 @@ def report_lines(result: dict[str, Any], args: argparse.Namespace) -> Iterator[s
            f"{figures['processes_started']} processes started")  # fmt: skip
     yield (f"storage faults {figures['storage_faults']} {figures['storage_faults_by_kind']} "
            f"at rate {args.fault_rate}")  # fmt: skip
+    if figures["pg_deadlocks"] is not None:
+        yield f"PostgreSQL deadlocks detected (and retried) {figures['pg_deadlocks']}"
     yield (
         f"pipelines {figures['pipelines']} {figures['pipeline_outcomes']} "
         f"({figures['pipelines_cancelled_pending']} cancelled while pending, "

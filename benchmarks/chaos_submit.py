@@ -260,15 +260,16 @@ class Submitter:
     def _reusing(self, spec: Spec) -> Spec:
         """A share of the pipelines get, as their generate step's params, those of an
         earlier plain task of their tenant (made in an earlier batch, so the choice is
-        the seed's); that task is then sent again no more (its content may be the step's
-        by then, which a duplicate would rightly be answered with)."""
+        the seed's), each task once (two pipelines could be identical otherwise); that
+        task is then sent again no more (its content may be the step's by then, which a
+        duplicate would rightly be answered with)."""
         if spec.category != "pipeline":
             return spec
         roll, pick = self.rng.random(), self.rng.random()
         earlier = sorted(s.label for s in self._plain.values() if s.tenant == spec.tenant)
         if roll >= REUSE_SHARE or not earlier:
             return spec
-        plain = self._plain[earlier[int(pick * len(earlier))]]
+        plain = self._plain.pop(earlier[int(pick * len(earlier))])  # once: no twin pipelines
         self._duplicates = [d for d in self._duplicates if d is not plain]
         steps = [{**spec.params["steps"][0], "params": plain.params}, *spec.params["steps"][1:]]
         failing = tuple(name for name in spec.failing_steps if name != "generate")
