@@ -286,7 +286,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         checks_started = time.monotonic()
         expected = Expected(
             submitter.created, submitter.permanent, submitter.problems,
-            submitter.permanent_steps, submitter.cancelled_pipelines,
+            submitter.permanent_steps, submitter.cancelled_pipelines, submitter.by_reference,
         )  # fmt: skip
         snap = await load(app.store)
         integrity = sqlite_integrity(database_url)

@@ -22,6 +22,7 @@ from typing import Any
 
 import kiln
 from kiln import pipelines as graph
+from kiln.inputs import input_key
 from kiln.models import JSON, StoredOutput, Task, TaskEvent
 from kiln.reconcile import Options, reconcile
 from kiln.states import ACTIVE, FINAL, RULES, RUNNING, Event, IllegalTransition, Status, replay
@@ -114,6 +115,8 @@ class Expected:
     permanent_steps: set[tuple[str, str]] = field(default_factory=set)
     #: Pipelines the run cancelled (and did not retry since).
     cancelled_pipelines: set[str] = field(default_factory=set)
+    #: Tasks submitted with an input by reference: task id -> the output record it names.
+    by_reference: dict[str, JSON] = field(default_factory=dict)
 
 
 async def load(store: Store) -> Snapshot:
@@ -548,6 +551,29 @@ def _source_outputs(
     return wanted
 
 
+async def check_by_reference(snap: Snapshot, storage: Storage, expected: Expected) -> Check:
+    """RF: each task submitted with an earlier output by reference has that output's
+    content (sha256, size) as its input, kept once under ``inputs/`` and in storage with
+    that sha256: the copy the submission made is the output's, whatever the chaos did."""
+    check = Check("RF", "inputs by reference are their outputs' content, in storage")
+    for task_id, output in sorted(expected.by_reference.items()):
+        check.checked += 1
+        task = snap.tasks.get(task_id)
+        if task is None:
+            continue  # I1 names it
+        given = [(i.get("sha256"), i.get("size")) for i in task.inputs]
+        if given != [(output["sha256"], output["size"])]:
+            check.fail(f"{task_id}: inputs {given}, the output it named "
+                       f"{(output['sha256'], output['size'])}")  # fmt: skip
+            continue
+        kept = StoredOutput(name=str(task.inputs[0]["name"]), key=input_key(output["sha256"]),
+                            content_type=str(task.inputs[0]["content_type"]),
+                            size=int(output["size"]), sha256=str(output["sha256"]))  # fmt: skip
+        if not await verify(storage, kept):
+            check.fail(f"{task_id}: its input {kept.key} missing or not as recorded")
+    return check
+
+
 def check_illegal_transitions(snap: Snapshot) -> Check:
     """The engine refused (and counted) no transition the state table forbids."""
     check = Check("IT", "illegal transitions counter is zero", 1)
@@ -590,6 +616,7 @@ async def check_all(
     snap = await load(app.store)
     verified = await check_verified_success(snap, app.storage)
     step_inputs = await check_step_inputs(snap, app.storage)
+    by_reference = await check_by_reference(snap, app.storage, expected)
     reconciled = await check_no_orphans(app)
     return [
         check_one_final_state(snap, expected),
@@ -606,6 +633,7 @@ async def check_all(
         check_pipelines_final(snap, expected),
         check_one_task_per_step(snap),
         step_inputs,
+        by_reference,
     ]
 
 

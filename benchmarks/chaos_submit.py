@@ -24,7 +24,7 @@ from typing import Any
 import kiln
 from kiln import inputs, pipelines, transform
 from kiln.errors import AlreadyFinal, IdempotencyKeyReused, KilnError, NotRetryable
-from kiln.models import SubmitResult, Task, Timeouts
+from kiln.models import JSON, SubmitResult, Task, Timeouts
 from kiln.states import ACTIVE, RUNNING, Status
 
 KIND = "image.generate"
@@ -158,6 +158,8 @@ class Submitter:
         self.pipelines: set[str] = set()
         self.permanent_steps: set[tuple[str, str]] = set()
         self.cancelled_pipelines: set[str] = set()
+        #: Transforms by reference: task id -> the output record it names.
+        self.by_reference: dict[str, JSON] = {}
         self.finished = False
         self.counts: Counter[str] = Counter()
         self.categories: Counter[str] = Counter()
@@ -478,6 +480,7 @@ class Submitter:
         self.categories["by_reference"] += 1
         if result.created:
             self.created.add(result.task.id)
+            self.by_reference[result.task.id] = output
         else:
             self.problems.append(f"a transform of {source.id}'s output by reference answered "
                                  f"existing task {result.task.id}")  # fmt: skip

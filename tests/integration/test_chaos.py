@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 INVARIANTS = {
-    "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3", "CH"
+    "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3", "RF",
+    "CH",
 }  # fmt: skip
 
 
@@ -79,6 +80,6 @@ def test_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert summary["pipelines"] > 0 and summary["pipeline_steps"] > summary["pipelines"]
     assert summary["checks"]["PL3"]["checked"] > 0
     assert summary["pipelines_cancelled_pending"] + summary["pipelines_cancelled_running"] > 0
-    assert summary["by_reference"] > 0
+    assert summary["by_reference"] > 0 and summary["checks"]["RF"]["checked"] > 0
     # And the table came before the JSON line
     assert "PASS" in stdout and re.search(r"\bFAIL\b", stdout) is None

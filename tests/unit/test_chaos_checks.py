@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import kiln
-from kiln import transform
+from kiln import inputs, transform
 from kiln.app import running
 from kiln.states import Event, Status
 
@@ -70,9 +70,10 @@ async def test_a_healthy_store_passes_every_check(
     found = await checks.check_all(app, expected, integrity="ok")
     assert failed(found) == set()
     assert {c.key for c in found} == {
-        "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3"
+        "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3",
+        "RF",
     }  # fmt: skip
-    assert all(c.checked > 0 for c in found if c.key not in ("I8", "PL1", "PL2", "PL3"))
+    assert all(c.checked > 0 for c in found if c.key not in ("I8", "PL1", "PL2", "PL3", "RF"))
 
 
 async def test_an_output_deleted_behind_the_store_fails_i4_and_reconciliation(
@@ -227,7 +228,8 @@ def fan_out(prompt: str) -> dict[str, Any]:
 @pytest.fixture
 async def pipelined(app: kiln.App, checks: ModuleType) -> tuple[kiln.App, Any, dict[str, str]]:
     """A chain and a fan-out run to SUCCESS, a third pipeline cancelled while PENDING then
-    retried to SUCCESS, and a fourth cancelled for good."""
+    retried to SUCCESS, a fourth cancelled for good; then the chain's last output
+    transformed by reference."""
     transform.register(app)
     made = {name: (await app.submit("pipeline", shape)).task.id for name, shape in (
         ("chain", chain("a kite")), ("fan", fan_out("a boat")),
@@ -237,7 +239,19 @@ async def pipelined(app: kiln.App, checks: ModuleType) -> tuple[kiln.App, Any, d
     await app.retry(made["retried"])
     await app.cancel(made["cancelled"])
     await run_to_final(app, list(made.values()))
-    expected = checks.Expected(created=set(made.values()), cancelled_pipelines={made["cancelled"]})
+    resized = (await app.pipeline_steps(await app.get(made["chain"])))["resize/0"]
+    output = resized.result["outputs"][0] if resized.result else {}
+    records, held = await inputs.refer(app.store, app.storage, "default",
+                                       {"image": output["sha256"]}, max_pixels=10**7)  # fmt: skip
+    made["by_reference"] = (
+        await app.submit("image.transform", {"op": "convert", "format": "webp"}, inputs=records)
+    ).task.id
+    await inputs.release(app.store, app.storage, held)
+    await run_to_final(app, [made["by_reference"]])
+    expected = checks.Expected(
+        created=set(made.values()), cancelled_pipelines={made["cancelled"]},
+        by_reference={made["by_reference"]: output},
+    )  # fmt: skip
     return app, expected, made
 
 
@@ -249,6 +263,7 @@ async def test_pipelines_that_kept_their_invariants_pass_every_check(
     assert failed(found.values()) == set()
     # 4 pipelines; 2 + 4 + 2 + 1 step copies made; the steps' inputs: 1 + 3 + 1
     assert (found["PL1"].checked, found["PL2"].checked, found["PL3"].checked) == (4, 9, 5)
+    assert found["RF"].checked == 1
     assert (await app.get(made["retried"])).status is Status.SUCCESS
 
 
@@ -315,3 +330,19 @@ async def test_a_step_reading_another_object_fails_pl3(
     assert (await checks.check_step_inputs(snap, app.storage)).ok
     await app.storage.delete(sheet.inputs[0]["key"])
     assert not (await checks.check_step_inputs(snap, app.storage)).ok
+
+
+async def test_an_input_by_reference_not_the_outputs_content_fails_rf(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, expected, made = pipelined
+    snap = await checks.load(app.store)
+    task = snap.tasks[made["by_reference"]]
+    # Its input record another size than the output it named
+    snap.tasks[task.id] = dataclasses.replace(task, inputs=[{**task.inputs[0], "size": 1}])
+    assert not (await checks.check_by_reference(snap, app.storage, expected)).ok
+    # Its object under inputs/ gone
+    snap = await checks.load(app.store)
+    assert (await checks.check_by_reference(snap, app.storage, expected)).ok
+    await app.storage.delete(inputs.input_key(task.inputs[0]["sha256"]))
+    assert not (await checks.check_by_reference(snap, app.storage, expected)).ok
