@@ -42,17 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_checks import Check, Expected, check_all, load
+from chaos_checks import Check, Expected, Snapshot, check_all, load, step_map
 from chaos_submit import Submitter
 
 import kiln
-from kiln import backends
+from kiln import backends, transform
 from kiln.config import Settings
 from kiln.states import ACTIVE, Event, Status
 
 HERE = Path(__file__).resolve().parent
 WORKER_SCRIPT = HERE / "chaos_worker.py"
 POLL_S = 0.1
+#: From this many tasks on, a run without a pipeline or an input by reference fails CH.
+SHARES_FROM = 100
 
 
 # The processes --------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ async def until_all_final(
     while time.monotonic() < deadline:
         if any(loop.done() and loop.exception() for loop in loops):
             return False
-        if submitter.finished:
+        if submitter.settled:
             counts = (await app.store.stats(tenant=None, ghost_after_s=60)).counts
             if not any(counts.get(str(status), 0) for status in ACTIVE):
                 return True
@@ -268,6 +270,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
     env = child_env(args, database_url, results)
     app = kiln.App(settings=settings_of(env))
     backends.register(app)  # the kinds the workers serve, to validate what is submitted
+    transform.register(app)
     rng = random.Random(args.seed)
     async with app:
         await app.store.stats(tenant=None, ghost_after_s=60)  # the schema exists before they start
@@ -281,9 +284,13 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
             fleet.stop_all()
         run_s = time.monotonic() - started
         checks_started = time.monotonic()
-        expected = Expected(submitter.created, submitter.permanent, submitter.problems)
+        expected = Expected(
+            submitter.created, submitter.permanent, submitter.problems,
+            submitter.permanent_steps, submitter.cancelled_pipelines, submitter.by_reference,
+        )  # fmt: skip
         snap = await load(app.store)
         integrity = sqlite_integrity(database_url)
+        deadlocks = postgres_deadlocks(database_url)
         checks = await check_all(app, expected, integrity=integrity)
         check_s = time.monotonic() - checks_started
     faults = count_faults(run_dir / "faults")
@@ -298,9 +305,11 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         "processes_started": len(fleet.started),
         "exited_by_themselves": chaos.exited_by_themselves,
         "storage_faults": sum(faults.values()),
+        "pg_deadlocks": deadlocks,
         "batched_calls": count_batches(run_dir / "logs"),
         "storage_faults_by_kind": dict(sorted(faults.items())),
         "outcomes": dict(sorted(Counter(str(t.status) for t in snap.tasks.values()).items())),
+        **pipeline_figures(snap),
         "tasks_retried": sum(1 for t in snap.tasks.values() if t.attempt > 1),
         "attempts": sum(t.attempt for t in snap.tasks.values()),
         "retries_scheduled": snap.of_event(Event.SCHEDULE_RETRY),
@@ -354,6 +363,20 @@ def sqlite_integrity(database_url: str) -> str | None:
     return "; ".join(str(row[0]) for row in rows)
 
 
+def postgres_deadlocks(database_url: str) -> int | None:
+    """Deadlocks PostgreSQL detected in the run's database (each one's transaction is
+    rolled back and run again by the store); None on SQLite."""
+    if database_url.startswith("sqlite:///"):
+        return None
+    import psycopg
+
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else None
+
+
 def chaos_happened(figures: dict[str, Any]) -> Check:
     """A run that injected nothing proves nothing: it fails."""
     check = Check("CH", "the chaos happened", 1)
@@ -365,6 +388,9 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         "permanent_failures": figures["permanent"],
         "batched_calls": figures["batched_calls"],
     }
+    if figures.get("tasks", 0) >= SHARES_FROM:  # too few tasks may draw none of these
+        wanted["pipelines"] = figures["pipelines"]
+        wanted["inputs_by_reference"] = figures["by_reference"]
     for name, n in wanted.items():
         if n <= 0:
             check.fail(f"no {name.replace('_', ' ')}")
@@ -376,6 +402,27 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         check.fail(f"processes exited by themselves: {figures['exited_by_themselves']}")
     check.note = ", ".join(f"{k} {v}" for k, v in wanted.items())
     return check
+
+
+def pipeline_figures(snap: Snapshot) -> dict[str, Any]:
+    """The pipelines' outcomes, their steps' (tasks the store made), and how many steps
+    were retried with their pipeline (a ``retry`` event on a step)."""
+    pipelines = snap.pipelines()
+    steps = [t for t in snap.tasks.values() if t.pipeline_id is not None]
+    return {
+        "pipeline_outcomes": dict(sorted(Counter(str(p.status) for p in pipelines).items())),
+        "pipeline_steps": len(steps),
+        "step_outcomes": dict(sorted(Counter(str(t.status) for t in steps).items())),
+        "steps_deduplicated": sum(
+            1
+            for p in pipelines
+            for task_id in step_map(p).values()
+            if task_id in snap.tasks and snap.tasks[task_id].pipeline_id != p.id
+        ),
+        "steps_retried_with_pipeline": sum(
+            1 for t in steps if any(e.event is Event.RETRY for e in snap.events.get(t.id, []))
+        ),
+    }
 
 
 def count_batches(folder: Path) -> int:
@@ -424,6 +471,19 @@ def report_lines(result: dict[str, Any], args: argparse.Namespace) -> Iterator[s
            f"{figures['processes_started']} processes started")  # fmt: skip
     yield (f"storage faults {figures['storage_faults']} {figures['storage_faults_by_kind']} "
            f"at rate {args.fault_rate}")  # fmt: skip
+    if figures["pg_deadlocks"] is not None:
+        yield f"PostgreSQL deadlocks detected (and retried) {figures['pg_deadlocks']}"
+    yield (
+        f"pipelines {figures['pipelines']} {figures['pipeline_outcomes']} "
+        f"({figures['pipelines_cancelled_pending']} cancelled while pending, "
+        f"{figures['pipelines_cancelled_running']} while running, "
+        f"{figures['pipelines_retried']} retried once ended); steps "
+        f"{figures['pipeline_steps']} {figures['step_outcomes']}, "
+        f"{figures['steps_retried_with_pipeline']} retried with their pipeline, "
+        f"{figures['steps_deduplicated']} done by an earlier task of the same content "
+        f"({figures['pipelines_reusing']} pipelines reused a plain task's content)"
+    )
+    yield f"inputs by reference: {figures['by_reference']} transforms of earlier outputs"
     yield (
         f"cancelled {figures['cancelled_pending']} while pending, "
         f"{figures['cancelled_running']} while running ({figures['cancel_missed']} ended first)"

@@ -4,6 +4,13 @@ Each task gets a category, drawn from :data:`MIX`. Every submission's answer is 
 as it comes back against I5 (a new task is created, a replay returns the original, an
 identical request returns its live or successful twin, a burst of identical requests
 makes one task); what disagrees is kept in ``problems`` for the report.
+
+A share of the submissions are pipelines (``pipeline`` category, docs/pipelines.md):
+generate -> transform chains and fan-outs of 3 to 5 into a contact sheet, some of whose
+steps fail (retryably, or for good), some cancelled while PENDING or running, some
+retried once after they ended FAILED or CANCELLED. Between batches, some SUCCESS outputs
+of earlier plain tasks are transformed by reference (``sha256:<hex>``, docs/uploads.md),
+as the API does it: :func:`kiln.inputs.refer`, then the submission, then the release.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import kiln
-from kiln.errors import AlreadyFinal, IdempotencyKeyReused
-from kiln.models import SubmitResult, Timeouts
-from kiln.states import ACTIVE, Status
+from kiln import inputs, pipelines, transform
+from kiln.errors import AlreadyFinal, IdempotencyKeyReused, KilnError, NotRetryable
+from kiln.models import JSON, SubmitResult, Task, Timeouts
+from kiln.states import ACTIVE, RUNNING, Status
 
 KIND = "image.generate"
 TENANTS = ("acme", "globex", "initech")
@@ -29,12 +37,21 @@ MIX = (
     ("cancel_pending", 0.08),  # cancelled right after it was accepted
     ("cancel_running", 0.06),  # a slow task, cancelled once GENERATING
     ("burst", 0.04),  # submitted as BURST identical requests at once
+    ("pipeline", 0.07),  # a pipeline of 2 to 6 steps (make_pipeline)
 )
 KEYED_SHARE = 0.12  # plain and retryable tasks sent with an Idempotency-Key
 DUPLICATE_SHARE = 0.08  # plain tasks sent again later, identical
 BURST = 4
 BATCH = 10
 POLL_S = 0.05
+#: Pipelines: what is done to them once submitted, and the share retried once ended.
+PIPELINE_FOLLOW = (("cancel_pending", 0.12), ("cancel_running", 0.15))
+PIPELINE_RETRY_SHARE = 0.5
+#: Pipelines whose generate step has the very content of an earlier plain task (content
+#: dedup per step: when that task succeeded, it is the step).
+REUSE_SHARE = 0.25
+#: Chance, between two batches, of a transform of an earlier SUCCESS output by reference.
+REF_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,14 @@ class Spec:
     max_attempts: int = 3
     timeouts: Timeouts | None = None
     key: str | None = None
+    kind: str = KIND
+    #: What identifies its content in the run's own books (the prompt of a plain task).
+    label: str = ""
+    #: A pipeline's follow-up (``cancel_pending``, ``cancel_running`` or ``""``), whether
+    #: it is retried once it ended without success, and its steps that always fail.
+    follow: str = ""
+    retry_after: bool = False
+    failing_steps: tuple[str, ...] = ()
 
 
 def make_spec(i: int, rng: random.Random) -> Spec:
@@ -66,11 +91,57 @@ def make_spec(i: int, rng: random.Random) -> Spec:
         timeouts = Timeouts(generating_s=1.0)
     elif category == "cancel_running":
         steps, simulate["step_ms"] = 16, 60
+    elif category == "pipeline":
+        return make_pipeline(i, rng, simulate)
     params = {"prompt": f"chaos {i} {category}", "width": 64, "height": 64, "steps": steps,
               "seed": i, "simulate": simulate, "model": f"m{i % 3}"}  # fmt: skip
     keyed = category in ("plain", "retryable") and rng.random() < KEYED_SHARE
     return Spec(category, TENANTS[i % len(TENANTS)], params, max_attempts, timeouts,
-                f"chaos-key-{i}" if keyed else None)  # fmt: skip
+                f"chaos-key-{i}" if keyed else None, label=str(params["prompt"]))  # fmt: skip
+
+
+def make_pipeline(i: int, rng: random.Random, simulate: dict[str, Any]) -> Spec:
+    """A chain (generate -> resize [-> thumbnail]) or a fan-out of 3 to 5 generates into a
+    contact sheet. The generate step fails its first attempt (retryable) 20% of the time
+    and every attempt (permanent) 10%; a chain's resize is a crop outside the picture
+    (permanent, at the second step) 8% of the time."""
+    fate, failing = rng.random(), []
+    if fate < 0.2:
+        simulate["fail_attempts"] = 1
+    elif fate < 0.3:
+        simulate["permanent"] = True
+        failing.append("generate")
+    prompt = f"chaos {i} pipeline"
+    generate: dict[str, Any] = {"name": "generate", "kind": KIND,
+                "params": {"prompt": prompt, "width": 64, "height": 64,
+                           "steps": rng.randint(3, 8), "seed": i, "simulate": simulate,
+                           "model": f"m{i % 3}"}}  # fmt: skip
+    if rng.random() < 0.35:
+        generate["repeat"] = rng.randint(3, 5)
+        steps = [generate, {"name": "sheet", "kind": transform.SHEET,
+                            "params": {"columns": 5, "tile": 32},
+                            "inputs": {"images": "step:generate/*"}}]  # fmt: skip
+    else:
+        resize: dict[str, Any] = {"op": "resize", "width": 48, "height": 48}
+        if rng.random() < 0.08:
+            resize = {"op": "crop", "box": [0, 0, 500, 500]}
+            failing.append("resize")
+        steps = [generate, {"name": "resize", "kind": transform.KIND, "params": resize,
+                            "inputs": {"image": "step:generate/image.png"}}]  # fmt: skip
+        if rng.random() < 0.5:
+            steps.append({"name": "thumbnail", "kind": transform.KIND,
+                          "params": {"op": "thumbnail", "width": 16, "height": 16},
+                          "inputs": {"image": "step:resize/image.png"}})  # fmt: skip
+    params = {"steps": steps, "on_failure": rng.choice(pipelines.POLICIES)}
+    roll, follow = rng.random(), ""
+    for name, share in PIPELINE_FOLLOW:
+        if roll < share:
+            follow = name
+            break
+        roll -= share
+    return Spec("pipeline", TENANTS[i % len(TENANTS)], params, kind=pipelines.KIND,
+                label=prompt, follow=follow, retry_after=rng.random() < PIPELINE_RETRY_SHARE,
+                failing_steps=tuple(failing))  # fmt: skip
 
 
 class Submitter:
@@ -82,6 +153,13 @@ class Submitter:
         self.created: set[str] = set()
         self.permanent: set[str] = set()
         self.problems: list[str] = []
+        #: Pipelines: every one made, (pipeline id, step name) of steps that always
+        #: fail, the ones this run cancelled.
+        self.pipelines: set[str] = set()
+        self.permanent_steps: set[tuple[str, str]] = set()
+        self.cancelled_pipelines: set[str] = set()
+        #: Transforms by reference: task id -> the output record it names.
+        self.by_reference: dict[str, JSON] = {}
         self.finished = False
         self.counts: Counter[str] = Counter()
         self.categories: Counter[str] = Counter()
@@ -90,6 +168,17 @@ class Submitter:
         self._keyed: list[tuple[Spec, str]] = []
         self._duplicates: list[Spec] = []
         self._to_cancel: set[str] = set()
+        self._to_retry: set[str] = set()
+        self._plain: dict[str, Spec] = {}  # by label: plain specs a pipeline may reuse
+        self._sources: list[str] = []  # plain tasks whose output may be referred to
+        # Its own dice: how many candidates it looks at depends on timing, and the task
+        # mix of a seed must not.
+        self._ref_rng = random.Random(rng.random())
+
+    @property
+    def settled(self) -> bool:
+        """Every submission made, and no pipeline waiting to be retried once it ends."""
+        return self.finished and not self._to_retry
 
     def stop(self) -> None:
         self._stopping = True
@@ -107,6 +196,12 @@ class Submitter:
             "cancel_missed": self.counts["cancel_missed"],
             "permanent": len(self.permanent),
             "categories": dict(sorted(self.categories.items())),
+            "pipelines": len(self.pipelines),
+            "pipelines_cancelled_pending": self.counts["pipelines_cancelled_pending"],
+            "pipelines_cancelled_running": self.counts["pipelines_cancelled_running"],
+            "pipelines_retried": self.counts["pipelines_retried"],
+            "pipelines_reusing": self.counts["pipelines_reusing"],
+            "by_reference": self.counts["by_reference"],
         }
 
     # submitting
@@ -118,7 +213,8 @@ class Submitter:
                 if not await self._room():
                     return
                 specs = [
-                    make_spec(i, self.rng) for i in range(start, min(start + BATCH, self.tasks))
+                    self._reusing(make_spec(i, self.rng))
+                    for i in range(start, min(start + BATCH, self.tasks))
                 ]
                 await asyncio.gather(*(self._submit_new(spec) for spec in specs))
                 await self._resubmit_some()
@@ -136,7 +232,7 @@ class Submitter:
     async def _submit(self, spec: Spec) -> SubmitResult:
         self.counts["submissions"] += 1
         return await self.app.submit(
-            KIND, spec.params, tenant=spec.tenant, idempotency_key=spec.key,
+            spec.kind, spec.params, tenant=spec.tenant, idempotency_key=spec.key,
             max_attempts=spec.max_attempts, timeouts=spec.timeouts,
         )  # fmt: skip
 
@@ -158,19 +254,49 @@ class Submitter:
                 self._record_created(spec, result)
         first = results[0]
         if not any(r.created for r in results):
-            self.problems.append(f"new content ({spec.params['prompt']}) answered with "
+            self.problems.append(f"new content ({spec.label}) answered with "
                                  f"existing task {first.task.id}")  # fmt: skip
             return
         await self._follow_up(spec, first.task.id)
 
+    def _reusing(self, spec: Spec) -> Spec:
+        """A share of the pipelines get, as their generate step's params, those of an
+        earlier plain task of their tenant (made in an earlier batch, so the choice is
+        the seed's), each task once (two pipelines could be identical otherwise); that
+        task is then sent again no more (its content may be the step's by then, which a
+        duplicate would rightly be answered with)."""
+        if spec.category != "pipeline":
+            return spec
+        roll, pick = self.rng.random(), self.rng.random()
+        earlier = sorted(s.label for s in self._plain.values() if s.tenant == spec.tenant)
+        if roll >= REUSE_SHARE or not earlier:
+            return spec
+        plain = self._plain.pop(earlier[int(pick * len(earlier))])  # once: no twin pipelines
+        self._duplicates = [d for d in self._duplicates if d is not plain]
+        steps = [{**spec.params["steps"][0], "params": plain.params}, *spec.params["steps"][1:]]
+        failing = tuple(name for name in spec.failing_steps if name != "generate")
+        self.counts["pipelines_reusing"] += 1
+        return replace(spec, params={**spec.params, "steps": steps}, failing_steps=failing)
+
     def _record_created(self, spec: Spec, result: SubmitResult) -> None:
         task = result.task
         self.created.add(task.id)
-        self._twins.setdefault((spec.tenant, spec.params["prompt"]), set()).add(task.id)
+        self._twins.setdefault((spec.tenant, spec.label), set()).add(task.id)
         if spec.category == "permanent":
             self.permanent.add(task.id)
+        if spec.category == "pipeline":
+            self.pipelines.add(task.id)
+            self.permanent_steps.update((task.id, name) for name in spec.failing_steps)
+            if spec.failing_steps:  # a step always fails: it never succeeds, either policy
+                self.permanent.add(task.id)
+        elif spec.category == "plain":
+            self._sources.append(task.id)
+            self._plain.setdefault(spec.label, spec)
 
     async def _follow_up(self, spec: Spec, task_id: str) -> None:
+        if spec.category == "pipeline":
+            await self._follow_pipeline(spec, task_id)
+            return
         if spec.category == "cancel_pending":
             await self._cancel(task_id)
         elif spec.category == "cancel_running":
@@ -191,6 +317,8 @@ class Submitter:
                 await self._replay(spec, task_id)
         if self._duplicates and self.rng.random() < 0.5:
             await self._duplicate(self._duplicates.pop(self.rng.randrange(len(self._duplicates))))
+        if self._ref_rng.random() < REF_SHARE and self._sources:
+            await self._by_reference()
 
     async def _replay(self, spec: Spec, task_id: str) -> None:
         result = await self._submit(spec)
@@ -211,7 +339,7 @@ class Submitter:
     async def _duplicate(self, spec: Spec) -> None:
         """An identical request: the live or successful twin answers; else a new task."""
         result = await self._submit(spec)
-        twins = self._twins.get((spec.tenant, spec.params["prompt"]), set())
+        twins = self._twins.get((spec.tenant, spec.label), set())
         if result.created:
             self._record_created(spec, result)
             for twin_id in sorted(twins - {result.task.id}):
@@ -236,14 +364,123 @@ class Submitter:
         self.counts["cancelled_running" if running else "cancelled_pending"] += 1
 
     async def cancel_running(self) -> None:
-        """Cancel each ``cancel_running`` task once a worker is GENERATING it."""
+        """Cancel each ``cancel_running`` task once a worker is GENERATING it (a pipeline
+        once one of its steps runs); retry the pipelines chosen for it once they end."""
         while not self._stopping:
             for task_id in sorted(self._to_cancel):
                 task = await self.app.get(task_id)
-                if task.status is Status.GENERATING:
+                if task.kind == pipelines.KIND:
+                    if await self._cancel_pipeline_running(task):
+                        self._to_cancel.discard(task_id)
+                elif task.status is Status.GENERATING:
                     self._to_cancel.discard(task_id)
                     await self._cancel(task_id)
                 elif task.final:
                     self._to_cancel.discard(task_id)
                     self.counts["cancel_missed"] += 1
+            await self.retry_ended()
             await asyncio.sleep(POLL_S)
+
+    # pipelines
+
+    async def _follow_pipeline(self, spec: Spec, pipeline_id: str) -> None:
+        if spec.retry_after:
+            self._to_retry.add(pipeline_id)
+        if spec.follow == "cancel_pending":
+            await self._cancel_pipeline(pipeline_id, "pipelines_cancelled_pending")
+        elif spec.follow == "cancel_running":
+            self._to_cancel.add(pipeline_id)
+
+    async def _cancel_pipeline(self, pipeline_id: str, counted: str) -> None:
+        """Cancel a running pipeline (its waiting steps cancelled, its running ones asked
+        to stop); one that ended first is counted as missed."""
+        try:
+            await self.app.cancel(pipeline_id, tenant=None)
+        except AlreadyFinal:
+            self.counts["cancel_missed"] += 1
+            return
+        self.cancelled_pipelines.add(pipeline_id)
+        self.counts[counted] += 1
+
+    async def _cancel_pipeline_running(self, pipeline: Task) -> bool:
+        """Cancel it once one of its steps runs; whether it is done with (cancelled or
+        ended first)."""
+        if pipeline.final:
+            self.counts["cancel_missed"] += 1
+            return True
+        steps = await self.app.pipeline_steps(pipeline)
+        if not any(step.status in RUNNING for step in steps.values()):
+            return False
+        await self._cancel_pipeline(pipeline.id, "pipelines_cancelled_running")
+        return True
+
+    async def retry_ended(self) -> None:
+        """Retry once each pipeline chosen for it that ended FAILED or CANCELLED (a SUCCESS
+        is left alone): it runs again what did not succeed."""
+        for pipeline_id in sorted(self._to_retry):
+            pipeline = await self.app.get(pipeline_id)
+            if not pipeline.final or pipeline_id in self._to_cancel:
+                continue
+            if pipeline.status is Status.SUCCESS:
+                self._to_retry.discard(pipeline_id)
+                continue
+            try:
+                await self.app.retry(pipeline_id, tenant=None)
+            except NotRetryable as exc:
+                self.problems.append(f"retry of {pipeline.status} pipeline {pipeline_id}: {exc}")
+            else:
+                self.cancelled_pipelines.discard(pipeline_id)  # that cancel is over
+                self.counts["pipelines_retried"] += 1
+            # Only now: until then the run must not end (the pipeline looks final).
+            self._to_retry.discard(pipeline_id)
+
+    # inputs by reference
+
+    async def _by_reference(self) -> None:
+        """Transform, by reference, the output of an earlier plain task that succeeded
+        (one look at a few candidates; a source is used once)."""
+        for _ in range(3):
+            task_id = self._sources[self._ref_rng.randrange(len(self._sources))]
+            task = await self.app.get(task_id)
+            if not task.final:
+                continue
+            self._sources.remove(task_id)
+            if task.status is Status.SUCCESS:
+                await self._submit_reference(task)
+                return
+            if not self._sources:
+                return
+
+    async def _submit_reference(self, source: Task) -> None:
+        output = (source.result or {})["outputs"][0]
+        params = self._ref_rng.choice(({"op": "thumbnail", "width": 24, "height": 24},
+                                  {"op": "resize", "width": 40, "height": 40},
+                                  {"op": "convert", "format": "webp"}))  # fmt: skip
+        refs = {transform.INPUT: inputs.referenced(f"sha256:{output['sha256']}")}
+        store, storage = self.app.store, self.app.storage
+        try:
+            records, held = await inputs.refer(
+                store, storage, source.tenant, refs,
+                max_pixels=self.app.settings.max_image_pixels,
+            )  # fmt: skip
+        except KilnError as exc:
+            self.problems.append(f"the output of SUCCESS task {source.id} was refused "
+                                 f"as a reference: {exc}")  # fmt: skip
+            return
+        try:
+            self.counts["submissions"] += 1
+            result = await self.app.submit(
+                transform.KIND, params, tenant=source.tenant, inputs=records
+            )
+        except BaseException:
+            await inputs.release(store, storage, held, drop=True)
+            raise
+        await inputs.release(store, storage, held)
+        self.counts["by_reference"] += 1
+        self.categories["by_reference"] += 1
+        if result.created:
+            self.created.add(result.task.id)
+            self.by_reference[result.task.id] = output
+        else:
+            self.problems.append(f"a transform of {source.id}'s output by reference answered "
+                                 f"existing task {result.task.id}")  # fmt: skip

@@ -441,3 +441,29 @@ async def test_bulk_cancel_and_retry_treat_a_pipeline_as_its_own_actions_do(app:
     made = await steps(app, pipeline.id)
     assert sorted(t.status for t in made.values()) == ["CANCELLED", "CANCELLED", "SUCCESS"]
     assert (await app.get(done.id)).attempt == 1
+
+
+async def test_a_retry_takes_back_the_stop_asked_of_a_step_an_expire_sent_back_to_the_queue(
+    app: kiln.App, clock: Any
+) -> None:
+    # Given a running step whose lease lapsed: the supervisor reads it as it sweeps
+    pipeline = await submit(app, chain("a wren"))
+    step = await app.apply(await claim(app, GEN), Event.ACQUIRE, fenced=True)
+    stale = await app.get(step.id)
+    # When its pipeline is cancelled (the step asked to stop), then the sweep's expire,
+    # decided on its earlier read, sends the step back to the queue, still asked to stop
+    await app.cancel(pipeline.id, "acme")
+    lapsed = {"code": "lease_expired", "message": "lapsed", "retryable": True}
+    requeued = await app.apply(stale, Event.EXPIRE, bump_epoch=True, retry_error=lapsed)
+    assert (requeued.status, requeued.cancel_requested) == (Status.RETRYING, True)
+    # And the pipeline is retried before a worker claims the step
+    assert (await app.retry(pipeline.id, "acme")).status is Status.GENERATING
+    # Then the step is no longer asked to stop: the worker that claims it runs it (it
+    # would stop one asked to stop, and the stop would end the retried pipeline CANCELLED)
+    clock.advance(60)
+    again = await claim(app, GEN)
+    assert again.id == step.id and not again.cancel_requested
+    await succeed(app, again)
+    made = await steps(app, pipeline.id)
+    assert made["upscale/0"].status is Status.PENDING
+    assert (await app.get(pipeline.id)).status is Status.GENERATING

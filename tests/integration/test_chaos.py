@@ -1,6 +1,7 @@
 """The chaos run, short: real worker and supervisor processes killed with SIGKILL, paused
 past their lease, storage writes failing, cancellations, failures and duplicates; then
-every invariant of DESIGN.md checked (benchmarks/chaos.py, `make chaos` for the full run).
+every invariant of DESIGN.md checked, pipelines and inputs by reference among the tasks
+(benchmarks/chaos.py, `make chaos` for the full run).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
-INVARIANTS = {"I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "CH"}
+INVARIANTS = {
+    "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3", "RF",
+    "CH",
+}  # fmt: skip
 
 
 def run_chaos(run_dir: Path, *options: str) -> tuple[int, dict[str, Any], str]:
@@ -71,5 +75,11 @@ def test_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert summary["tasks_retried"] > 0 and summary["retries_scheduled"] > 0
     assert summary["supervisor_restarts"] == 1
     assert summary["permanent"] > 0 and summary["outcomes"].get("FAILED", 0) > 0
+    # And pipelines ran under it, their steps made by the store, some cancelled; and
+    # earlier outputs were transformed by reference
+    assert summary["pipelines"] > 0 and summary["pipeline_steps"] > summary["pipelines"]
+    assert summary["checks"]["PL3"]["checked"] > 0
+    assert summary["pipelines_cancelled_pending"] + summary["pipelines_cancelled_running"] > 0
+    assert summary["by_reference"] > 0 and summary["checks"]["RF"]["checked"] > 0
     # And the table came before the JSON line
     assert "PASS" in stdout and re.search(r"\bFAIL\b", stdout) is None

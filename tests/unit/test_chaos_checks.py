@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import kiln
+from kiln import inputs, transform
 from kiln.app import running
 from kiln.states import Event, Status
 
@@ -69,9 +70,10 @@ async def test_a_healthy_store_passes_every_check(
     found = await checks.check_all(app, expected, integrity="ok")
     assert failed(found) == set()
     assert {c.key for c in found} == {
-        "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT"
+        "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3",
+        "RF",
     }  # fmt: skip
-    assert all(c.checked > 0 for c in found if c.key != "I8")
+    assert all(c.checked > 0 for c in found if c.key not in ("I8", "PL1", "PL2", "PL3", "RF"))
 
 
 async def test_an_output_deleted_behind_the_store_fails_i4_and_reconciliation(
@@ -204,3 +206,143 @@ def test_a_run_that_injected_nothing_fails(monkeypatch: pytest.MonkeyPatch) -> N
         assert not chaos.chaos_happened({**figures, quiet: 0}).ok
     assert not chaos.chaos_happened({**figures, "cancelled_pending": 0, "cancelled_running": 0}).ok
     assert not chaos.chaos_happened({**figures, "supervisor_restarts": 0}).ok
+
+
+def chain(prompt: str) -> dict[str, Any]:
+    return {"steps": [
+        {"name": "generate", "kind": "image.generate", "params": {**params(prompt), "seed": 1}},
+        {"name": "resize", "kind": "image.transform", "params": {"op": "resize", "width": 32,
+         "height": 32}, "inputs": {"image": "step:generate/image.png"}},
+    ]}  # fmt: skip
+
+
+def fan_out(prompt: str) -> dict[str, Any]:
+    return {"steps": [
+        {"name": "generate", "kind": "image.generate", "repeat": 3,
+         "params": {**params(prompt), "seed": 1}},
+        {"name": "sheet", "kind": "image.contact_sheet", "params": {"tile": 16},
+         "inputs": {"images": "step:generate/*"}},
+    ]}  # fmt: skip
+
+
+@pytest.fixture
+async def pipelined(app: kiln.App, checks: ModuleType) -> tuple[kiln.App, Any, dict[str, str]]:
+    """A chain and a fan-out run to SUCCESS, a third pipeline cancelled while PENDING then
+    retried to SUCCESS, a fourth cancelled for good; then the chain's last output
+    transformed by reference."""
+    transform.register(app)
+    made = {name: (await app.submit("pipeline", shape)).task.id for name, shape in (
+        ("chain", chain("a kite")), ("fan", fan_out("a boat")),
+        ("retried", chain("a bell")), ("cancelled", chain("a drum")),
+    )}  # fmt: skip
+    await app.cancel(made["retried"])
+    await app.retry(made["retried"])
+    await app.cancel(made["cancelled"])
+    await run_to_final(app, list(made.values()))
+    resized = (await app.pipeline_steps(await app.get(made["chain"])))["resize/0"]
+    output = resized.result["outputs"][0] if resized.result else {}
+    records, held = await inputs.refer(app.store, app.storage, "default",
+                                       {"image": output["sha256"]}, max_pixels=10**7)  # fmt: skip
+    made["by_reference"] = (
+        await app.submit("image.transform", {"op": "convert", "format": "webp"}, inputs=records)
+    ).task.id
+    await inputs.release(app.store, app.storage, held)
+    await run_to_final(app, [made["by_reference"]])
+    expected = checks.Expected(
+        created=set(made.values()), cancelled_pipelines={made["cancelled"]},
+        by_reference={made["by_reference"]: output},
+    )  # fmt: skip
+    return app, expected, made
+
+
+async def test_pipelines_that_kept_their_invariants_pass_every_check(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, expected, made = pipelined
+    found = {c.key: c for c in await checks.check_all(app, expected, integrity="ok")}
+    assert failed(found.values()) == set()
+    # 4 pipelines; 2 + 4 + 2 + 1 step copies made; the steps' inputs: 1 + 3 + 1
+    assert (found["PL1"].checked, found["PL2"].checked, found["PL3"].checked) == (4, 9, 5)
+    assert found["RF"].checked == 1
+    assert (await app.get(made["retried"])).status is Status.SUCCESS
+
+
+async def test_a_pipeline_status_its_steps_disagree_with_fails_pl1(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, expected, made = pipelined
+    snap = await checks.load(app.store)
+    assert checks.check_pipelines_final(snap, expected).ok
+    # A SUCCESS pipeline with a step that failed
+    step_id = checks.step_map(snap.tasks[made["chain"]])["resize/0"]
+    snap.tasks[step_id] = dataclasses.replace(snap.tasks[step_id], status=Status.FAILED)
+    assert not checks.check_pipelines_final(snap, expected).ok
+    # A CANCELLED pipeline the run never cancelled
+    snap = await checks.load(app.store)
+    expected.cancelled_pipelines.clear()
+    assert not checks.check_pipelines_final(snap, expected).ok
+    # A step that moved on after its pipeline's SUCCESS
+    snap = await checks.load(app.store)
+    expected.cancelled_pipelines.add(made["cancelled"])
+    step_id = checks.step_map(snap.tasks[made["fan"]])["sheet/0"]
+    late = max(e.seq for log in snap.events.values() for e in log) + 1
+    claim = dataclasses.replace(snap.events[step_id][1], seq=late, event=Event.CLAIM)
+    snap.events[step_id].append(claim)
+    found = checks.check_pipelines_final(snap, expected)
+    assert [v for v in found.violations if "sheet/0" in v]
+
+
+async def test_a_step_done_twice_or_a_success_not_by_its_steps_fails_pl2_and_eo(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, expected, made = pipelined
+    snap = await checks.load(app.store)
+    step_id = checks.step_map(snap.tasks[made["chain"]])["generate/0"]
+    # A second task for one step copy: PL2, and I1 (no pipeline's map names it)
+    snap.tasks["tsk_twin"] = dataclasses.replace(snap.tasks[step_id], id="tsk_twin")
+    assert not checks.check_one_task_per_step(snap).ok
+    assert not checks.check_one_final_state(snap, expected).ok
+    # A second upload of one step
+    snap = await checks.load(app.store)
+    upload = next(e for e in snap.events[step_id] if e.event is Event.UPLOADED)
+    snap.events[step_id].append(dataclasses.replace(upload, seq=upload.seq + 10_000, id="y"))
+    assert not checks.check_one_task_per_step(snap).ok
+    # A pipeline reaching SUCCESS by another event than steps_done
+    snap = await checks.load(app.store)
+    pipeline_log = snap.events[made["chain"]]
+    pipeline_log[-1] = dataclasses.replace(pipeline_log[-1], event=Event.UPLOADED)
+    assert not checks.check_exactly_once(snap, expected).ok
+
+
+async def test_a_step_reading_another_object_fails_pl3(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, _, made = pipelined
+    snap = await checks.load(app.store)
+    step_id = checks.step_map(snap.tasks[made["fan"]])["sheet/0"]
+    sheet = snap.tasks[step_id]
+    # Its inputs in another order than its sources'
+    swapped = [sheet.inputs[1], sheet.inputs[0], *sheet.inputs[2:]]
+    snap.tasks[step_id] = dataclasses.replace(sheet, inputs=swapped)
+    assert not (await checks.check_step_inputs(snap, app.storage)).ok
+    # The object it reads gone from storage
+    snap = await checks.load(app.store)
+    assert (await checks.check_step_inputs(snap, app.storage)).ok
+    await app.storage.delete(sheet.inputs[0]["key"])
+    assert not (await checks.check_step_inputs(snap, app.storage)).ok
+
+
+async def test_an_input_by_reference_not_the_outputs_content_fails_rf(
+    pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
+) -> None:
+    app, expected, made = pipelined
+    snap = await checks.load(app.store)
+    task = snap.tasks[made["by_reference"]]
+    # Its input record another size than the output it named
+    snap.tasks[task.id] = dataclasses.replace(task, inputs=[{**task.inputs[0], "size": 1}])
+    assert not (await checks.check_by_reference(snap, app.storage, expected)).ok
+    # Its object under inputs/ gone
+    snap = await checks.load(app.store)
+    assert (await checks.check_by_reference(snap, app.storage, expected)).ok
+    await app.storage.delete(inputs.input_key(task.inputs[0]["sha256"]))
+    assert not (await checks.check_by_reference(snap, app.storage, expected)).ok

@@ -276,8 +276,12 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
     tasks = await _steps(ops, tx, list(step_map(pipeline).values()))
     now = ops.clock()
     for step in tasks.values():
-        if step.pipeline_id == pipeline.id and step.status in RUNNING and step.cancel_requested:
-            await tx.run(ops.q.keep_running, (now, step.id))  # its cancel was the pipeline's
+        # Its cancel was the pipeline's: a step still running goes on, and so does one an
+        # expire sent back to the queue after the stop was asked (the supervisor decided
+        # on an earlier read): claimed still asked to stop, it would stop at once, and
+        # that stop would end the retried pipeline CANCELLED.
+        if step.pipeline_id == pipeline.id and step.status not in FINAL and step.cancel_requested:
+            await tx.run(ops.q.keep_running, (now, step.id))
         if step.pipeline_id == pipeline.id and step.status in graph.ENDED:
             await _retry_step(ops, tx, step)
     events = (Event.RETRY, Event.RUN_STEPS)

@@ -39,9 +39,10 @@ UPDATE tasks SET result = ?, progress_step = ?, progress_total = ?, progress_at 
 WHERE id = ? RETURNING *
 
 -- keep_running --
--- A retried pipeline's running step no longer asked to stop: (now, id).
+-- A retried pipeline's step no longer asked to stop, running or sent back to the queue
+-- meanwhile (an expire decided before the stop was asked): (now, id).
 UPDATE tasks SET cancel_requested = {FALSE}, cancel_requested_at = NULL, updated_at = ?
-WHERE id = ? AND status IN {RUNNING}
+WHERE id = ? AND status NOT IN {FINAL}
 
 -- pipeline_steps --
 -- The final steps of pipelines, purged with them: ([pipeline ids]).
