@@ -82,6 +82,8 @@ STATUS_MEMORY = 10_000
 #: The statuses a task reaches GENERATING from: progress seen while a stream still knows
 #: the task in one of them waits for that event.
 BEFORE_GENERATING = frozenset({Status.PENDING, Status.RETRYING, Status.WAITING_FOR_RESOURCE})
+#: The ended pipelines a retry runs again (a retry of one of their steps retries them).
+RETRYABLE_PIPELINE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: A list cursor is the id of the last task of the page before (kiln.canonical.new_task_id).
 CURSOR_PATTERN = re.compile(r"tsk_[0-9a-hjkmnp-tv-z]{26}")
 
@@ -352,6 +354,14 @@ class App:
         counts from then (docs/schedules.md)."""
         now = self.engine.now()
         when = timing.run_at_of(run_at, delay_s, now)
+        if kind == pipelines.KIND and when is not None:
+            field = "run_at" if run_at is not None else "delay_s"
+            raise InvalidRequest(
+                "a pipeline starts its first steps when it is submitted: it takes no run_at "
+                "or delay_s (a recurring schedule may start one later)",
+                details=[{"loc": ["body", field], "msg": "not taken by kind pipeline",
+                          "type": "value_error"}],
+            )  # fmt: skip
         task_kind = self.kind(kind)
         clean = task_kind.validate(params)
         check_metadata(metadata)
@@ -596,7 +606,9 @@ class App:
         return cancelled
 
     async def retry(self, task_id: str, tenant: str | None = None) -> Task:
-        """Manual retry of a final FAILED, TIMEOUT or CANCELLED task: due now."""
+        """Manual retry of a final FAILED, TIMEOUT or CANCELLED task: due now. A step of
+        a pipeline that ended is retried with its pipeline (the steps that did not
+        succeed run again, the pipeline goes on from them); alone it would lead nowhere."""
         for _ in range(20):
             task = await self.get(task_id, tenant)
             if task.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
@@ -606,6 +618,11 @@ class App:
             try:
                 if task.kind == pipelines.KIND:
                     return await self.store.retry_pipeline(task.id, {})
+                if task.pipeline_id is not None:
+                    pipeline = await self.store.get(task.pipeline_id)
+                    if pipeline is not None and pipeline.status in RETRYABLE_PIPELINE:
+                        await self.store.retry_pipeline(pipeline.id, {})
+                        return await self.get(task_id, tenant)
                 return await self.engine.apply(task, Event.RETRY, fields=fields)
             except Conflict:
                 continue

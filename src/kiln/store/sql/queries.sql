@@ -385,8 +385,10 @@ GROUP BY tenant HAVING sum(n) > 0 ORDER BY tenant
 
 -- running_of_tenants --
 -- Claimed-and-unfinished tasks of some tenants, counted from the tasks themselves so a
--- claim sees its own transaction's earlier claims: ([tenants]).
+-- claim sees its own transaction's earlier claims; a running pipeline is no claimed task
+-- (its steps are): ([tenants]).
 SELECT tenant, COUNT(*) FROM tasks WHERE tenant {IN_LIST} AND status IN {RUNNING}
+    AND kind <> 'pipeline'
 GROUP BY tenant
 
 -- resource pools (kiln/store/pools.py) ------------------------------------------------------

@@ -3,7 +3,8 @@
 -- docs/uploads.md) and the store finds it through an index instead of reading results.
 -- A row per output of a SUCCESS task; written by the database when a task becomes
 -- SUCCESS with a result (every path: a worker's upload step, an approval, a recovery, the
--- one-statement steps over arrays), and deleted with its task. A task without outputs
+-- one-statement steps over arrays), and deleted when it leaves SUCCESS (a lost result
+-- run again: its old objects are gone) or is deleted. A task without outputs
 -- ('{"outputs":[]}', as the store writes it) costs the comparison in WHEN: the function is
 -- not called.
 CREATE TABLE task_outputs (
@@ -44,6 +45,10 @@ CREATE TRIGGER task_outputs_success AFTER UPDATE OF status ON tasks FOR EACH ROW
     EXECUTE FUNCTION kiln_task_outputs_success();
 
 CREATE TRIGGER task_outputs_gone AFTER DELETE ON tasks FOR EACH ROW
+    EXECUTE FUNCTION kiln_task_outputs_gone();
+
+CREATE TRIGGER task_outputs_left AFTER UPDATE OF status ON tasks FOR EACH ROW
+    WHEN (OLD.status = 'SUCCESS' AND NEW.status <> 'SUCCESS')
     EXECUTE FUNCTION kiln_task_outputs_gone();
 
 -- The outputs of the SUCCESS tasks that exist now.

@@ -3,7 +3,8 @@
 -- docs/uploads.md) and the store finds it through an index instead of reading results.
 -- A row per output of a SUCCESS task; written by the database when a task becomes
 -- SUCCESS with a result (every path: a worker's upload step, an approval, a recovery),
--- and deleted with its task. A task without outputs ('{"outputs":[]}', as the store writes
+-- and deleted when it leaves SUCCESS (a lost result run again: its old objects are gone)
+-- or is deleted. A task without outputs ('{"outputs":[]}', as the store writes
 -- it) costs the comparison in WHEN and nothing more.
 CREATE TABLE task_outputs (
     tenant       TEXT NOT NULL,
@@ -33,6 +34,12 @@ BEGIN
 END;
 
 CREATE TRIGGER task_outputs_gone AFTER DELETE ON tasks
+BEGIN
+    DELETE FROM task_outputs WHERE task_id = old.id;
+END;
+
+CREATE TRIGGER task_outputs_left AFTER UPDATE OF status ON tasks
+WHEN old.status = 'SUCCESS' AND new.status <> 'SUCCESS'
 BEGIN
     DELETE FROM task_outputs WHERE task_id = old.id;
 END;

@@ -1,0 +1,115 @@
+"""What the rest of kiln does around a pipeline, on both stores: a tenant's running cap
+counts its steps, not the pipeline that waits for them; a pipeline takes no run_at; a step
+of an ended pipeline is retried with its pipeline; an output index row goes when its
+task's result is lost and run again."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+import kiln
+from kiln.config import Settings
+from kiln.errors import InvalidRequest
+from kiln.reconcile import ResultLostPolicy, lose_result
+from kiln.states import Event, Status
+from kiln.store import Store
+
+from .test_store_pipelines import (
+    GEN,
+    GenParams,
+    _handler,
+    claim,
+    fail,
+    output,
+    steps,
+    submit,
+    succeed,
+)
+from .test_store_pipelines import app as app  # the fixture, under its own name
+
+
+async def test_a_running_pipeline_takes_no_place_under_its_tenants_running_cap(
+    store: Store, settings: Settings
+) -> None:
+    # Given a tenant allowed one running task, and one pipeline of two steps in a chain
+    capped = dataclasses.replace(settings, tenant_running=1)
+    app = kiln.App(store=store, settings=capped, rng=random.Random(7))
+    app.task(GEN, params=GenParams)(_handler)
+    pipeline = await submit(app, {"steps": [
+        {"name": "a", "kind": GEN, "params": {"prompt": "cap a"}},
+        {"name": "b", "kind": GEN, "params": {"prompt": "cap b"}},
+    ]})  # fmt: skip
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+    # When a worker claims: the running pipeline does not use the tenant's one place
+    [first] = await app.engine.claim(worker_id="w", kinds=[GEN], limit=1, lease_ttl_s=30)
+    assert first.pipeline_id == pipeline.id and first.step == "a"
+    # And its running step does: a plain task of the tenant waits for it
+    await app.submit(GEN, {"prompt": "plain"}, tenant="acme")
+    assert await app.engine.claim(worker_id="w", kinds=[GEN], limit=1, lease_ttl_s=30) == []
+    await succeed(app, first)
+    claimed = await app.engine.claim(worker_id="w", kinds=[GEN], limit=1, lease_ttl_s=30)
+    assert len(claimed) == 1
+
+
+@pytest.mark.parametrize("when", [{"delay_s": 60.0}, {"run_at": "2099-01-01T00:00:00Z"}])
+async def test_a_pipeline_takes_no_run_at_and_nothing_is_stored(
+    app: kiln.App, when: dict[str, Any]
+) -> None:
+    params = {"steps": [{"name": "a", "kind": GEN, "params": {"prompt": "later"}}]}
+    with pytest.raises(InvalidRequest) as refused:
+        await app.submit("pipeline", params, tenant="acme", **when)
+    assert refused.value.details[0]["loc"] == ["body", next(iter(when))]
+    assert (await app.list_tasks(tenant="acme"))[0] == []
+
+
+async def test_a_step_of_an_ended_pipeline_is_retried_with_its_pipeline(app: kiln.App) -> None:
+    # Given a chain whose first step failed for good: the pipeline ended FAILED
+    pipeline = await submit(app, {"steps": [
+        {"name": "a", "kind": GEN, "params": {"prompt": "retry a"}},
+        {"name": "b", "kind": GEN, "params": {"prompt": "retry b"}},
+    ]})  # fmt: skip
+    failed = await fail(app, await claim(app, GEN))
+    assert failed.status is Status.FAILED
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    # When the step is retried on its own (as kiln retry --status FAILED would)
+    retried = await app.retry(failed.id, "acme")
+    # Then its pipeline runs again from it, and the chain goes on when it succeeds
+    assert retried.status is Status.RETRYING
+    assert (await app.get(pipeline.id)).status is Status.GENERATING
+    await succeed(app, await claim(app, GEN))
+    made = await steps(app, pipeline.id)
+    assert made["b/0"].status in (Status.PENDING, Status.RETRYING)
+    await succeed(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+
+
+async def test_an_output_index_row_goes_when_its_result_is_lost_and_run_again(
+    app: kiln.App,
+) -> None:
+    # Given a task that succeeded with an output of a fixed content
+    await app.submit(GEN, {"prompt": "indexed"}, tenant="acme")
+    sha = "ab" * 32
+
+    async def succeed_with_fixed_content() -> str:
+        task = await claim(app, GEN)
+        result = {"outputs": [{**output(task), "sha256": sha}]}
+        task = await app.apply(task, Event.ACQUIRE, fenced=True)
+        task = await app.apply(task, Event.GENERATED, fenced=True)
+        await app.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True,
+                        fields={"result": result})  # fmt: skip
+        return str(result["outputs"][0]["key"])
+
+    first_key = await succeed_with_fixed_content()
+    assert (await app.store.find_object("acme", sha)).output["key"] == first_key  # type: ignore[union-attr]
+    # When its result is found lost and it runs again: the old object is no longer named
+    [task] = (await app.list_tasks(tenant="acme"))[0]
+    await lose_result(app, task, [], ResultLostPolicy.RERUN)
+    assert await app.store.find_object("acme", sha) is None
+    # And the new run's object is what the index names
+    second_key = await succeed_with_fixed_content()
+    assert second_key != first_key
+    assert (await app.store.find_object("acme", sha)).output["key"] == second_key  # type: ignore[union-attr]
