@@ -27,6 +27,9 @@ answered ``500 internal_error`` without its message.
     - ``LeaseLost`` ``lease_lost`` (500): a fenced write matched no row; the worker
       drops the task.
     - ``Conflict`` ``conflict`` (409): an unfenced compare-and-set lost a race.
+
+      - ``StaleDecision`` ``conflict``: the row kept its status and epoch but a retry
+        was planned on a read from before a cancel was asked; read again and decide.
     - ``NotLeader`` ``not_leader`` (500): another supervisor leads.
     - ``StoreUnavailable`` ``store_unavailable`` (503): the database does not answer.
     - ``StorageError`` ``storage_error`` (503): the object storage does not answer.
@@ -137,6 +140,11 @@ class Conflict(KilnError):
     """A compare-and-set on an unfenced transition lost a race; re-read and decide again."""
 
     code = "conflict"
+
+
+class StaleDecision(Conflict):
+    """The row kept its status and epoch but changed what the change was decided on (a
+    cancel asked since the read that planned a retry): read it again and decide anew."""
 
 
 class StoreUnavailable(KilnError):

@@ -40,7 +40,7 @@ from kiln import canonical, tracing
 from kiln.breakers import UNAVAILABLE, Breakers
 from kiln.bus import ProgressEvent
 from kiln.engine import Engine, SupportsEngine, engine_of
-from kiln.errors import LeaseLost, Permanent, Retryable, StoreUnavailable, Yielded
+from kiln.errors import LeaseLost, Permanent, Retryable, StaleDecision, StoreUnavailable, Yielded
 from kiln.kinds import HandlerResult, TaskKind, call_review
 from kiln.model_loads import LOADING_MODEL, ModelLoads
 from kiln.models import JSON, Output, StoredOutput, Task
@@ -931,6 +931,14 @@ class Worker:
                         attempt.task = await write
                     raise
                 return
+            except StaleDecision:
+                # A cancel was asked after the read this change was planned on (a retry):
+                # plan it again on the row as it is now, in the same attempt.
+                fresh = await self.engine.store.get(attempt.task.id)
+                task = attempt.task
+                if fresh is None or (fresh.status, fresh.epoch) != (task.status, task.epoch):
+                    raise LeaseLost(f"task {task.id} moved on while {event} was recorded") from None
+                attempt.task = fresh
             except StoreUnavailable as exc:
                 # Try again while the lease holds; after that the supervisor owns the task
                 # (and finds a complete upload through its manifest).

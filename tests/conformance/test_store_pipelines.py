@@ -15,7 +15,7 @@ import pytest
 
 import kiln
 from kiln.config import Settings
-from kiln.errors import InvalidRequest
+from kiln.errors import InvalidRequest, StaleDecision
 from kiln.models import JSON, Task
 from kiln.scheduler import tick_task
 from kiln.states import Event, Status
@@ -450,16 +450,20 @@ async def test_a_retry_takes_back_the_stop_asked_of_a_step_an_expire_sent_back_t
     pipeline = await submit(app, chain("a wren"))
     step = await app.apply(await claim(app, GEN), Event.ACQUIRE, fenced=True)
     stale = await app.get(step.id)
-    # When its pipeline is cancelled (the step asked to stop), then the sweep's expire,
-    # decided on its earlier read, sends the step back to the queue, still asked to stop
+    # When its pipeline is cancelled (the step asked to stop), the sweep's expire decided
+    # on its earlier read (a retry planned) is refused: the step was asked to stop since
     await app.cancel(pipeline.id, "acme")
     lapsed = {"code": "lease_expired", "message": "lapsed", "retryable": True}
-    requeued = await app.apply(stale, Event.EXPIRE, bump_epoch=True, retry_error=lapsed)
-    assert (requeued.status, requeued.cancel_requested) == (Status.RETRYING, True)
-    # And the pipeline is retried before a worker claims the step
+    with pytest.raises(StaleDecision):
+        await app.apply(stale, Event.EXPIRE, bump_epoch=True, retry_error=lapsed)
+    # And the next sweep, reading it again, ends the attempt without a retry
+    ended = await app.apply(await app.get(step.id), Event.EXPIRE, bump_epoch=True,
+                            retry_error=lapsed)  # fmt: skip
+    assert ended.final and ended.cancel_requested
+    # When the pipeline is retried
     assert (await app.retry(pipeline.id, "acme")).status is Status.GENERATING
-    # Then the step is no longer asked to stop: the worker that claims it runs it (it
-    # would stop one asked to stop, and the stop would end the retried pipeline CANCELLED)
+    # Then the step runs again, no longer asked to stop: the worker that claims it runs it
+    # (it would stop one asked to stop, and the stop would end the pipeline CANCELLED)
     clock.advance(60)
     again = await claim(app, GEN)
     assert again.id == step.id and not again.cancel_requested

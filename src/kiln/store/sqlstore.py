@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kiln import counters as names
-from kiln.errors import Conflict, IdempotencyKeyReused, LeaseLost, NotFound, NotLeader
+from kiln.errors import (
+    Conflict,
+    IdempotencyKeyReused,
+    LeaseLost,
+    NotFound,
+    NotLeader,
+    StaleDecision,
+)
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.pipelines import KIND as PIPELINE
 from kiln.states import CLAIMABLE, FINAL, Event, Status
@@ -111,6 +118,10 @@ def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
     if status == change.expect_status and (
         change.expect_epoch is None or epoch == change.expect_epoch
     ):
+        if current[6] and any(event is Event.SCHEDULE_RETRY for event, _ in change.steps):
+            # The retry was planned on a read from before a cancel was asked (the engine
+            # plans none for a task whose cancel is asked): not now.
+            return Refused(StaleDecision(f"task {change.task_id}: a cancel was asked since"))
         return None
     if change.fenced:
         tx.bump(names.STALE_WRITES)

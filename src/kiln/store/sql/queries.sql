@@ -14,7 +14,8 @@ SELECT * FROM tasks WHERE id {IN_LIST}
 
 -- lock_task --
 -- What a change checks before it writes, locked until commit: (id).
-SELECT status, epoch, version, status_since, tenant, attempt FROM tasks WHERE id = ?
+SELECT status, epoch, version, status_since, tenant, attempt, cancel_requested FROM tasks
+WHERE id = ?
 {FOR_UPDATE}
 
 -- insert_task --
