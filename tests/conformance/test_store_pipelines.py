@@ -467,3 +467,118 @@ async def test_a_retry_takes_back_the_stop_asked_of_a_step_an_expire_sent_back_t
     made = await steps(app, pipeline.id)
     assert made["upscale/0"].status is Status.PENDING
     assert (await app.get(pipeline.id)).status is Status.GENERATING
+
+
+async def test_a_steps_failure_commits_when_a_sibling_is_claimed_meanwhile(
+    app: kiln.App, backend: Any, tmp_path: Any, clock: Any
+) -> None:
+    if backend.name != "postgres":
+        pytest.skip("two processes on one database: PostgreSQL")
+    # Given a fan-out of three, one copy claimed
+    params = {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": "fan", "seed": 1},
+                         "repeat": 3}]}  # fmt: skip
+    pipeline = await submit(app, params)
+    first = await claim(app, GEN)
+    other = backend.open(tmp_path / "store", clock)  # a worker's process on the same database
+    await other.last_seq()
+    real = store_pipelines._steps
+    taken: list[list[Task]] = []
+
+    async def racing(ops: Any, tx: Any, ids: list[str]) -> Any:
+        found = await real(ops, tx, ids)
+        if not taken:  # right after the pipeline read its steps, a PENDING sibling is claimed
+            taken.append(await other.claim(worker_id="w-2", kinds=[GEN], limit=1, lease_ttl_s=30))
+        return found
+
+    store_pipelines._steps = racing  # type: ignore[assignment]
+    try:
+        # When the claimed copy fails for good
+        failed = await fail(app, first)
+    finally:
+        store_pipelines._steps = real  # type: ignore[assignment]
+        await other.close()
+    # Then its failure commits (it is not refused for the sibling's change), the pipeline
+    # ends FAILED, the sibling claimed meanwhile is asked to stop, the last one cancelled
+    assert len(taken[0]) == 1
+    assert failed.status is Status.FAILED
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    sibling = await app.get(taken[0][0].id)
+    assert sibling.status is Status.WAITING_FOR_RESOURCE and sibling.cancel_requested
+    made = await steps(app, pipeline.id)
+    assert sorted(t.status for t in made.values()) == [
+        "CANCELLED", "FAILED", "WAITING_FOR_RESOURCE",
+    ]  # fmt: skip
+
+
+async def test_many_steps_ending_together_with_a_cancel_never_deadlock(
+    app: kiln.App, backend: Any, truth: Callable[..., list[Row]]
+) -> None:
+    if backend.name != "postgres":
+        pytest.skip("concurrent transactions: PostgreSQL")
+    import asyncio
+
+    # Given fan-outs of eight copies, every copy running
+    def fan_out(prompt: str) -> JSON:
+        return {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": prompt}, "repeat": 8}]}
+
+    pipelines = [await submit(app, fan_out(prompt)) for prompt in ("many", "more")]
+    running = await app.store.claim(worker_id="w", kinds=[GEN], limit=16, lease_ttl_s=30)
+    assert len(running) == 16
+    running = [await app.apply(t, Event.ACQUIRE, fenced=True) for t in running]
+    running = [await app.apply(t, Event.GENERATED, fenced=True) for t in running]
+    before = truth("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+
+    async def end(index: int, task: Task) -> Any:
+        if task.pipeline_id == pipelines[0].id and index % 3 == 1:  # the other is cancelled
+            return await fail(app, task)
+        result = {"outputs": [output(task)]}
+        return await app.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True,
+                               fields={"result": result, "error": None})  # fmt: skip
+
+    # When they all end at once, from several tasks, as one pipeline is cancelled (one of
+    # its copies still runs: the cancel finds it running)
+    last = [t for t in running if t.pipeline_id == pipelines[1].id][-1]
+    ended = await asyncio.gather(
+        *(end(i, t) for i, t in enumerate(running) if t is not last),
+        app.cancel(pipelines[1].id, "acme"),
+        return_exceptions=True,
+    )
+    # Then every change commits: no deadlock surfaced, none even retried
+    assert [e for e in ended if isinstance(e, BaseException)] == []
+    after = truth("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+    assert after == before
+    assert (await app.get(last.id)).cancel_requested
+    await app.apply(last, Event.STOPPED, fenced=True)
+    # And each pipeline ended, each step with it
+    for pipeline in pipelines:
+        assert (await app.get(pipeline.id)).final
+        assert all(t.final for t in (await steps(app, pipeline.id)).values())
+
+
+async def test_a_step_taken_from_another_task_is_done_whatever_that_task_does_later(
+    app: kiln.App,
+) -> None:
+    from kiln.reconcile import ResultLostPolicy, lose_result
+
+    # Given a standalone task that succeeded with the content of a pipeline's first step
+    await app.submit(GEN, {"prompt": "same"}, tenant="acme")
+    other = await succeed(app, await claim(app, GEN))
+    params = {"steps": [
+        {"name": "a", "kind": GEN, "params": {"prompt": "same"}},
+        {"name": "b", "kind": USE, "params": {"size": 64}, "inputs": {"image": "step:a/out.png"}},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    made = await steps(app, pipeline.id)
+    # Then the step is that task, and its successor reads the outputs it had when taken
+    assert made["a/0"].id == other.id
+    kept = (await app.get(pipeline.id)).result or {}
+    assert kept["taken"]["a/0"]["outputs"] == (other.result or {})["outputs"]
+    assert [i["key"] for i in made["b/0"].inputs] == [output(other)["key"]]
+    # When that task's result is lost and it runs again, while the successor succeeds
+    await lose_result(app, await app.get(other.id), [], ResultLostPolicy.RERUN)
+    assert (await app.get(other.id)).status is Status.RETRYING
+    await succeed(app, await claim(app, USE))
+    # Then the pipeline does not wait on it: it ends SUCCESS (it stayed GENERATING forever)
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+    await succeed(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS

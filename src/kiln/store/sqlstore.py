@@ -310,12 +310,16 @@ class TaskOps(Ops):
         now = self.clock()
         if change.leader is not None and not await self._holds(tx, change.leader, now):
             return Refused(NotLeader(f"{change.leader.owner} no longer leads"))
+        target = change.steps[-1][1]
+        if change.pipeline_id is not None and target in FINAL:
+            # A step's end advances its pipeline: one lock order everywhere, the pipeline's
+            # row first, then its steps (kiln.store.pipelines), or fan-outs deadlock.
+            await tx.one(self.q.lock_task, (change.pipeline_id,))
         current = await tx.one(self.q.lock_task, (change.task_id,))
         refused = refusal(tx, change, current)
         if refused is not None:
             return refused
         assert current is not None
-        target = change.steps[-1][1]
         sql, args = update_sql(change, target, now)
         if change.expect_status in NOT_LIVE and target not in NOT_LIVE:
             row = await self._revive(tx, self.q.sql(sql), args)
