@@ -99,6 +99,12 @@ async def steps(app: kiln.App, pipeline_id: str) -> dict[str, Task]:
     return await app.pipeline_steps(pipeline)
 
 
+def counted(truth: Callable[..., list[Row]]) -> dict[str, int]:
+    """The tasks by status as the counts say (their shards summed), zeros left out."""
+    rows = truth("SELECT status, SUM(n) FROM task_counts GROUP BY status")
+    return {str(status): int(n) for status, n in rows if int(n) != 0}
+
+
 def successor_missing(truth: Callable[..., list[Row]]) -> list[Row]:
     """Steps that succeeded in a running pipeline whose successor in the chain does not
     exist: a state no commit may leave (the successor is made in the same transaction)."""
@@ -582,3 +588,67 @@ async def test_a_step_taken_from_another_task_is_done_whatever_that_task_does_la
     assert (await app.get(pipeline.id)).status is Status.SUCCESS
     await succeed(app, await claim(app, GEN))
     assert (await app.get(pipeline.id)).status is Status.SUCCESS
+
+
+async def test_a_pipeline_is_not_purged_while_one_of_its_steps_still_runs(
+    app: kiln.App, clock: Any, truth: Callable[..., list[Row]]
+) -> None:
+    # Given a cancelled pipeline whose step still runs (asked to stop)
+    pipeline = await submit(app, chain())
+    running = await claim(app, GEN)
+    await app.cancel(pipeline.id, "acme")
+    clock.advance(10)
+    # When a purge runs: nothing goes (the step would be orphaned, never purged)
+    assert await app.store.purge(finished_before=clock()) == []
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 2
+    # When the step stops, a later purge takes the pipeline with its step
+    await app.apply(await app.get(running.id), Event.STOPPED, fenced=True)
+    clock.advance(10)
+    purged = await app.store.purge(finished_before=clock())
+    assert sorted(t.id for t in purged) == sorted([pipeline.id, running.id])
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
+    assert counted(truth) == {}
+
+
+async def test_a_purge_keeps_a_pipeline_whose_step_a_user_retried_meanwhile(
+    app: kiln.App,
+    backend: Any,
+    tmp_path: Any,
+    clock: Any,
+    truth: Callable[..., list[Row]],
+    settings: Settings,
+) -> None:
+    if backend.name != "postgres":
+        pytest.skip("two processes on one database: PostgreSQL")
+    from kiln.store.pgtx import PostgresTx
+
+    # Given a FAILED pipeline with its FAILED step, long finished
+    pipeline = await submit(app, chain())
+    step = await fail(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    clock.advance(10)
+    other_store = backend.open(tmp_path / "store", clock)  # a server process elsewhere
+    await other_store.last_seq()
+    other = kiln.App(store=other_store, settings=settings, rng=random.Random(1))
+    other.task(GEN, params=GenParams)(_handler)
+    real = PostgresTx.all
+    retried: list[Task] = []
+
+    async def spying(self: Any, sql: str, args: Any = ()) -> Any:
+        rows = await real(self, sql, args)
+        if not retried and "finished_at <" in sql:  # right after the purge chose its tasks
+            retried.append(await other.retry(step.id))  # a user retries the step alone
+        return rows
+
+    PostgresTx.all = spying  # type: ignore[method-assign]
+    try:
+        # When a purge runs as the step is retried
+        purged = await app.store.purge(finished_before=clock())
+    finally:
+        PostgresTx.all = real  # type: ignore[method-assign]
+        await other_store.close()
+    # Then the retried step and its pipeline stay, counted as they are
+    assert retried[0].status is Status.RETRYING
+    assert purged == []
+    assert truth("SELECT status FROM tasks WHERE id = ?", step.id) == [("RETRYING",)]
+    assert counted(truth) == {"FAILED": 1, "RETRYING": 1}
