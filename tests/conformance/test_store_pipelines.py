@@ -652,3 +652,29 @@ async def test_a_purge_keeps_a_pipeline_whose_step_a_user_retried_meanwhile(
     assert purged == []
     assert truth("SELECT status FROM tasks WHERE id = ?", step.id) == [("RETRYING",)]
     assert counted(truth) == {"FAILED": 1, "RETRYING": 1}
+
+
+async def test_a_bulk_page_skips_a_pipeline_gone_meanwhile_and_acts_on_the_others(
+    app: kiln.App, backend: Any, store: Store
+) -> None:
+    if backend.name != "postgres":
+        pytest.skip("another connection writes during the page: PostgreSQL")
+    from kiln.store.bulk import CANCEL_PIPELINE, BulkFilter
+
+    # Given two running pipelines
+    gone = await submit(app, chain("gone"))
+    kept = await submit(app, chain("kept"))
+
+    def plan(task: Task) -> Any:
+        if task.id == gone.id:  # purged by another process after the page read it
+            backend.execute(store, "DELETE FROM tasks WHERE id = ?", (gone.id,))
+        return CANCEL_PIPELINE
+
+    # When a bulk cancel's page names both, the first deleted before its cancel
+    found = BulkFilter(statuses=(Status.GENERATING,), kinds=("pipeline",), tenant="acme")
+    page = await app.store.bulk_page(found, None, 10, plan)
+    # Then only that one is skipped (NotFound in its savepoint); the other is cancelled
+    assert (page.matched, page.skipped) == (2, 1)
+    assert [t.id for t in page.changed] == [kept.id]
+    assert (await app.get(kept.id)).status is Status.CANCELLED
+    assert all(t.status is Status.CANCELLED for t in (await steps(app, kept.id)).values())
