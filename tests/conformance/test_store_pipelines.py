@@ -678,3 +678,42 @@ async def test_a_bulk_page_skips_a_pipeline_gone_meanwhile_and_acts_on_the_other
     assert [t.id for t in page.changed] == [kept.id]
     assert (await app.get(kept.id)).status is Status.CANCELLED
     assert all(t.status is Status.CANCELLED for t in (await steps(app, kept.id)).values())
+
+
+async def test_a_sibling_sent_back_to_the_queue_meanwhile_is_cancelled_not_left_to_run(
+    app: kiln.App, backend: Any, tmp_path: Any, clock: Any, settings: Settings
+) -> None:
+    if backend.name != "postgres":
+        pytest.skip("two processes on one database: PostgreSQL")
+    # Given a fan-out of two, both copies running
+    params = {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": "two"}, "repeat": 2}]}
+    pipeline = await submit(app, params)
+    first, sibling = await claim(app, GEN), await claim(app, GEN)
+    other_store = backend.open(tmp_path / "store", clock)  # the supervisor's process
+    await other_store.last_seq()
+    other = kiln.App(store=other_store, settings=settings, rng=random.Random(1))
+    other.task(GEN, params=GenParams)(_handler)
+    real = store_pipelines._steps
+    expired: list[Task] = []
+
+    async def racing(ops: Any, tx: Any, ids: list[str]) -> Any:
+        found = await real(ops, tx, ids)
+        if not expired:  # right after the pipeline read its steps, the sibling's lease lapses
+            lapsed = {"code": "lease_expired", "message": "lapsed", "retryable": True}
+            expired.append(
+                await other.apply(sibling, Event.EXPIRE, bump_epoch=True, retry_error=lapsed)
+            )
+        return found
+
+    store_pipelines._steps = racing  # type: ignore[assignment]
+    try:
+        # When the first copy fails for good
+        await fail(app, first)
+    finally:
+        store_pipelines._steps = real  # type: ignore[assignment]
+        await other_store.close()
+    # Then the sibling, back in the queue meanwhile, is cancelled (asking it to stop, as
+    # the pipeline read it, did nothing: it would have run again for a failed pipeline)
+    assert expired[0].status is Status.RETRYING
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    assert (await app.get(sibling.id)).status is Status.CANCELLED

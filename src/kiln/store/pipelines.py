@@ -193,6 +193,7 @@ async def advance(ops: Host, tx: Tx, pipeline: Task) -> Task:
                 taken[key] = {"task_id": task.id, "outputs": outputs}
         if missing is not None:
             break
+    statuses, _ = _view(pipeline, mapping, taken, tasks)  # with the copies made last
     done = sum(1 for status in statuses.values() if status is Status.SUCCESS)
     fields = {"result": _result(mapping, taken), "progress_step": done,
               "progress_total": sum(repeats.values())}  # fmt: skip
