@@ -15,6 +15,7 @@ import pytest
 
 import kiln
 from kiln.config import Settings
+from kiln.engine import rerun_fields
 from kiln.errors import InvalidRequest, StaleDecision
 from kiln.models import JSON, Task
 from kiln.scheduler import tick_task
@@ -97,6 +98,12 @@ async def submit(app: kiln.App, params: JSON, **kw: Any) -> Task:
 async def steps(app: kiln.App, pipeline_id: str) -> dict[str, Task]:
     pipeline = await app.get(pipeline_id)
     return await app.pipeline_steps(pipeline)
+
+
+def counted(truth: Callable[..., list[Row]]) -> dict[str, int]:
+    """The tasks by status as the counts say (their shards summed), zeros left out."""
+    rows = truth("SELECT status, SUM(n) FROM task_counts GROUP BY status")
+    return {str(status): int(n) for status, n in rows if int(n) != 0}
 
 
 def successor_missing(truth: Callable[..., list[Row]]) -> list[Row]:
@@ -471,3 +478,246 @@ async def test_a_retry_takes_back_the_stop_asked_of_a_step_an_expire_sent_back_t
     made = await steps(app, pipeline.id)
     assert made["upscale/0"].status is Status.PENDING
     assert (await app.get(pipeline.id)).status is Status.GENERATING
+
+
+@pytest.mark.postgres_only
+async def test_a_steps_failure_commits_when_a_sibling_is_claimed_meanwhile(
+    app: kiln.App, backend: Any, tmp_path: Any, clock: Any
+) -> None:
+    # Given a fan-out of three, one copy claimed
+    params = {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": "fan", "seed": 1},
+                         "repeat": 3}]}  # fmt: skip
+    pipeline = await submit(app, params)
+    first = await claim(app, GEN)
+    other = backend.open(tmp_path / "store", clock)  # a worker's process on the same database
+    await other.last_seq()
+    real = store_pipelines._steps
+    taken: list[list[Task]] = []
+
+    async def racing(ops: Any, tx: Any, ids: list[str]) -> Any:
+        found = await real(ops, tx, ids)
+        if not taken:  # right after the pipeline read its steps, a PENDING sibling is claimed
+            taken.append(await other.claim(worker_id="w-2", kinds=[GEN], limit=1, lease_ttl_s=30))
+        return found
+
+    store_pipelines._steps = racing  # type: ignore[assignment]
+    try:
+        # When the claimed copy fails for good
+        failed = await fail(app, first)
+    finally:
+        store_pipelines._steps = real  # type: ignore[assignment]
+        await other.close()
+    # Then its failure commits (it is not refused for the sibling's change), the pipeline
+    # ends FAILED, the sibling claimed meanwhile is asked to stop, the last one cancelled
+    assert len(taken[0]) == 1
+    assert failed.status is Status.FAILED
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    sibling = await app.get(taken[0][0].id)
+    assert sibling.status is Status.WAITING_FOR_RESOURCE and sibling.cancel_requested
+    made = await steps(app, pipeline.id)
+    assert sorted(t.status for t in made.values()) == [
+        "CANCELLED", "FAILED", "WAITING_FOR_RESOURCE",
+    ]  # fmt: skip
+
+
+@pytest.mark.postgres_only
+async def test_many_steps_ending_together_with_a_cancel_never_deadlock(
+    app: kiln.App, backend: Any, truth: Callable[..., list[Row]]
+) -> None:
+    import asyncio
+
+    # Given fan-outs of eight copies, every copy running
+    def fan_out(prompt: str) -> JSON:
+        return {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": prompt}, "repeat": 8}]}
+
+    pipelines = [await submit(app, fan_out(prompt)) for prompt in ("many", "more")]
+    running = await app.store.claim(worker_id="w", kinds=[GEN], limit=16, lease_ttl_s=30)
+    assert len(running) == 16
+    running = [await app.apply(t, Event.ACQUIRE, fenced=True) for t in running]
+    running = [await app.apply(t, Event.GENERATED, fenced=True) for t in running]
+    before = truth("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+
+    async def end(index: int, task: Task) -> Any:
+        if task.pipeline_id == pipelines[0].id and index % 3 == 1:  # the other is cancelled
+            return await fail(app, task)
+        result = {"outputs": [output(task)]}
+        return await app.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True,
+                               fields={"result": result, "error": None})  # fmt: skip
+
+    # When they all end at once, from several tasks, as one pipeline is cancelled (one of
+    # its copies still runs: the cancel finds it running)
+    last = [t for t in running if t.pipeline_id == pipelines[1].id][-1]
+    ended = await asyncio.gather(
+        *(end(i, t) for i, t in enumerate(running) if t is not last),
+        app.cancel(pipelines[1].id, "acme"),
+        return_exceptions=True,
+    )
+    # Then every change commits: no deadlock surfaced, none even retried
+    assert [e for e in ended if isinstance(e, BaseException)] == []
+    after = truth("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+    assert after == before
+    assert (await app.get(last.id)).cancel_requested
+    await app.apply(last, Event.STOPPED, fenced=True)
+    # And each pipeline ended, each step with it
+    for pipeline in pipelines:
+        assert (await app.get(pipeline.id)).final
+        assert all(t.final for t in (await steps(app, pipeline.id)).values())
+
+
+async def test_a_step_taken_from_another_task_is_done_whatever_that_task_does_later(
+    app: kiln.App,
+) -> None:
+    from kiln.reconcile import ResultLostPolicy, lose_result
+
+    # Given a standalone task that succeeded with the content of a pipeline's first step
+    await app.submit(GEN, {"prompt": "same"}, tenant="acme")
+    other = await succeed(app, await claim(app, GEN))
+    params = {"steps": [
+        {"name": "a", "kind": GEN, "params": {"prompt": "same"}},
+        {"name": "b", "kind": USE, "params": {"size": 64}, "inputs": {"image": "step:a/out.png"}},
+    ]}  # fmt: skip
+    pipeline = await submit(app, params)
+    made = await steps(app, pipeline.id)
+    # Then the step is that task, and its successor reads the outputs it had when taken
+    assert made["a/0"].id == other.id
+    kept = (await app.get(pipeline.id)).result or {}
+    assert kept["taken"]["a/0"]["outputs"] == (other.result or {})["outputs"]
+    assert [i["key"] for i in made["b/0"].inputs] == [output(other)["key"]]
+    # When that task's result is lost and it runs again, while the successor succeeds
+    await lose_result(app, await app.get(other.id), [], ResultLostPolicy.RERUN)
+    assert (await app.get(other.id)).status is Status.RETRYING
+    await succeed(app, await claim(app, USE))
+    # Then the pipeline does not wait on it: it ends SUCCESS (it stayed GENERATING forever)
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+    await succeed(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS
+
+
+async def test_a_pipeline_is_not_purged_while_one_of_its_steps_still_runs(
+    app: kiln.App, clock: Any, truth: Callable[..., list[Row]]
+) -> None:
+    # Given a cancelled pipeline whose step still runs (asked to stop)
+    pipeline = await submit(app, chain())
+    running = await claim(app, GEN)
+    await app.cancel(pipeline.id, "acme")
+    clock.advance(10)
+    # When a purge runs: nothing goes (the step would be orphaned, never purged)
+    assert await app.store.purge(finished_before=clock()) == []
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 2
+    # When the step stops, a later purge takes the pipeline with its step
+    await app.apply(await app.get(running.id), Event.STOPPED, fenced=True)
+    clock.advance(10)
+    purged = await app.store.purge(finished_before=clock())
+    assert sorted(t.id for t in purged) == sorted([pipeline.id, running.id])
+    assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
+    assert counted(truth) == {}
+
+
+@pytest.mark.postgres_only
+async def test_a_purge_keeps_a_pipeline_whose_step_a_user_retried_meanwhile(
+    app: kiln.App,
+    backend: Any,
+    tmp_path: Any,
+    clock: Any,
+    truth: Callable[..., list[Row]],
+    settings: Settings,
+) -> None:
+    from kiln.store.pgtx import PostgresTx
+
+    # Given a FAILED pipeline with its FAILED step, long finished
+    pipeline = await submit(app, chain())
+    step = await fail(app, await claim(app, GEN))
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    clock.advance(10)
+    other_store = backend.open(tmp_path / "store", clock)  # a server process elsewhere
+    await other_store.last_seq()
+    other = kiln.App(store=other_store, settings=settings, rng=random.Random(1))
+    other.task(GEN, params=GenParams)(_handler)
+    real = PostgresTx.all
+    retried: list[Task] = []
+
+    async def spying(self: Any, sql: str, args: Any = ()) -> Any:
+        rows = await real(self, sql, args)
+        if not retried and "finished_at <" in sql:  # right after the purge chose its tasks
+            # another process retries the step alone, by its own compare-and-set (a retry
+            # through the API goes through the pipeline, whose row the purge holds)
+            read = await other.get(step.id)
+            retried.append(await other.engine.apply(
+                read, Event.RETRY, fields=rerun_fields(read, other.now())))  # fmt: skip
+        return rows
+
+    PostgresTx.all = spying  # type: ignore[method-assign]
+    try:
+        # When a purge runs as the step is retried
+        purged = await app.store.purge(finished_before=clock())
+    finally:
+        PostgresTx.all = real  # type: ignore[method-assign]
+        await other_store.close()
+    # Then the retried step and its pipeline stay, counted as they are
+    assert retried[0].status is Status.RETRYING
+    assert purged == []
+    assert truth("SELECT status FROM tasks WHERE id = ?", step.id) == [("RETRYING",)]
+    assert counted(truth) == {"FAILED": 1, "RETRYING": 1}
+
+
+@pytest.mark.postgres_only
+async def test_a_bulk_page_skips_a_pipeline_gone_meanwhile_and_acts_on_the_others(
+    app: kiln.App, backend: Any, store: Store
+) -> None:
+    from kiln.store.bulk import CANCEL_PIPELINE, BulkFilter
+
+    # Given two running pipelines
+    gone = await submit(app, chain("gone"))
+    kept = await submit(app, chain("kept"))
+
+    def plan(task: Task) -> Any:
+        if task.id == gone.id:  # purged by another process after the page read it
+            backend.execute(store, "DELETE FROM tasks WHERE id = ?", (gone.id,))
+        return CANCEL_PIPELINE
+
+    # When a bulk cancel's page names both, the first deleted before its cancel
+    found = BulkFilter(statuses=(Status.GENERATING,), kinds=("pipeline",), tenant="acme")
+    page = await app.store.bulk_page(found, None, 10, plan)
+    # Then only that one is skipped (NotFound in its savepoint); the other is cancelled
+    assert (page.matched, page.skipped) == (2, 1)
+    assert [t.id for t in page.changed] == [kept.id]
+    assert (await app.get(kept.id)).status is Status.CANCELLED
+    assert all(t.status is Status.CANCELLED for t in (await steps(app, kept.id)).values())
+
+
+@pytest.mark.postgres_only
+async def test_a_sibling_sent_back_to_the_queue_meanwhile_is_cancelled_not_left_to_run(
+    app: kiln.App, backend: Any, tmp_path: Any, clock: Any, settings: Settings
+) -> None:
+    # Given a fan-out of two, both copies running
+    params = {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": "two"}, "repeat": 2}]}
+    pipeline = await submit(app, params)
+    first, sibling = await claim(app, GEN), await claim(app, GEN)
+    other_store = backend.open(tmp_path / "store", clock)  # the supervisor's process
+    await other_store.last_seq()
+    other = kiln.App(store=other_store, settings=settings, rng=random.Random(1))
+    other.task(GEN, params=GenParams)(_handler)
+    real = store_pipelines._steps
+    expired: list[Task] = []
+
+    async def racing(ops: Any, tx: Any, ids: list[str]) -> Any:
+        found = await real(ops, tx, ids)
+        if not expired:  # right after the pipeline read its steps, the sibling's lease lapses
+            lapsed = {"code": "lease_expired", "message": "lapsed", "retryable": True}
+            expired.append(
+                await other.apply(sibling, Event.EXPIRE, bump_epoch=True, retry_error=lapsed)
+            )
+        return found
+
+    store_pipelines._steps = racing  # type: ignore[assignment]
+    try:
+        # When the first copy fails for good
+        await fail(app, first)
+    finally:
+        store_pipelines._steps = real  # type: ignore[assignment]
+        await other_store.close()
+    # Then the sibling, back in the queue meanwhile, is cancelled (asking it to stop, as
+    # the pipeline read it, did nothing: it would have run again for a failed pipeline)
+    assert expired[0].status is Status.RETRYING
+    assert (await app.get(pipeline.id)).status is Status.FAILED
+    assert (await app.get(sibling.id)).status is Status.CANCELLED

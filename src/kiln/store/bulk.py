@@ -11,7 +11,8 @@ compare-and-set with its event rows that a single action makes, in a savepoint o
 own), :data:`ASK_TO_STOP` (a running task's ``cancel_requested``), or for a pipeline
 :data:`CANCEL_PIPELINE` / :data:`RETRY_PIPELINE` (what ``POST /v1/tasks/{id}/cancel`` or
 ``/retry`` does to one: :mod:`kiln.store.pipelines`, its steps with it). A task that
-changed between the select and its own compare-and-set is refused alone and counted as
+changed between the select and its own compare-and-set, or is gone (a pipeline purged
+meanwhile: its action raises NotFound in its savepoint), is refused alone and counted as
 skipped; the others commit.
 """
 

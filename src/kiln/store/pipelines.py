@@ -4,13 +4,20 @@ of the change that makes it so (docs/pipelines.md).
 The graph and its policy are pure (:mod:`kiln.pipelines`); here they meet the rows. Every
 function runs inside one transaction of the store (``ops`` is the store's
 :class:`~kiln.store.sqlstore.TaskOps`), and locks the pipeline's row first,
-so two steps that end together advance it one after the other. The pipeline keeps the
-map of its steps (``name/copy`` to task id) in its ``result``: a step whose content is
-already done by another task (content dedup) is that task.
+so two steps that end together advance it one after the other. One lock order everywhere:
+the pipeline's row, then its steps in id order (a step's own final change locks its
+pipeline before the step: ``TaskOps._apply``); a step this code changes is read locked and
+decided from that row, and another task's refusal never aborts the transaction.
+
+The pipeline keeps the map of its steps (``name/copy`` to task id) in its ``result``: a
+step whose content is already done by another task (content dedup) is that task, done as
+of the moment it was taken: the outputs its successors read are kept in the map
+(``taken``), whatever that task does later.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -20,7 +27,7 @@ from kiln import counters as names
 from kiln import pipelines as graph
 from kiln.errors import Conflict, NotFound
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
-from kiln.states import CLAIMABLE, FINAL, RUNNING, Event, Status
+from kiln.states import FINAL, RUNNING, Event, Status
 from kiln.store.queries import Queries
 from kiln.store.records import Change
 from kiln.store.rows import dumps, task_from_row
@@ -47,8 +54,22 @@ NO_DEADLINE = 253402300799.0
 STAGE = "steps"
 
 
+#: Steps read for a change, locked until commit, in id order (the one lock order).
+LOCK_STEPS = "SELECT * FROM tasks WHERE id {IN_LIST} ORDER BY id {FOR_UPDATE}"
+
+
 def step_map(pipeline: Task) -> dict[str, str]:
     return dict((pipeline.result or {}).get("steps", {}))
+
+
+def taken_map(pipeline: Task) -> dict[str, JSON]:
+    """The steps taken from another task (content dedup), by ``name/copy``: that task's
+    id and the outputs it had when taken."""
+    return dict((pipeline.result or {}).get("taken", {}))
+
+
+def _result(mapping: dict[str, str], taken: dict[str, JSON]) -> JSON:
+    return {"steps": mapping, "taken": taken} if taken else {"steps": mapping}
 
 
 async def submit(ops: Host, tx: Tx, new: NewTask) -> SubmitResult | Refused:
@@ -70,7 +91,7 @@ async def start(
         task_id=pipeline.id, expect_status=pipeline.status, expect_epoch=None,
         steps=tuple((event, targets[event]) for event in events),
         fields={**fields, "deadline_at": NO_DEADLINE, "stage": STAGE,
-                "result": {"steps": step_map(pipeline)}, "error": None},
+                "result": _result(step_map(pipeline), taken_map(pipeline)), "error": None},
     )  # fmt: skip
     applied = await ops._apply(tx, change)
     if isinstance(applied, Refused):
@@ -103,37 +124,82 @@ async def _steps(ops: Host, tx: Tx, ids: list[str]) -> dict[str, Task]:
     return {task.id: task for task in map(task_from_row, rows)}
 
 
+async def _locked_steps(ops: Host, tx: Tx, ids: list[str]) -> list[Task]:
+    """The tasks of ``ids``, locked until commit in id order (the pipeline's row is locked
+    first by the caller): what a change of them decides from."""
+    if not ids:
+        return []
+    rows = await tx.all(ops.q.sql(LOCK_STEPS), (id_list(ops.q, ids),))
+    return [task_from_row(row) for row in rows]
+
+
+def id_list(q: Queries, ids: Any) -> Any:
+    """Ids as the parameter of ``{IN_LIST}`` in SQL built here (SQLite reads a JSON array;
+    named queries get this from their driver)."""
+    found = sorted(set(ids))
+    return json.dumps(found) if q.dialect == "sqlite" else found
+
+
+def _view(
+    pipeline: Task, mapping: dict[str, str], taken: dict[str, JSON], tasks: dict[str, Task]
+) -> tuple[dict[graph.Copy, Status], dict[graph.Copy, JSON]]:
+    """Each made copy's status and result as the pipeline sees them. A copy taken from
+    another task is SUCCESS with the outputs it had when taken: that task's later changes
+    (a rerun after its result was lost) carry no news for this pipeline, which must never
+    wait on them."""
+    statuses: dict[graph.Copy, Status] = {}
+    results: dict[graph.Copy, JSON] = {}
+    for key, task_id in mapping.items():
+        copy = _copy(key)
+        task = tasks.get(task_id)
+        if key in taken:
+            statuses[copy] = Status.SUCCESS
+            results[copy] = {"outputs": list(taken[key].get("outputs", []))}
+        elif task is not None and task.pipeline_id != pipeline.id:
+            # taken before its outputs were kept in the map: done as well
+            statuses[copy] = Status.SUCCESS
+            results[copy] = (task.result or {}) if task.status is Status.SUCCESS else {}
+        elif task is not None:
+            statuses[copy] = task.status
+            results[copy] = task.result or {}
+    return statuses, results
+
+
 async def advance(ops: Host, tx: Tx, pipeline: Task) -> Task:
     """Create the copies that are ready, until none is (a copy whose content another task
     already did counts as done at once); then end the pipeline when its steps say so."""
     steps: list[JSON] = pipeline.params["steps"]
     policy = str(pipeline.params.get("on_failure", "stop"))
     repeats = {str(s["name"]): int(s.get("repeat", 1)) for s in steps}
-    mapping = step_map(pipeline)
+    mapping, taken = step_map(pipeline), taken_map(pipeline)
     tasks = await _steps(ops, tx, list(mapping.values()))
     missing: str | None = None
     while True:
-        statuses = {_copy(k): tasks[v].status for k, v in mapping.items() if v in tasks}
+        statuses, results = _view(pipeline, mapping, taken, tasks)
         verdict = graph.verdict(steps, policy, statuses)
         if verdict.end is not None or not verdict.create:
             break
-        results = {_copy(k): tasks[v].result or {} for k, v in mapping.items() if v in tasks}
         for step, index in verdict.create:
             records = graph.input_records(step, index, repeats, results)
             if isinstance(records, str):
                 missing = records
                 break
             task = await _create(ops, tx, pipeline, step, index, records)
-            mapping[graph.key((str(step["name"]), index))] = task.id
+            key = graph.key((str(step["name"]), index))
+            mapping[key] = task.id
             tasks[task.id] = task
+            if task.pipeline_id != pipeline.id:  # taken from another task: done as it is now
+                outputs = list((task.result or {}).get("outputs", []))
+                taken[key] = {"task_id": task.id, "outputs": outputs}
         if missing is not None:
             break
-    done = sum(1 for task in tasks.values() if task.status is Status.SUCCESS)
-    fields = {"result": {"steps": mapping}, "progress_step": done,
+    statuses, _ = _view(pipeline, mapping, taken, tasks)  # with the copies made last
+    done = sum(1 for status in statuses.values() if status is Status.SUCCESS)
+    fields = {"result": _result(mapping, taken), "progress_step": done,
               "progress_total": sum(repeats.values())}  # fmt: skip
     if missing is not None:
         lacking = {"code": "step_input_missing", "message": missing, "retryable": False}
-        return await _end(ops, tx, pipeline, Status.FAILED, fields, lacking, tasks)
+        return await _end(ops, tx, pipeline, Status.FAILED, fields, lacking, mapping)
     if verdict.end is None:
         now = ops.clock()
         args = (dumps(fields["result"]), done, fields["progress_total"], now, now, pipeline.id)
@@ -141,7 +207,7 @@ async def advance(ops: Host, tx: Tx, pipeline: Task) -> Task:
         assert row is not None
         return task_from_row(row)
     error = _failure(verdict.failed, mapping, tasks)
-    return await _end(ops, tx, pipeline, verdict.end, fields, error, tasks)
+    return await _end(ops, tx, pipeline, verdict.end, fields, error, mapping)
 
 
 def _failure(
@@ -208,11 +274,11 @@ async def _end(
     status: Status,
     fields: dict[str, Any],
     error: JSON | None,
-    tasks: dict[str, Task],
+    mapping: dict[str, str],
 ) -> Task:
     """End the pipeline; a failure first stops what still runs of its own steps."""
     if status is not Status.SUCCESS:
-        await stop_steps(ops, tx, pipeline, tasks.values())
+        await stop_steps(ops, tx, pipeline, list(mapping.values()))
     event = {Status.SUCCESS: Event.STEPS_DONE, Status.FAILED: Event.STEP_FAILED,
              Status.CANCELLED: Event.STEPS_CANCELLED}[status]  # fmt: skip
     change = Change(
@@ -229,22 +295,21 @@ async def _end(
     return applied[0]
 
 
-async def stop_steps(ops: Host, tx: Tx, pipeline: Task, steps: Any) -> None:
+async def stop_steps(ops: Host, tx: Tx, pipeline: Task, ids: list[str]) -> None:
     """Cancel the pipeline's own steps that wait (PENDING, RETRYING, NEEDS_REVIEW) and ask
-    the running ones to stop (cancel_requested), as a cancel of each would."""
+    the running ones to stop (cancel_requested), as a cancel of each would. Each is read
+    locked (the pipeline's row is locked already) and decided from that row: a worker that
+    claimed or released a step meanwhile is seen, never refused."""
     now = ops.clock()
-    for step in steps:
+    for step in await _locked_steps(ops, tx, ids):
         if step.pipeline_id != pipeline.id or step.status in FINAL:
             continue
         if step.status in RUNNING:
             await tx.one(ops.q.request_cancel, (now, now, step.id))
             continue
-        assert step.status in CLAIMABLE | {Status.NEEDS_REVIEW}
         change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
                         steps=((Event.CANCEL, Status.CANCELLED),))  # fmt: skip
-        applied = await ops._apply(tx, change)  # no pipeline_id: it does not advance it
-        if isinstance(applied, Refused):
-            raise applied.error
+        await ops._apply(tx, change)  # no pipeline_id: it does not advance it
 
 
 async def _locked(ops: Host, tx: Tx, pipeline_id: str) -> Task:
@@ -261,9 +326,9 @@ async def cancel(ops: Host, tx: Tx, pipeline_id: str) -> Task | Refused:
     pipeline = await _locked(ops, tx, pipeline_id)
     if pipeline.status is not Status.GENERATING:
         return Refused(Conflict(f"pipeline {pipeline_id} is {pipeline.status}, not running"))
-    tasks = await _steps(ops, tx, list(step_map(pipeline).values()))
-    fields = {"result": {"steps": step_map(pipeline)}}
-    return await _end(ops, tx, pipeline, Status.CANCELLED, fields, None, tasks)
+    mapping = step_map(pipeline)
+    fields = {"result": _result(mapping, taken_map(pipeline))}
+    return await _end(ops, tx, pipeline, Status.CANCELLED, fields, None, mapping)
 
 
 async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> Task | Refused:
@@ -273,9 +338,8 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
     pipeline = await _locked(ops, tx, pipeline_id)
     if pipeline.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
         return Refused(Conflict(f"pipeline {pipeline_id} is {pipeline.status}"))
-    tasks = await _steps(ops, tx, list(step_map(pipeline).values()))
     now = ops.clock()
-    for step in tasks.values():
+    for step in await _locked_steps(ops, tx, list(step_map(pipeline).values())):
         # Its cancel was the pipeline's: a step still running goes on, and so does one an
         # expire sent back to the queue after the stop was asked (the supervisor decided
         # on an earlier read): claimed still asked to stop, it would stop at once, and
@@ -297,9 +361,7 @@ async def _retry_step(ops: Host, tx: Tx, step: Task) -> None:
              "deadline_at": max(step.deadline_at, now + step.deadline_s)}  # fmt: skip
     change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
                     steps=((Event.RETRY, Status.RETRYING),), fields=again)  # fmt: skip
-    applied = await ops._apply(tx, change)  # no pipeline_id: it does not advance it
-    if isinstance(applied, Refused):
-        raise applied.error
+    await ops._apply(tx, change)  # no pipeline_id: it does not advance it; read locked
 
 
 async def steps_of(ops: Host, tx: Tx, pipeline: Task) -> dict[str, Task]:

@@ -57,6 +57,8 @@ log = logging.getLogger("kiln.store")
 
 T = TypeVar("T")
 
+#: The steps of pipelines a purge selected, locked in id order: ([pipeline ids]).
+LOCK_PIPELINE_STEPS = "SELECT * FROM tasks WHERE pipeline_id {IN_LIST} ORDER BY id {FOR_UPDATE}"
 NOT_LIVE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: Transitions read for the dwell percentiles of ``stats``.
 DWELL_WINDOW = 10_000
@@ -321,12 +323,16 @@ class TaskOps(Ops):
         now = self.clock()
         if change.leader is not None and not await self._holds(tx, change.leader, now):
             return Refused(NotLeader(f"{change.leader.owner} no longer leads"))
+        target = change.steps[-1][1]
+        if change.pipeline_id is not None and target in FINAL:
+            # A step's end advances its pipeline: one lock order everywhere, the pipeline's
+            # row first, then its steps (kiln.store.pipelines), or fan-outs deadlock.
+            await tx.one(self.q.lock_task, (change.pipeline_id,))
         current = await tx.one(self.q.lock_task, (change.task_id,))
         refused = refusal(tx, change, current)
         if refused is not None:
             return refused
         assert current is not None
-        target = change.steps[-1][1]
         sql, args = update_sql(change, target, now)
         if change.expect_status in NOT_LIVE and target not in NOT_LIVE:
             row = await self._revive(tx, self.q.sql(sql), args)
@@ -497,8 +503,10 @@ class TaskOps(Ops):
                 return []
             pipelines_ = [task.id for task in tasks if task.kind == PIPELINE]
             if pipelines_:  # a pipeline goes with its steps, never a step alone
-                tasks += map(task_from_row, await tx.all(self.q.pipeline_steps, (pipelines_,)))
+                tasks = await self._with_steps(tx, tasks, pipelines_)
             ids = [task.id for task in tasks]
+            if not ids:
+                return []
             for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
                           self.q.drop_task_inputs, self.q.purge_traces,
                           self.q.purge_tasks):  # fmt: skip
@@ -509,6 +517,20 @@ class TaskOps(Ops):
             return tasks
 
         return await self._write(write)
+
+    async def _with_steps(self, tx: Tx, tasks: list[Task], pipeline_ids: list[str]) -> list[Task]:
+        """``tasks`` with the steps of its pipelines, read locked (the pipelines' rows are
+        locked already: the one lock order), less each pipeline that has a step not final
+        (still running, or retried by a user meanwhile): it is kept, with its steps, for a
+        later purge."""
+        rows = await tx.all(
+            self.q.sql(LOCK_PIPELINE_STEPS), (pipelines.id_list(self.q, pipeline_ids),)
+        )
+        steps = [task_from_row(row) for row in rows]
+        live = {step.pipeline_id for step in steps if step.status not in FINAL}
+        return [t for t in tasks if t.id not in live] + [
+            step for step in steps if step.pipeline_id not in live
+        ]
 
 
 def purge_candidates(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
+from kiln.errors import KilnError, StoreUnavailable
 from kiln.models import JSON, Task, TaskEvent
 from kiln.states import Event, Status
 from kiln.store.queries import Queries
@@ -184,13 +185,17 @@ class Ops:
 
 
 async def alone(tx: Tx, op: Op[T]) -> T | Exception:
-    """Run ``op`` in a savepoint of ``tx``: a constraint it breaks rolls back its writes and
-    its counts alone and comes back as the error, as does what it refused."""
+    """Run ``op`` in a savepoint of ``tx``: a constraint it breaks, or a refusal it raises
+    (a :class:`~kiln.errors.KilnError`: a pipeline purged meanwhile, a conflict), rolls
+    back its writes and its counts alone and comes back as the error, as does what it
+    refused. The transaction goes on with the other operations."""
     tally = Tally(tx.tally)
     try:
         async with tx.savepoint():
             result = await op(tx)
-    except IntegrityViolation as exc:
+    except (IntegrityViolation, KilnError) as exc:
+        if isinstance(exc, StoreUnavailable):  # the database failed: the whole unit does
+            raise
         tx.tally = tally
         return exc
     return result.error if isinstance(result, Refused) else result
