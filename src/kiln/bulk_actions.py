@@ -22,7 +22,14 @@ from kiln.errors import InvalidCursor, InvalidRequest
 from kiln.models import JSON, Task
 from kiln.pipelines import KIND as PIPELINE
 from kiln.states import ACTIVE, RUNNING, Event, IllegalTransition, Status
-from kiln.store.bulk import ASK_TO_STOP, CANCEL_PIPELINE, RETRY_PIPELINE, BulkFilter, Plan
+from kiln.store.bulk import (
+    ASK_TO_STOP,
+    CANCEL_PIPELINE,
+    RETRY_PIPELINE,
+    BulkFilter,
+    Plan,
+    StepRetry,
+)
 from kiln.timing import parse_moment
 
 #: The statuses each action applies to, as the single action's rules say.
@@ -154,7 +161,8 @@ def planner(engine: Engine, action: str) -> Callable[[Task], Plan]:
                 if task.status in RUNNING:
                     return None if task.cancel_requested else ASK_TO_STOP
                 return engine.user_change(task, Event.CANCEL)
-            return engine.user_change(task, Event.RETRY, rerun_fields(task, engine.now()))
+            change = engine.user_change(task, Event.RETRY, rerun_fields(task, engine.now()))
+            return change if task.pipeline_id is None else StepRetry(change)
         except IllegalTransition:
             return None
 

@@ -113,3 +113,32 @@ async def test_an_output_index_row_goes_when_its_result_is_lost_and_run_again(
     second_key = await succeed_with_fixed_content()
     assert second_key != first_key
     assert (await app.store.find_object("acme", sha)).output["key"] == second_key  # type: ignore[union-attr]
+
+
+async def test_a_bulk_retry_by_code_retries_the_ended_pipelines_of_the_steps_it_names(
+    app: kiln.App,
+) -> None:
+    from kiln.bulk_actions import FilterIn, bulk_action, filter_of
+
+    # Given two chains whose first steps failed for good (code boom): both pipelines ended
+    def chain_of(n: int) -> dict[str, Any]:
+        return {"steps": [
+            {"name": "a", "kind": GEN, "params": {"prompt": f"outage {n}"}},
+            {"name": "b", "kind": GEN, "params": {"prompt": f"after {n}"}},
+        ]}  # fmt: skip
+
+    pipelines = [await submit(app, chain_of(n)) for n in range(2)]
+    for _ in pipelines:
+        assert (await fail(app, await claim(app, GEN))).status is Status.FAILED
+    assert {(await app.get(p.id)).status for p in pipelines} == {Status.FAILED}
+    # When a bulk retry names the failed steps by their code (kiln retry --code boom)
+    found = filter_of("retry", FilterIn(status=["FAILED"], kind=[GEN], code=["boom"]),
+                      scope="acme", everything=False, now=app.now())  # fmt: skip
+    page = await bulk_action(app.engine, "retry", found, dry_run=False)
+    # Then each step is retried with its pipeline: the pipelines run again from them
+    assert (page["matched"], page["retried"], page["skipped"]) == (2, 2, 0)
+    assert sorted(page["task_ids"]) == sorted(p.id for p in pipelines)
+    assert {(await app.get(p.id)).status for p in pipelines} == {Status.GENERATING}
+    for _ in range(4):  # the two retried steps, then the two steps they make ready
+        await succeed(app, await claim(app, GEN))
+    assert {(await app.get(p.id)).status for p in pipelines} == {Status.SUCCESS}

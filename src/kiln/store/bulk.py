@@ -33,12 +33,23 @@ from kiln.store.tx import Ops, Refused, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
+#: The ended pipelines a retry runs again (and a retry of one of their steps with them).
+ENDED_PIPELINE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: What it plans for a pipeline (kiln.store.pipelines): cancel it with its steps, or run
 #: the steps that did not succeed again.
 CANCEL_PIPELINE: Literal["cancel_pipeline"] = "cancel_pipeline"
 RETRY_PIPELINE: Literal["retry_pipeline"] = "retry_pipeline"
 
-Plan = Change | Literal["ask_to_stop", "cancel_pipeline", "retry_pipeline"] | None
+
+@dataclass(frozen=True, slots=True)
+class StepRetry:
+    """A retry of a pipeline's step: with its pipeline when that one ended (what
+    ``POST /v1/tasks/{step}/retry`` does), else the step's own ``change``."""
+
+    change: Change
+
+
+Plan = Change | StepRetry | Literal["ask_to_stop", "cancel_pipeline", "retry_pipeline"] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,8 @@ class BulkOps(Ops):
         op: Callable[[Tx], Awaitable[Any]]
         if planned == ASK_TO_STOP:
             op = self._ask_to_stop(task)
+        elif isinstance(planned, StepRetry):
+            op = self._step_retry(task, planned.change)
         elif not isinstance(planned, Change):  # a pipeline's own action
             op = self._pipeline_op(task, planned)
         else:
@@ -169,6 +182,16 @@ class BulkOps(Ops):
         if planned == CANCEL_PIPELINE:
             return lambda tx: pipelines.cancel(self, tx, task.id)  # type: ignore[arg-type]
         return lambda tx: pipelines.retry(self, tx, task.id, {})  # type: ignore[arg-type]
+
+    def _step_retry(self, task: Task, change: Change) -> Callable[[Tx], Awaitable[Any]]:
+        async def op(tx: Tx) -> Any:
+            assert task.pipeline_id is not None
+            pipeline = await pipelines._locked(self, tx, task.pipeline_id)  # type: ignore[arg-type]
+            if pipeline.status in ENDED_PIPELINE:  # alone the step would lead nowhere
+                return await pipelines.retry(self, tx, pipeline.id, {})  # type: ignore[arg-type]
+            return await self._apply(tx, change)
+
+        return op
 
     def _ask_to_stop(self, task: Task) -> Callable[[Tx], Awaitable[Task | Refused]]:
         now = self.clock()
