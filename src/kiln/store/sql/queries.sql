@@ -45,10 +45,6 @@ WHERE id = ? RETURNING *
 UPDATE tasks SET cancel_requested = {FALSE}, cancel_requested_at = NULL, updated_at = ?
 WHERE id = ? AND status NOT IN {FINAL}
 
--- pipeline_steps --
--- The final steps of pipelines, purged with them: ([pipeline ids]).
-SELECT * FROM tasks WHERE pipeline_id {IN_LIST} AND status IN {FINAL}
-
 -- dedup_lookup --
 -- The live or successful task holding a dedup key: (tenant, dedup_key).
 SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ? AND status NOT IN {NOT_LIVE}
