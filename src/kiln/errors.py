@@ -28,8 +28,9 @@ answered ``500 internal_error`` without its message.
       drops the task.
     - ``Conflict`` ``conflict`` (409): an unfenced compare-and-set lost a race.
 
-      - ``StaleDecision`` ``conflict``: the row kept its status and epoch but a retry
-        was planned on a read from before a cancel was asked; read again and decide.
+      - ``StaleDecision`` ``conflict``: the row kept its status and epoch but what the
+        change was decided on moved (a retry planned before a cancel was asked, a forced
+        cancel after it was taken back); read again and decide.
     - ``NotLeader`` ``not_leader`` (500): another supervisor leads.
     - ``StoreUnavailable`` ``store_unavailable`` (503): the database does not answer.
     - ``StorageError`` ``storage_error`` (503): the object storage does not answer.

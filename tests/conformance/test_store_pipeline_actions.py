@@ -142,3 +142,28 @@ async def test_a_bulk_retry_by_code_retries_the_ended_pipelines_of_the_steps_it_
     for _ in range(4):  # the two retried steps, then the two steps they make ready
         await succeed(app, await claim(app, GEN))
     assert {(await app.get(p.id)).status for p in pipelines} == {Status.SUCCESS}
+
+
+async def test_a_forced_cancel_decided_before_its_pipeline_was_retried_is_refused(
+    app: kiln.App,
+) -> None:
+    from kiln.errors import StaleDecision
+
+    # Given a running step asked to stop by its pipeline's cancel, as the supervisor's
+    # sweep reads it (its cancel overdue)
+    pipeline = await submit(app, {"steps": [
+        {"name": "a", "kind": GEN, "params": {"prompt": "forced"}},
+    ]})  # fmt: skip
+    step = await claim(app, GEN)
+    await app.cancel(pipeline.id, "acme")
+    read = await app.get(step.id)
+    assert read.cancel_requested
+    # When the pipeline is retried (the step's stop taken back) before the sweep acts
+    await app.retry(pipeline.id, "acme")
+    # Then the forced cancel decided on the earlier read is refused: the attempt goes on
+    with pytest.raises(StaleDecision):
+        await app.apply(read, Event.FORCE_CANCEL, bump_epoch=True)
+    now = await app.get(step.id)
+    assert (now.status, now.epoch, now.cancel_requested) == (step.status, read.epoch, False)
+    await succeed(app, now)
+    assert (await app.get(pipeline.id)).status is Status.SUCCESS

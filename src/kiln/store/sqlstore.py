@@ -120,10 +120,15 @@ def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
     if status == change.expect_status and (
         change.expect_epoch is None or epoch == change.expect_epoch
     ):
-        if current[6] and any(event is Event.SCHEDULE_RETRY for event, _ in change.steps):
+        events = {event for event, _ in change.steps}
+        if current[6] and Event.SCHEDULE_RETRY in events:
             # The retry was planned on a read from before a cancel was asked (the engine
             # plans none for a task whose cancel is asked): not now.
             return Refused(StaleDecision(f"task {change.task_id}: a cancel was asked since"))
+        if not current[6] and Event.FORCE_CANCEL in events:
+            # Forced on a read from when a cancel was asked, taken back since (a retry of
+            # its pipeline): the attempt goes on.
+            return Refused(StaleDecision(f"task {change.task_id}: its cancel was taken back"))
         return None
     if change.fenced:
         tx.bump(names.STALE_WRITES)
