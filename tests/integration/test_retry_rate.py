@@ -43,8 +43,11 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @contextlib.asynccontextmanager
 async def process(settings: Settings, clock: AdvancingClock) -> AsyncIterator[kiln.App]:
-    """One process's App (its own store connections) with the failing kind."""
-    app = kiln.App(settings=settings, clock=clock)
+    """One process's App (its own store connections) with the failing kind. Its circuit
+    breaker stays closed: these tests are about the retry clock, and a breaker opened by
+    the first process's failures (shared through the store) would keep the second one's
+    tasks from ever being claimed."""
+    app = kiln.App(settings=settings.with_(breaker_min_calls=1_000_000), clock=clock)
     app.task(KIND)(always_down)
     async with app:
         yield app
