@@ -82,8 +82,6 @@ STATUS_MEMORY = 10_000
 #: The statuses a task reaches GENERATING from: progress seen while a stream still knows
 #: the task in one of them waits for that event.
 BEFORE_GENERATING = frozenset({Status.PENDING, Status.RETRYING, Status.WAITING_FOR_RESOURCE})
-#: The ended pipelines a retry runs again (a retry of one of their steps retries them).
-RETRYABLE_PIPELINE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: A list cursor is the id of the last task of the page before (kiln.canonical.new_task_id).
 CURSOR_PATTERN = re.compile(r"tsk_[0-9a-hjkmnp-tv-z]{26}")
 
@@ -620,7 +618,7 @@ class App:
                     return await self.store.retry_pipeline(task.id, {})
                 if task.pipeline_id is not None:
                     pipeline = await self.store.get(task.pipeline_id)
-                    if pipeline is not None and pipeline.status in RETRYABLE_PIPELINE:
+                    if pipeline is not None and pipeline.status in pipelines.ENDED:
                         await self.store.retry_pipeline(pipeline.id, {})
                         return await self.get(task_id, tenant)
                 return await self.engine.apply(task, Event.RETRY, fields=fields)

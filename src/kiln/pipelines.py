@@ -20,7 +20,7 @@ import pydantic
 
 from kiln.errors import InvalidRequest, KilnError
 from kiln.models import JSON, Timeouts
-from kiln.states import Status
+from kiln.states import FINAL, Status
 
 KIND = "pipeline"
 #: Steps one pipeline may have, copies one step may have (``repeat``), tasks in all.
@@ -201,7 +201,7 @@ def verdict(steps: list[JSON], policy: str, statuses: Mapping[Copy, Status]) -> 
                 needed = [source for _, source, _ in sources(step, index, repeats)]
                 if all(statuses.get(source) is Status.SUCCESS for source in needed):
                     create.append((step, index))
-    active = [c for c, status in statuses.items() if status not in ENDED | {Status.SUCCESS}]
+    active = [c for c, status in statuses.items() if status not in FINAL]
     end: Status | None = None
     total = sum(repeats.values())
     if failed and (policy == "stop" or (not active and not create)):

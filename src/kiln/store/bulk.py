@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kiln import pipelines as graph
 from kiln.errors import Conflict
 from kiln.models import Task, TaskEvent
 from kiln.states import Status
@@ -33,8 +34,6 @@ from kiln.store.tx import Ops, Refused, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
-#: The ended pipelines a retry runs again (and a retry of one of their steps with them).
-ENDED_PIPELINE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: What it plans for a pipeline (kiln.store.pipelines): cancel it with its steps, or run
 #: the steps that did not succeed again.
 CANCEL_PIPELINE: Literal["cancel_pipeline"] = "cancel_pipeline"
@@ -187,7 +186,7 @@ class BulkOps(Ops):
         async def op(tx: Tx) -> Any:
             assert task.pipeline_id is not None
             pipeline = await pipelines._locked(self, tx, task.pipeline_id)  # type: ignore[arg-type]
-            if pipeline.status in ENDED_PIPELINE:  # alone the step would lead nowhere
+            if pipeline.status in graph.ENDED:  # alone the step would lead nowhere
                 return await pipelines.retry(self, tx, pipeline.id, {})  # type: ignore[arg-type]
             return await self._apply(tx, change)
 

@@ -336,7 +336,7 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
     did not succeed is retried (due now, one more attempt), the steps that did keep their
     outputs, and it runs again (RETRYING, then GENERATING) in one transaction."""
     pipeline = await _locked(ops, tx, pipeline_id)
-    if pipeline.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
+    if pipeline.status not in graph.ENDED:
         return Refused(Conflict(f"pipeline {pipeline_id} is {pipeline.status}"))
     now = ops.clock()
     for step in await _locked_steps(ops, tx, list(step_map(pipeline).values())):

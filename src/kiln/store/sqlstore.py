@@ -120,12 +120,11 @@ def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
     if status == change.expect_status and (
         change.expect_epoch is None or epoch == change.expect_epoch
     ):
-        events = {event for event, _ in change.steps}
-        if current[6] and Event.SCHEDULE_RETRY in events:
+        if current[6] and change.steps[-1][0] is Event.SCHEDULE_RETRY:
             # The retry was planned on a read from before a cancel was asked (the engine
             # plans none for a task whose cancel is asked): not now.
             return Refused(StaleDecision(f"task {change.task_id}: a cancel was asked since"))
-        if not current[6] and Event.FORCE_CANCEL in events:
+        if not current[6] and change.steps[0][0] is Event.FORCE_CANCEL:
             # Forced on a read from when a cancel was asked, taken back since (a retry of
             # its pipeline): the attempt goes on.
             return Refused(StaleDecision(f"task {change.task_id}: its cancel was taken back"))
