@@ -76,16 +76,11 @@ def sd15_model_dir() -> Path:
     """Stable Diffusion 1.5's architecture at full size with random weights, saved once per
     process in a folder removed at exit (about 4 GB)."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     sys.path.insert(0, str(ROOT / "tests" / "backends"))
-    from tiny_diffusers import MAX_TOKENS, write_tokenizer
+    from tiny_diffusers import MAX_TOKENS, assemble, write_tokenizer
 
     scratch = Path(tempfile.mkdtemp(prefix="kiln-sd15-random-"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -125,24 +120,7 @@ def sd15_model_dir() -> Path:
             pad_token_id=1,
         )
     )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    pipeline = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    pipeline = assemble(unet, vae, text_encoder, tokenizer)
     folder = scratch / "sd15"
     pipeline.save_pretrained(str(folder))
     return folder

@@ -58,12 +58,7 @@ def write_tokenizer(folder: Path) -> CLIPTokenizer:
 def tiny_pipeline(scratch: Path, seed: int = 0) -> StableDiffusionPipeline:
     """The tiny pipeline, its random weights drawn from ``seed``."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     tokenizer = write_tokenizer(scratch / "tokenizer-source")
@@ -103,6 +98,15 @@ def tiny_pipeline(scratch: Path, seed: int = 0) -> StableDiffusionPipeline:
             pad_token_id=1,
         )
     )
+    return assemble(unet, vae, text_encoder, tokenizer)
+
+
+def assemble(
+    unet: object, vae: object, text_encoder: object, tokenizer: object
+) -> StableDiffusionPipeline:
+    """An SD 1.x pipeline of these parts, with SD's DDIM schedule and no safety checker."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
     scheduler = DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,

@@ -210,6 +210,15 @@ async def crash_app(crash_settings: Settings) -> AsyncIterator[kiln.App]:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
+def each_store(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    """The test's settings on each store backend (real clock)."""
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return settings.with_(database_url=server.new_database())
+    return settings
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
 async def fake_app(
     request: pytest.FixtureRequest, settings: Settings, clock: AdvancingClock
 ) -> AsyncIterator[kiln.App]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 import kiln
 from kiln.app import running
 from kiln.config import Settings
@@ -17,18 +15,10 @@ from kiln.states import Event, Status
 from kiln.worker import Context
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def race_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings:
-    if request.param == "postgres":
-        server = request.getfixturevalue("postgres_server")
-        return settings.with_(database_url=server.new_database())
-    return settings
-
-
 async def test_a_failure_after_a_cancel_from_elsewhere_is_not_retried(
-    race_settings: Settings,
+    each_store: Settings,
 ) -> None:
-    app = kiln.App(settings=race_settings)
+    app = kiln.App(settings=each_store)
     calls: list[int] = []
 
     @app.task("test.raced")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 import kiln
 from kiln.app import running
 from kiln.config import Settings
@@ -31,18 +29,10 @@ class SlowLoader:
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def load_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings:
-    if request.param == "postgres":
-        server = request.getfixturevalue("postgres_server")
-        return settings.with_(database_url=server.new_database())
-    return settings
-
-
 async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(
-    load_settings: Settings,
+    each_store: Settings,
 ) -> None:
-    app = kiln.App(settings=load_settings.with_(pools={"gpu": 1}))
+    app = kiln.App(settings=each_store.with_(pools={"gpu": 1}))
     app.task("test.load", resources={"gpu": 1}, model="model")(SlowLoader())
     async with app:
         # Given two tasks on model a: the first loads it, the second finds it loaded
