@@ -5,7 +5,7 @@ these formatters print the extras, so one line per transition carries task id, a
 epoch, from, to and the time spent in the previous status. Keys that could carry secrets
 are never printed.
 
-A busy worker logs thousands of lines a second (docs/benchmarks.md, "Engine logs"). So
+A busy worker logs thousands of lines a second (docs/benchmarks-history.md, "Engine logs"). So
 a line is built in one pass over the record; the per-transition lines go through
 :func:`line`, which skips the LogRecord when kiln's own handler is their only sink; and
 :class:`StderrHandler` writes lines in batches: within ``FLUSH_INTERVAL_S`` of the first
