@@ -40,7 +40,9 @@ from comfy_sdk import Progress as ProgressEvent
 from comfy_sdk.events import OutputReady
 from comfy_support import OUTPUT_FILE, OUTPUT_NODE, STEPS, comfy_server, gate_of, graph, png
 
+from kiln import inputs
 from kiln.config import Settings
+from kiln.limits import Rate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -439,3 +441,38 @@ async def test_lists_page_with_next_cursor(queued_only: tuple[str, ApiUnderTest]
         assert [s.id for s in listed] == made[::-1]
         odd = [s.id async for s in comfy.list_jobs(metadata={"batch": "odd"}, limit=1)]
         assert odd == [made[3], made[1]]
+
+
+async def test_a_full_queue_is_429_queue_full_with_retry_after(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limited = settings.with_(tenant_rate=Rate(per_s=0.01, burst=1))
+    async with comfy_server(limited, workers=0) as (_, api):
+        first = await api.client.post("/api/v2/jobs", json={"workflow": graph(1)})
+        assert first.status_code == 201
+        refused = await api.client.post("/api/v2/jobs", json={"workflow": graph(2)})
+        error_of(refused, 429, "queue_full")
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert await jobs_of(api) == 1
+
+
+async def test_any_file_is_an_asset_and_lost_bytes_are_output_unavailable(
+    queued_only: tuple[str, ApiUnderTest],
+) -> None:
+    _, api = queued_only
+    notes = b"a text asset, not an image"
+    files = {"file": ("notes.txt", notes, "text/plain")}
+    made = await api.client.post("/api/v2/assets", files=files, data={"file_path": "notes.txt"})
+    assert made.status_code == 201, made.text
+    asset = Asset.model_validate(made.json())
+    assert (asset.content_type, asset.size_bytes) == ("text/plain", len(notes))
+    await api.kiln.storage.delete(inputs.input_key(hashlib.sha256(notes).hexdigest()))
+    error_of(await api.client.get(f"/api/v2/assets/{asset.id}/content"), 404, "output_unavailable")
+    assert (await api.client.head(f"/api/v2/assets/by-hash/{asset.hash}")).status_code == 404
+    ref = {"__type": "core/ASSET", "info": {"id": asset.id}}
+    gone = await api.client.post("/api/v2/jobs", json={"workflow": graph(image=ref)})
+    error_of(gone, 422, "missing_asset")
+    again = await api.client.post("/api/v2/assets", files=files, data={"file_path": "notes.txt"})
+    assert again.status_code == 201 and again.json()["created_new"] is True
+    content = await api.client.get(f"/api/v2/assets/{again.json()['id']}/content")
+    assert content.content == notes

@@ -7,6 +7,7 @@ import base64
 import binascii
 import datetime as dt
 import mimetypes
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from kiln.models import JSON, StoredOutput, Task, iso
 from kiln.states import RUNNING, Status
 
 PREFIX = "/api/v2"
+_B64URL = re.compile(r"[A-Za-z0-9_-]+")
 #: How long a content URL is said to be valid (it is the content route: it never expires).
 URL_TTL_S = 3600.0
 TERMINAL = frozenset({"succeeded", "failed", "expired", "canceled"})
@@ -73,7 +75,7 @@ def output_asset_id(task_id: str, name: str) -> str:
 def parse_output_id(asset_id: str) -> tuple[str, str] | None:
     """(task id, output name) of an output's asset id, or None when it is not one."""
     task_id, dot, encoded = asset_id.partition(".")
-    if not dot or CURSOR_PATTERN.fullmatch(task_id) is None or not encoded:
+    if not dot or CURSOR_PATTERN.fullmatch(task_id) is None or not _B64URL.fullmatch(encoded):
         return None
     try:
         name = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
