@@ -47,11 +47,20 @@ from kiln.limits import Rate
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def each_store(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return settings.with_(database_url=server.new_database())
+    return settings
+
+
 @pytest.fixture
 async def served(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
+    each_store: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[str, ApiUnderTest]]:
-    async with comfy_server(settings) as found:
+    """The server with one in-process worker, on each store."""
+    async with comfy_server(each_store) as found:
         monkeypatch.setenv("COMFY_BASE_URL", found[0])
         yield found
 
