@@ -33,6 +33,7 @@ from comfy_sdk import (
     AsyncComfy,
     IdempotencyKeyReuse,
     NotFound,
+    Preview,
     StatusChange,
     WorkflowFormatUi,
 )
@@ -300,6 +301,9 @@ async def test_a_job_runs_to_succeeded_with_outputs_as_assets(
         steps = [e for e in seen if isinstance(e, ProgressEvent) and e.step is not None]
         assert steps and steps[-1].steps == STEPS and steps[-1].current_node == "3"
         assert any(isinstance(e, OutputReady) for e in seen)
+        previews = [e for e in seen if isinstance(e, Preview)]
+        assert previews and previews[0].node_id == "3"
+        assert previews[0].content_type == "image/jpeg" and previews[0].data[:2] == b"\xff\xd8"
         [output] = done.get_outputs(OUTPUT_NODE)
         data = await output.to_bytes()
         assert output.name == OUTPUT_FILE and output.size_bytes == len(data)
