@@ -449,6 +449,7 @@ async def test_lists_page_with_next_cursor(queued_only: tuple[str, ApiUnderTest]
         await api.client.get("/api/v2/jobs", params={"status": "done"}), 400, "invalid_request"
     )
     error_of(await api.client.get("/api/v2/jobs", params={"cursor": "x"}), 400, "invalid_request")
+    error_of(await api.client.get("/api/v2/jobs", params={"limit": 0}), 400, "invalid_request")
     async with alice() as comfy:
         listed = [summary async for summary in comfy.list_jobs(limit=2)]
         assert [s.id for s in listed] == made[::-1]
