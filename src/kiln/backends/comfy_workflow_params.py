@@ -17,9 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 KIND = "comfy.workflow"
 #: The node inputs whose string value names a model file (warm routing and the ledger).
-MODEL_INPUTS = (
-    "ckpt_name", "unet_name", "lora_name", "vae_name", "clip_name", "control_net_name",
-)  # fmt: skip
+MODEL_INPUTS = ("ckpt_name", "unet_name", "lora_name", "vae_name", "clip_name", "control_net_name")
 
 
 class ComfyNode(BaseModel):
