@@ -34,6 +34,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 
 from kiln import backends
 from kiln.api import bulk, bulk_actions, deliveries, docs, errors, events, schedules, tasks
+from kiln.api import comfy as comfy_routes
 from kiln.api import usage as usage_routes
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
@@ -375,6 +376,7 @@ def create_app(
     api.include_router(worker_routes.router)
     api.include_router(schedules.router)
     api.include_router(usage_routes.router)
+    api.include_router(comfy_routes.router)  # the Comfy API v2, /api/v2 (docs/comfy.md)
     api.include_router(ops)
     docs.install(api)
     if DASHBOARD_DIR.is_dir():

@@ -1,0 +1,14 @@
+"""The Comfy API v2 face (docs/comfy.md): ``/api/v2/`` jobs, assets and health, served by
+``kiln serve`` beside ``/v1``. A job is a kiln task of kind ``comfy.workflow``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from kiln.api.comfy import assets, jobs, streams
+
+router = APIRouter()
+router.include_router(jobs.router)  # streams.py adds the events route to it
+router.include_router(assets.router)
+
+__all__ = ["router", "streams"]
