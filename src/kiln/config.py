@@ -388,7 +388,8 @@ VARIABLES: tuple[Variable, ...] = (
        "request head, from the connection or its first byte; then 408 and closed",
        group=SERVER, unit="s"),
     _v("KILN_BODY_TIMEOUT_S", "body_timeout_s", SECONDS, "time a client has to send a "
-       "request body, from the end of its head; then 408", group=SERVER, unit="s"),
+       "request body, from the end of its head; then 408, or closed when the body was "
+       "answered unread", group=SERVER, unit="s"),
     _v("KILN_LEASE_TTL_S", "lease_ttl_s", SECONDS, "lease of a running attempt; workers "
        "renew it every min(TTL/3, 2 s)", group=RETRIES, unit="s", old="KILN_LEASE_TTL"),
     _v("KILN_SUPERVISOR_INTERVAL_S", "supervisor_interval_s", SECONDS, "sweep period of the "

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 import kiln
 from kiln import demo
 from kiln.api import create_app
+from kiln.api.server_limits import uvicorn_options
 from kiln.config import Settings
 
 ALICE_KEY = "key-alice-0123456789"
@@ -150,7 +151,14 @@ def bound_socket() -> socket.socket:
 
 
 def uvicorn_server(http: FastAPI) -> uvicorn.Server:
-    config = uvicorn.Config(http, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    """uvicorn as `kiln serve` runs it: its protocols, the default server limits."""
+    config = uvicorn.Config(
+        http,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        **uvicorn_options(Settings()),
+    )
     return uvicorn.Server(config)
 
 

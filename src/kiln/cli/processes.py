@@ -227,7 +227,7 @@ def _serve(app: kiln.App, api: FastAPI, listening: socket.socket) -> None:
         host=app.settings.host,
         port=port,
         timeout_graceful_shutdown=5,
-        **uvicorn_options(app.settings),  # head size, connections, head deadline
+        **uvicorn_options(app.settings),  # head size, connections, head and body deadlines
     )
     with asyncio.Runner(loop_factory=uvicorn_config.get_loop_factory()) as runner:
         runner.run(_served(app, api, listening, uvicorn_config))
