@@ -22,6 +22,27 @@ def digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
+def request_fingerprints(body: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """The ``Idempotency-Key`` fingerprint of a submission's ``body`` (``deadline_s`` and
+    ``timeouts`` in it), and the older fingerprints that still match it.
+
+    Numbers are fingerprinted in one form, as floats, so a default given explicitly
+    (``"deadline_s": 86400``) matches the default left out, whichever way the request came
+    (``POST /v1/tasks`` or a batch item). Keys stored before kept the numbers as they came
+    (a default left out an integer, a value given a float): the body as given and the body
+    with whole numbers as integers are those older forms."""
+    deadline_s, timeouts = body["deadline_s"], list(body["timeouts"])
+    floats = {**body, "deadline_s": float(deadline_s), "timeouts": [float(t) for t in timeouts]}
+    whole = {**body, "deadline_s": _whole(deadline_s), "timeouts": [_whole(t) for t in timeouts]}
+    main = digest(floats)
+    older = [digest(body), digest(whole)]
+    return main, tuple(dict.fromkeys(d for d in older if d != main))
+
+
+def _whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
 def dedup_key(kind: str, params: dict[str, Any], input_hashes: list[str]) -> str:
     """Same kind, same canonical params and same input bytes: same work."""
     return digest({"kind": kind, "params": params, "inputs": sorted(input_hashes)})

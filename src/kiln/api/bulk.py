@@ -17,6 +17,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln import limits, wire
 from kiln.api import tasks
 from kiln.api.auth import Principal
 from kiln.api.errors import envelope, error_responses, status_of, validation_details
@@ -57,16 +58,26 @@ def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
     return item
 
 
-async def take_tokens(state: ApiState, tenant: str, items: dict[int, BatchItemIn]) -> list[int]:
+def tasks_of(state: ApiState, items: dict[int, BatchItemIn]) -> dict[int, int]:
+    """The tasks each valid item creates (a pipeline: itself and every copy of its steps),
+    the batch refused whole (TooManyTasks, 413) when they pass KILN_MAX_TASKS_PER_REQUEST."""
+    counts = {index: limits.tasks_in(item.kind, item.params) for index, item in items.items()}
+    limits.check_tasks_per_request(sum(counts.values()), state.settings.max_tasks_per_request)
+    return counts
+
+
+async def take_tokens(state: ApiState, tenant: str, counts: dict[int, int]) -> list[int]:
     """The indexes, in order, that the tenant's rate limit lets through: each item takes a
-    token; once one is refused, the rest are (the limit holds for the whole batch)."""
+    token per task it creates; once one is refused, the rest are (the limit holds for the
+    whole batch), and each refused item is counted in kiln_rate_limited."""
     if state.app.settings.tenant_limit(tenant).rate is None:
-        return list(items)
+        return list(counts)
     allowed: list[int] = []
-    for index in items:
+    for index, count in counts.items():
         try:
-            await state.app.check_rate(tenant)
+            await state.app.engine.check_rate(tenant, count)
         except RateLimited:
+            await state.app.engine.count_rate_limited(len(counts) - len(allowed) - 1)
             break
         allowed.append(index)
     return allowed
@@ -100,8 +111,17 @@ async def submitted(state: ApiState, principal: Principal, index: int, item: Bat
     responses=error_responses(401, 413, 415, 422),
     openapi_extra=tasks._body_doc(BatchRequest),
 )
-async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
+async def submit_batch(
+    request: Request, principal: tasks.Caller, idempotency_key: tasks.IdempotencyKey = None
+) -> Response:
     state = api_state(request)
+    if idempotency_key is not None:
+        raise InvalidRequest(
+            "a batch takes no Idempotency-Key header: give each item its own "
+            "idempotency_key (each item is replayed on its own)",
+            details=[{"loc": ["header", wire.IDEMPOTENCY_HEADER], "msg": "use each item's "
+                      "idempotency_key", "type": "value_error"}],
+        )  # fmt: skip
     body = tasks.validated(
         BatchRequest, await tasks.json_body(request, state.settings.max_body_bytes)
     )
@@ -112,7 +132,7 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
             accepted[index] = checked(state, index, raw)
         except KilnError as exc:
             answers[index] = refused(index, exc)
-    allowed = await take_tokens(state, principal.tenant, accepted)
+    allowed = await take_tokens(state, principal.tenant, tasks_of(state, accepted))
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
     done = await asyncio.gather(*(submitted(state, principal, i, accepted[i]) for i in allowed))
