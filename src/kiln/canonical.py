@@ -29,13 +29,15 @@ def request_fingerprints(body: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     Numbers are fingerprinted in one form, as floats, so a default given explicitly
     (``"deadline_s": 86400``) matches the default left out, whichever way the request came
     (``POST /v1/tasks`` or a batch item). Keys stored before kept the numbers as they came
-    (a default left out an integer, a value given a float): the body as given and the body
-    with whole numbers as integers are those older forms."""
+    (a default left out an integer, a value given a float): the body as given, and each of
+    ``deadline_s`` and ``timeouts`` as floats or with whole numbers as integers, are those
+    older forms."""
     deadline_s, timeouts = body["deadline_s"], list(body["timeouts"])
-    floats = {**body, "deadline_s": float(deadline_s), "timeouts": [float(t) for t in timeouts]}
-    whole = {**body, "deadline_s": _whole(deadline_s), "timeouts": [_whole(t) for t in timeouts]}
-    main = digest(floats)
-    older = [digest(body), digest(whole)]
+    deadlines = (float(deadline_s), _whole(deadline_s))
+    timeout_forms = ([float(t) for t in timeouts], [_whole(t) for t in timeouts])
+    forms = [{**body, "deadline_s": d, "timeouts": t} for d in deadlines for t in timeout_forms]
+    main = digest(forms[0])
+    older = [digest(body), *(digest(form) for form in forms[1:])]
     return main, tuple(dict.fromkeys(d for d in older if d != main))
 
 
