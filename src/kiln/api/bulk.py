@@ -58,12 +58,32 @@ def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
     return item
 
 
-def tasks_of(state: ApiState, items: dict[int, BatchItemIn]) -> dict[int, int]:
-    """The tasks each valid item creates (a pipeline: itself and every copy of its steps),
-    the batch refused whole (TooManyTasks, 413) when they pass KILN_MAX_TASKS_PER_REQUEST."""
-    counts = {index: limits.tasks_in(item.kind, item.params) for index, item in items.items()}
-    limits.check_tasks_per_request(sum(counts.values()), state.settings.max_tasks_per_request)
-    return counts
+def checked_items(
+    state: ApiState, items: list[JSON]
+) -> tuple[dict[int, JSON], dict[int, BatchItemIn], dict[int, int]]:
+    """Each item checked as a submission: the refused items' answers, the valid items, and
+    the tasks each valid item creates (a pipeline: itself and every copy of its steps).
+    Once the valid items pass KILN_MAX_TASKS_PER_REQUEST the batch is refused whole
+    (TooManyTasks, 413), before the rest are checked: the count given adds the tasks the
+    rest ask for."""
+    most = state.settings.max_tasks_per_request
+    answers: dict[int, JSON] = {}
+    accepted: dict[int, BatchItemIn] = {}
+    counts: dict[int, int] = {}
+    total = 0
+    for index, raw in enumerate(items):
+        try:
+            accepted[index] = item = checked(state, index, raw)
+        except KilnError as exc:
+            answers[index] = refused(index, exc)
+            continue
+        counts[index] = limits.tasks_in(item.kind, item.params)
+        total += counts[index]
+        if total > most:
+            rest = items[index + 1 :]
+            asked = sum(limits.tasks_in(str(r.get("kind")), r.get("params")) for r in rest)
+            limits.check_tasks_per_request(total + asked, most)
+    return answers, accepted, counts
 
 
 async def take_tokens(state: ApiState, tenant: str, counts: dict[int, int]) -> list[int]:
@@ -125,14 +145,8 @@ async def submit_batch(
     body = tasks.validated(
         BatchRequest, await tasks.json_body(request, state.settings.max_body_bytes)
     )
-    answers: dict[int, JSON] = {}
-    accepted: dict[int, BatchItemIn] = {}
-    for index, raw in enumerate(body.tasks):
-        try:
-            accepted[index] = checked(state, index, raw)
-        except KilnError as exc:
-            answers[index] = refused(index, exc)
-    allowed = await take_tokens(state, principal.tenant, tasks_of(state, accepted))
+    answers, accepted, counts = checked_items(state, body.tasks)
+    allowed = await take_tokens(state, principal.tenant, counts)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
     done = await asyncio.gather(*(submitted(state, principal, i, accepted[i]) for i in allowed))

@@ -179,7 +179,7 @@ _DESCRIPTIONS: dict[int, str] = {
     413: "The body is too large (`payload_too_large`), or would create more tasks than one "
     "request may (`too_many_tasks`)",
     415: "The body is not JSON (`unsupported_media_type`)",
-    429: "Too many submissions for this tenant (`rate_limited`, with Retry-After)",
+    429: "Over the tenant's rate of tasks (`rate_limited`, with Retry-After)",
     422: "The request is not valid (`invalid_request`, `unknown_kind`, `idempotency_key_reused`)",
     503: "The store or the storage does not answer (`not_ready`)",
 }
