@@ -483,21 +483,19 @@ class App:
         )
 
     async def check_rate(self, tenant: str, kind: str | None = None, params: Any = None) -> None:
-        """Refuse (RateLimited, 429) a submission over the tenant's rate limit, which takes
-        a token per task it creates (a pipeline's steps included); the refusal is counted.
-        With ``kind``, a submission over KILN_MAX_TASKS_PER_REQUEST is refused first
-        (TooManyTasks, 413); when a limit applies, the kind and ``params`` are checked
-        first, so a bad request is refused as such (422), not as rate limited."""
+        """Refuse a submission past KILN_MAX_TASKS_PER_REQUEST (TooManyTasks, 413, with
+        ``kind``), or over the tenant's rate, a token per task it creates (RateLimited, 429,
+        counted). A bad ``kind`` or ``params`` is refused as such first (422)."""
         tasks = 1 if kind is None else self.tasks_of(kind, params)
         if self.settings.tenant_limit(tenant).rate is None:
             return
-        if kind is not None:
+        if kind is not None and tasks == 1:  # more than one: tasks_of checked them
             self.kind(kind).validate(params)
         await self.engine.check_rate(tenant, tasks)
 
     def tasks_of(self, kind: str, params: Any) -> int:
-        """The tasks a submission creates (kiln.limits.tasks_in), refused (TooManyTasks)
-        over KILN_MAX_TASKS_PER_REQUEST; a pipeline is checked first (422 before 413)."""
+        """The tasks a submission creates (kiln.limits.tasks_in; a pipeline checked first),
+        refused (TooManyTasks) past KILN_MAX_TASKS_PER_REQUEST."""
         count = limits.tasks_in(kind, params)
         if count > 1:
             self.kind(kind).validate(params)

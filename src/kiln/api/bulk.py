@@ -131,11 +131,9 @@ async def submitted(state: ApiState, principal: Principal, index: int, item: Bat
     responses=error_responses(401, 413, 415, 422),
     openapi_extra=tasks._body_doc(BatchRequest),
 )
-async def submit_batch(
-    request: Request, principal: tasks.Caller, idempotency_key: tasks.IdempotencyKey = None
-) -> Response:
+async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
     state = api_state(request)
-    if idempotency_key is not None:
+    if wire.IDEMPOTENCY_HEADER in request.headers:  # not a parameter: items take keys
         raise InvalidRequest(
             "a batch takes no Idempotency-Key header: give each item its own "
             "idempotency_key (each item is replayed on its own)",
