@@ -392,7 +392,7 @@ class App:
         if when is not None and when > now:
             contents = [*contents, f"run_at:{round(when * 1000)}"]
         tracing = self.engine.tracing  # the API's request span, when tracing is on
-        fingerprint, older = canonical.request_fingerprints(body)
+        fingerprint, older = canonical.request_fingerprints(body, older=bool(idempotency_key))
         new = NewTask(
             id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
             fingerprint=fingerprint, older_fingerprints=older, idempotency_key=idempotency_key,

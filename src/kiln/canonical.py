@@ -22,7 +22,9 @@ def digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
-def request_fingerprints(body: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+def request_fingerprints(
+    body: dict[str, Any], *, older: bool = True
+) -> tuple[str, tuple[str, ...]]:
     """The ``Idempotency-Key`` fingerprint of a submission's ``body`` (``deadline_s`` and
     ``timeouts`` in it), and the older fingerprints that still match it.
 
@@ -31,14 +33,16 @@ def request_fingerprints(body: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     (``POST /v1/tasks`` or a batch item). Keys stored before kept the numbers as they came
     (a default left out an integer, a value given a float): the body as given, and each of
     ``deadline_s`` and ``timeouts`` as floats or with whole numbers as integers, are those
-    older forms."""
+    older forms (computed only with ``older``: a request without a key needs none)."""
     deadline_s, timeouts = body["deadline_s"], list(body["timeouts"])
     deadlines = (float(deadline_s), _whole(deadline_s))
     timeout_forms = ([float(t) for t in timeouts], [_whole(t) for t in timeouts])
+    main = digest({**body, "deadline_s": deadlines[0], "timeouts": timeout_forms[0]})
+    if not older:
+        return main, ()
     forms = [{**body, "deadline_s": d, "timeouts": t} for d in deadlines for t in timeout_forms]
-    main = digest(forms[0])
-    older = [digest(body), *(digest(form) for form in forms[1:])]
-    return main, tuple(dict.fromkeys(d for d in older if d != main))
+    found = [digest(body), *(digest(form) for form in forms[1:])]
+    return main, tuple(dict.fromkeys(d for d in found if d != main))
 
 
 def _whole(value: float) -> float | int:
