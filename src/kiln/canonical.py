@@ -30,18 +30,16 @@ def request_fingerprints(
 
     Numbers are fingerprinted in one form, as floats, so a default given explicitly
     (``"deadline_s": 86400``) matches the default left out, whichever way the request came
-    (``POST /v1/tasks`` or a batch item). Keys stored before kept the numbers as they came
-    (a default left out an integer, a value given a float): the body as given, and each of
-    ``deadline_s`` and ``timeouts`` as floats or with whole numbers as integers, are those
-    older forms (computed only with ``older``: a request without a key needs none)."""
-    deadline_s, timeouts = body["deadline_s"], list(body["timeouts"])
-    deadlines = (float(deadline_s), _whole(deadline_s))
-    timeout_forms = ([float(t) for t in timeouts], [_whole(t) for t in timeouts])
-    main = digest({**body, "deadline_s": deadlines[0], "timeouts": timeout_forms[0]})
+    (``POST /v1/tasks`` or a batch item). Keys stored before kept the body as it came: a
+    ``deadline_s`` left out was the integer 86400, one given a float (timeouts were
+    floats either way). The body as given and with a whole ``deadline_s`` as an integer
+    are those older forms (computed only with ``older``: a request without a key needs
+    none)."""
+    deadline_s, timeouts = body["deadline_s"], [float(t) for t in body["timeouts"]]
+    main = digest({**body, "deadline_s": float(deadline_s), "timeouts": timeouts})
     if not older:
         return main, ()
-    forms = [{**body, "deadline_s": d, "timeouts": t} for d in deadlines for t in timeout_forms]
-    found = [digest(body), *(digest(form) for form in forms[1:])]
+    found = [digest(body), digest({**body, "deadline_s": _whole(deadline_s)})]
     return main, tuple(dict.fromkeys(d for d in found if d != main))
 
 
