@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import canonical, logs, pipelines, timing, transform, webhooks
+from kiln import canonical, limits, logs, pipelines, timing, transform, webhooks
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -392,9 +392,10 @@ class App:
         if when is not None and when > now:
             contents = [*contents, f"run_at:{round(when * 1000)}"]
         tracing = self.engine.tracing  # the API's request span, when tracing is on
+        fingerprint, older = canonical.request_fingerprints(body, older=bool(idempotency_key))
         new = NewTask(
             id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
-            fingerprint=canonical.digest(body), idempotency_key=idempotency_key,
+            fingerprint=fingerprint, older_fingerprints=older, idempotency_key=idempotency_key,
             dedup_key=canonical.dedup_key(kind, clean, contents) if dedup else None,
             priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
             timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
@@ -482,14 +483,24 @@ class App:
         )
 
     async def check_rate(self, tenant: str, kind: str | None = None, params: Any = None) -> None:
-        """Refuse (RateLimited, 429) a submission over the tenant's rate limit; the refusal
-        is counted. When a limit applies and ``kind`` is given, the kind and ``params`` are
-        checked first, so a bad request is refused as such (422), not as rate limited."""
+        """Refuse a submission past KILN_MAX_TASKS_PER_REQUEST (TooManyTasks, 413, with
+        ``kind``), or over the tenant's rate, a token per task it creates (RateLimited, 429,
+        counted). A bad ``kind`` or ``params`` is refused as such first (422)."""
+        tasks = 1 if kind is None else self.tasks_of(kind, params)
         if self.settings.tenant_limit(tenant).rate is None:
             return
-        if kind is not None:
+        if kind is not None and tasks == 1:  # more than one: tasks_of checked them
             self.kind(kind).validate(params)
-        await self.engine.check_rate(tenant)
+        await self.engine.check_rate(tenant, tasks)
+
+    def tasks_of(self, kind: str, params: Any) -> int:
+        """The tasks a submission creates (kiln.limits.tasks_in; a pipeline checked first),
+        refused (TooManyTasks) past KILN_MAX_TASKS_PER_REQUEST."""
+        count = limits.tasks_in(kind, params)
+        if count > 1:
+            self.kind(kind).validate(params)
+        limits.check_tasks_per_request(count, self.settings.max_tasks_per_request)
+        return count
 
     async def coalesced(self, result: SubmitResult, *, replayed: bool) -> SubmitResult:
         """The answer to a copy of a submission that an identical concurrent one in this

@@ -22,6 +22,31 @@ def digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
+def request_fingerprints(
+    body: dict[str, Any], *, older: bool = True
+) -> tuple[str, tuple[str, ...]]:
+    """The ``Idempotency-Key`` fingerprint of a submission's ``body`` (``deadline_s`` and
+    ``timeouts`` in it), and the older fingerprints that still match it.
+
+    Numbers are fingerprinted in one form, as floats, so a default given explicitly
+    (``"deadline_s": 86400``) matches the default left out, whichever way the request came
+    (``POST /v1/tasks`` or a batch item). Keys stored before kept the body as it came: a
+    ``deadline_s`` left out was the integer 86400, one given a float (timeouts were
+    floats either way). The body as given and with a whole ``deadline_s`` as an integer
+    are those older forms (computed only with ``older``: a request without a key needs
+    none)."""
+    deadline_s, timeouts = body["deadline_s"], [float(t) for t in body["timeouts"]]
+    main = digest({**body, "deadline_s": float(deadline_s), "timeouts": timeouts})
+    if not older:
+        return main, ()
+    found = [digest(body), digest({**body, "deadline_s": _whole(deadline_s)})]
+    return main, tuple(dict.fromkeys(d for d in found if d != main))
+
+
+def _whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
 def dedup_key(kind: str, params: dict[str, Any], input_hashes: list[str]) -> str:
     """Same kind, same canonical params and same input bytes: same work."""
     return digest({"kind": kind, "params": params, "inputs": sorted(input_hashes)})

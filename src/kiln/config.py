@@ -91,6 +91,8 @@ class Settings:
     tenant_rate: Rate | None = None
     tenant_running: int | None = None
     tenant_limits: dict[str, TenantLimit] = field(default_factory=dict)
+    max_tasks_per_request: int = 1000
+    max_schedules_per_tenant: int = 100
     priority_aging_s: float | None = None
     claim_order: str = "fifo"
     affinity_wait_s: float = 5.0
@@ -425,14 +427,21 @@ VARIABLES: tuple[Variable, ...] = (
        "kind=pool:units+pool:units, comma-separated", "kind_resources"), "what a kind takes "
        "besides its code's `resources`", group=LIMITS),
     _v("KILN_TENANT_RATE_PER_S", "tenant_rate", values.limits_parser(
-       "<per second>[/<burst>], a rate > 0 and a burst >= 1", "rate"), "submissions per "
-       "second of every tenant, `rate[/burst]` (429 over it)", group=LIMITS, unit="per s",
+       "<per second>[/<burst>], a rate > 0 and a burst >= 1", "rate"), "tasks per second "
+       "every tenant may create (a pipeline's steps and schedules' ticks included), "
+       "`rate[/burst]` (429 over it)", group=LIMITS, unit="per s",
        old="KILN_TENANT_RATE", shown="unset (no limit)"),
     _v("KILN_TENANT_RUNNING", "tenant_running", COUNT, "claimed-and-unfinished tasks a "
        "tenant may have at once", group=LIMITS, unit="tasks", shown="unset (no cap)"),
     _v("KILN_TENANT_LIMITS", "tenant_limits", values.limits_parser(
        "tenant=rate:N/B+running:N, comma-separated", "tenant_limits"), "per-tenant "
        "overrides, `tenant=rate:5/20+running:4,...`", group=LIMITS),
+    _v("KILN_MAX_TASKS_PER_REQUEST", "max_tasks_per_request", COUNT, "the most tasks one "
+       "request may create (a batch's items, a pipeline and every copy of its steps); more "
+       "is 413 `too_many_tasks`", group=LIMITS, unit="tasks"),
+    _v("KILN_MAX_SCHEDULES_PER_TENANT", "max_schedules_per_tenant", COUNT, "the most "
+       "schedules a tenant may hold (the admin key is exempt); more is 409 "
+       "`too_many_schedules`", group=LIMITS, unit="schedules"),
     _v("KILN_CLAIM_ORDER", "claim_order", values.choice(*CLAIM_ORDERS), "`fifo`: priority, "
        "then ready time; `fair`: tenants take turns", group=LIMITS),
     _v("KILN_PRIORITY_AGING_S", "priority_aging_s", SECONDS, "seconds of waiting worth one "

@@ -32,6 +32,7 @@ from kiln.counters import (
 )
 from kiln.errors import NotFound, RateLimited
 from kiln.kinds import TaskKind
+from kiln.limits import rate_bucket
 from kiln.models import JSON, Task, TaskEvent
 from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
@@ -481,20 +482,27 @@ class Engine:
 
     # submission policy
 
-    async def check_rate(self, tenant: str) -> None:
-        """Take a token from the tenant's submission bucket (in the store, so the limit
-        holds across API nodes), or count the refusal and raise RateLimited."""
+    async def check_rate(self, tenant: str, tasks: int = 1) -> None:
+        """Take a token for each of the ``tasks`` a submission creates from the tenant's
+        bucket (in the store, so the limit holds across API nodes; kiln.limits.bucket_take),
+        or count the refusal and raise RateLimited."""
         rate = self.settings.tenant_limit(tenant).rate
         if rate is None:
             return
-        wait_s = await self.store.take_token(f"submit:{tenant}", rate)
+        wait_s = await self.store.take_token(rate_bucket(tenant), rate, tasks)
         if wait_s > 0:
-            await self.store.bump(RATE_LIMITED)
+            await self.count_rate_limited()
+            what = "this request's task" if tasks == 1 else f"this request's {tasks} tasks"
             raise RateLimited(
-                f"tenant {tenant!r} may submit {rate.per_s:g} tasks a second"
-                f" (bursts of {rate.burst:g}); try again in {wait_s:.1f} s",
+                f"tenant {tenant!r} may create {rate.per_s:g} tasks a second"
+                f" (bursts of {rate.burst:g}); {what} could be created in {wait_s:.1f} s",
                 retry_after_s=wait_s,
             )
+
+    async def count_rate_limited(self, refused: int = 1) -> None:
+        """Count ``refused`` submissions refused by a tenant's rate (kiln_rate_limited)."""
+        if refused > 0:
+            await self.store.bump(RATE_LIMITED, delta=refused)
 
     async def count_dedup_hit(self, how: str) -> None:
         """Count a submission answered with an existing task (``idempotency`` or

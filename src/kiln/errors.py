@@ -18,7 +18,10 @@ answered ``500 internal_error`` without its message.
     - ``AlreadyFinal`` ``already_final`` (409): the task ended; it cannot be cancelled.
     - ``NotRetryable`` ``not_retryable`` (409): only FAILED, TIMEOUT or CANCELLED retry.
     - ``NotInReview`` ``not_in_review`` (409): a review decision on a task not in review.
+    - ``TooManySchedules`` ``too_many_schedules`` (409): the tenant holds its most schedules.
     - ``PayloadTooLarge`` ``payload_too_large`` (413): a body or an upload over a limit.
+    - ``TooManyTasks`` ``too_many_tasks`` (413): a request that would create more tasks
+      than one request may.
     - ``UnsupportedMediaType`` ``unsupported_media_type`` (415): not JSON or an image.
     - ``RateLimited`` ``rate_limited`` (429): over the tenant's rate; ``retry_after_s``.
 
@@ -114,6 +117,14 @@ class NotInReview(KilnError):
 
 class PayloadTooLarge(KilnError):
     code = "payload_too_large"
+
+
+class TooManyTasks(KilnError):
+    code = "too_many_tasks"
+
+
+class TooManySchedules(KilnError):
+    code = "too_many_schedules"
 
 
 class UnsupportedMediaType(KilnError):

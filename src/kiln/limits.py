@@ -3,13 +3,18 @@ across API nodes) and running-task caps (enforced by the claim).
 
 ``KILN_TENANT_RATE`` is ``<per second>[/<burst>]`` for every tenant;
 ``KILN_TENANT_LIMITS`` overrides per tenant: ``acme=rate:5/20+running:4,beta=running:1``.
+
+The rate counts tasks, not requests: a request takes one token for every task it creates
+(:func:`tasks_in`: a pipeline is itself a task, plus every copy of every step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from kiln.errors import InvalidRequest
+from kiln import pipelines
+from kiln.errors import InvalidRequest, TooManyTasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,17 +46,57 @@ class TenantLimit:
 
 
 def bucket_take(
-    tokens: float | None, updated_at: float | None, now: float, rate: Rate
+    tokens: float | None, updated_at: float | None, now: float, rate: Rate, n: int = 1
 ) -> tuple[float, float]:
-    """Take one token from a bucket last seen holding ``tokens`` at ``updated_at`` (None: a
-    new, full bucket). Returns (tokens left, 0.0) when taken, else (tokens now, seconds
-    until a token is there) and nothing is taken."""
+    """Take ``n`` tokens from a bucket last seen holding ``tokens`` at ``updated_at`` (None:
+    a new, full bucket). Returns (tokens left, 0.0) when taken, else (tokens now, seconds
+    until enough are there) and nothing is taken.
+
+    ``n`` is taken once the bucket holds ``min(n, burst)``: a request larger than the burst
+    is let through from a full bucket and leaves it below zero, a debt paid back at
+    ``per_s`` before anything else is let through. Over any stretch of time the tenant
+    never gets more than the burst plus ``per_s`` a second, plus at most one such
+    request's excess."""
     if tokens is None or updated_at is None:
         tokens, updated_at = rate.burst, now
     tokens = min(rate.burst, tokens + max(now - updated_at, 0.0) * rate.per_s)
-    if tokens >= 1.0:
-        return tokens - 1.0, 0.0
-    return tokens, (1.0 - tokens) / rate.per_s
+    needed = min(float(n), rate.burst)
+    if tokens >= needed:
+        return tokens - n, 0.0
+    return tokens, (needed - tokens) / rate.per_s
+
+
+def rate_bucket(tenant: str) -> str:
+    """The name of the tenant's token bucket: its requests and its schedules' ticks share it."""
+    return f"submit:{tenant}"
+
+
+def tasks_in(kind: str, params: Any) -> int:
+    """The tasks a submission of ``kind`` with (valid) ``params`` creates at most: one, or
+    for a pipeline itself plus every copy of every step (``repeat``)."""
+    if kind != pipelines.KIND or not isinstance(params, dict):
+        return 1
+    steps = params.get("steps")
+    if not isinstance(steps, list):
+        return 1
+    return 1 + sum(_repeat(step) for step in steps)
+
+
+def check_tasks_per_request(count: int, limit: int) -> None:
+    """Refuse (TooManyTasks, 413) a request that would create ``count`` tasks when one
+    request may create ``limit`` (KILN_MAX_TASKS_PER_REQUEST), before anything is stored."""
+    if count > limit:
+        raise TooManyTasks(
+            f"this request would create {count} tasks; one request may create at most "
+            f"{limit} (KILN_MAX_TASKS_PER_REQUEST allows more): split it",
+            details=[{"loc": ["body"], "msg": "too many tasks", "type": "too_many_tasks",
+                      "count": count, "limit": limit, "setting": "KILN_MAX_TASKS_PER_REQUEST"}],
+        )  # fmt: skip
+
+
+def _repeat(step: Any) -> int:
+    repeat = step.get("repeat", 1) if isinstance(step, dict) else 1
+    return repeat if type(repeat) is int and repeat > 0 else 1
 
 
 def parse_tenant_limits(

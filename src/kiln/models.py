@@ -79,6 +79,9 @@ class NewTask:
     pipeline_id: str | None = None
     step: str | None = None
     step_copy: int | None = None
+    #: Fingerprints of the same request as earlier versions computed them
+    #: (kiln.canonical.request_fingerprints): a key stored with one of them still replays.
+    older_fingerprints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,15 +15,23 @@ here:
 A fired task is an ordinary submission of the schedule's ``submission`` with the
 idempotency key ``schedule:<schedule id>:<tick, unix seconds>`` and no content dedup (each
 tick is its own run, even when its params equal an earlier tick's).
+
+A tick takes its tasks' tokens from its tenant's rate (``KILN_TENANT_RATE_PER_S``,
+``KILN_TENANT_LIMITS``; the bucket the tenant's requests take from), in the transaction
+that fires it. Over the rate it is put off (``rate_limited``): the schedule is not moved
+on, and a later sweep fires the tick once the tokens are there. A tick put off past the
+grace is a missed tick like any other, so the missed policy decides: ``fire_once`` fires
+the latest missed tick (when the tokens are there), ``skip`` skips them all.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln import canonical
 from kiln.engine import Engine
+from kiln.limits import tasks_in
 from kiln.models import NewTask, Timeouts
 from kiln.store import LeaderToken, ScheduleRecord, Tick
 from kiln.timing import Cron
@@ -82,11 +90,13 @@ class PassReport:
     fired: int = 0
     skipped_overlap: int = 0
     skipped_missed: int = 0
+    rate_limited: int = 0
 
     def add(self, other: PassReport) -> None:
         self.fired += other.fired
         self.skipped_overlap += other.skipped_overlap
         self.skipped_missed += other.skipped_missed
+        self.rate_limited += other.rate_limited
 
 
 class Scheduler:
@@ -113,14 +123,18 @@ class Scheduler:
     async def _schedule_pass(
         self, schedule: ScheduleRecord, token: LeaderToken, report: PassReport
     ) -> None:
+        rate = self.engine.settings.tenant_limit(schedule.tenant).rate
+        tasks = tasks_in(schedule.submission["kind"], schedule.submission["params"])
         for _ in range(TICKS_PER_PASS):
             tick = plan(schedule, self.engine.now(), self.grace_s)
             if tick is None:
                 return
+            tick = replace(tick, rate=rate, tasks=tasks)
             done = await self.engine.store.handle_tick(tick, token)
             if done is None:  # moved on meanwhile (paused, deleted, handled elsewhere)
                 return
-            report.skipped_missed += tick.missed
+            if done.outcome != "rate_limited":  # put off: nothing was counted yet
+                report.skipped_missed += tick.missed
             setattr(report, done.outcome, getattr(report, done.outcome) + 1)
             ids = {
                 "schedule_id": schedule.id,
@@ -132,4 +146,6 @@ class Scheduler:
             log.info("schedule_tick", extra=ids)  # fmt: skip
             if done.task is not None and done.outcome == "fired":
                 self.engine.submitted()
+            if done.outcome == "rate_limited":  # still due: a later sweep fires it
+                return
             schedule = done.schedule

@@ -19,10 +19,11 @@ from api_support import (
 )
 
 import kiln
-from kiln import demo
+from kiln import canonical, demo
 from kiln.api.schemas import BatchOut
 from kiln.config import Settings
 from kiln.limits import Rate
+from kiln.models import NewTask, Timeouts
 from kiln.store.postgres import PostgresStore
 
 
@@ -273,3 +274,85 @@ async def test_a_rerun_counts_against_the_rate_limit(settings: Settings) -> None
         assert first.status_code == 201
         assert_error(second, 429, "rate_limited")
         assert await api.task_count() == 2
+
+
+# Idempotency keys across POST /v1/tasks and batch items
+
+
+async def test_a_key_replays_between_a_submit_and_a_batch_item(store_api: ApiUnderTest) -> None:
+    # Given a task submitted with a key, and another submitted as a batch item with a key
+    first = await store_api.submit(image_body("single"), headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == 201
+    [made] = await batch(store_api, [{**image_body("in a batch"), "idempotency_key": "k-2"}])
+    assert made["status"] == "created"
+
+    # When each key comes again with the same body the other way
+    [again] = await batch(store_api, [{**image_body("single"), "idempotency_key": "k-1"}])
+    back = await store_api.submit(image_body("in a batch"), headers={"Idempotency-Key": "k-2"})
+
+    # Then each is a replay of its original task, and nothing new is stored
+    assert again["status"] == "replayed" and again["task"]["id"] == first.json()["id"]
+    assert back.status_code == 200 and back.headers["Idempotent-Replayed"] == "true"
+    assert back.json()["id"] == made["task"]["id"]
+    assert await store_api.task_count() == 2
+
+
+async def test_an_explicit_default_deadline_replays_as_one_left_out(
+    store_api: ApiUnderTest,
+) -> None:
+    omitted = await store_api.submit(image_body("fox"), headers={"Idempotency-Key": "k-1"})
+    given = await store_api.submit(
+        image_body("fox", deadline_s=86400), headers={"Idempotency-Key": "k-1"}
+    )
+    assert given.status_code == 200, given.text
+    assert given.headers["Idempotent-Replayed"] == "true"
+    assert given.json()["id"] == omitted.json()["id"]
+    # The other way round too, and another deadline is still another request
+    first = await store_api.submit(
+        image_body("owl", deadline_s=86400.0), headers={"Idempotency-Key": "k-2"}
+    )
+    again = await store_api.submit(image_body("owl"), headers={"Idempotency-Key": "k-2"})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    other = await store_api.submit(
+        image_body("owl", deadline_s=3600), headers={"Idempotency-Key": "k-2"}
+    )
+    assert_error(other, 422, "idempotency_key_reused")
+
+
+async def test_a_key_stored_with_an_older_fingerprint_still_replays(
+    store_api: ApiUnderTest,
+) -> None:
+    # Given a key stored as earlier versions fingerprinted a body that left deadline_s out
+    # (the default as the integer 86400)
+    app = store_api.kiln
+    params = app.kind("image.generate").validate(image_body("fox")["params"])
+    body = {
+        "kind": "image.generate", "params": params, "priority": 0, "max_attempts": 3,
+        "deadline_s": 86400, "dedup": True, "timeouts": [600.0, 600.0, 120.0],
+        "metadata": {}, "inputs": [],
+    }  # fmt: skip
+    stored = await app.store.submit(
+        NewTask(
+            id=canonical.new_task_id(), tenant="default", kind="image.generate", params=params,
+            fingerprint=canonical.digest(body), idempotency_key="k-old", dedup_key=None,
+            priority=0, max_attempts=3, deadline_s=86400, timeouts=Timeouts(),
+        )
+    )  # fmt: skip
+
+    # When the same request comes again, alone and as a batch item
+    again = await store_api.submit(image_body("fox"), headers={"Idempotency-Key": "k-old"})
+    [item] = await batch(store_api, [{**image_body("fox"), "idempotency_key": "k-old"}])
+
+    # Then both replay the stored task
+    assert again.status_code == 200 and again.json()["id"] == stored.task.id
+    assert item["status"] == "replayed" and item["task"]["id"] == stored.task.id
+
+
+async def test_a_batch_refuses_an_idempotency_key_header(store_api: ApiUnderTest) -> None:
+    response = await store_api.client.post(
+        "/v1/tasks/batch", json={"tasks": [image_body("fox")]}, headers={"Idempotency-Key": "k"}
+    )
+    error = assert_error(response, 422, "invalid_request")
+    assert "idempotency_key" in error["message"]
+    assert error["details"][0]["loc"] == ["header", "Idempotency-Key"]
+    assert await store_api.task_count() == 0

@@ -196,5 +196,5 @@ async def test_fired_ticks_are_counted_in_metrics(keyed_api: ApiUnderTest) -> No
     samples = await scrape(keyed_api)
     fires = labelled(samples, "kiln_schedule_fires_total", "outcome")
     assert fires[("fired",)] >= 1
-    assert set(fires) == {("fired",), ("skipped_overlap",), ("skipped_missed",)}
+    assert set(fires) == {("fired",), ("skipped_overlap",), ("skipped_missed",), ("rate_limited",)}
     assert isinstance(sup.token, LeaderToken)

@@ -187,6 +187,24 @@ async def test_token_bucket_allows_a_burst_then_refills_at_its_rate(
         await other.close()
 
 
+async def test_a_bucket_takes_a_token_per_task_and_a_request_past_the_burst_goes_into_debt(
+    store: Store, clock: SettableClock
+) -> None:
+    rate = Rate(per_s=1.0, burst=10.0)
+    # A request of 4 tasks takes 4 tokens; one of 7 finds 6 and waits for the seventh
+    assert await store.take_token("submit:acme", rate, 4) == 0.0
+    assert await store.take_token("submit:acme", rate, 7) == pytest.approx(1.0)
+    assert await store.take_token("submit:acme", rate, 6) == 0.0
+    # A request larger than the burst goes in from a full bucket only, and leaves a debt
+    clock.advance(10)
+    assert await store.take_token("submit:acme", rate, 25) == 0.0
+    assert await store.take_token("submit:acme", rate) == pytest.approx(16.0)
+    clock.advance(15.5)
+    assert await store.take_token("submit:acme", rate) > 0
+    clock.advance(0.5)
+    assert await store.take_token("submit:acme", rate) == 0.0
+
+
 async def test_waiting_tasks_show_their_status_untouched(store: Store) -> None:
     a, b = await claimed(store, 2)
     caps = {"gpu-a100": 1}

@@ -4,13 +4,15 @@ moved on in the same transaction (kiln/store/schedules.py)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kiln import canonical
 from kiln.counters import SCHEDULE_FIRES
-from kiln.errors import NotLeader
+from kiln.errors import NotLeader, TooManySchedules
+from kiln.limits import Rate, rate_bucket
 from kiln.models import Task
 from kiln.scheduler import tick_key, tick_task
 from kiln.states import Event, Status
@@ -180,3 +182,52 @@ async def test_a_tick_whose_advance_fails_leaves_no_task_and_fires_once_later(
     done = await store.handle_tick(fire(schedule, NOW), token)
     assert done is not None and done.outcome == "fired"
     assert [t.idempotency_key for t in await tasks_of(store)] == [tick_key(schedule.id, NOW)]
+
+
+async def test_concurrent_creations_never_pass_the_schedule_cap(
+    backend: Backend, store: Store, tmp_path: Path, clock: SettableClock
+) -> None:
+    # Given a cap of 3 schedules and two store handles (two API nodes)
+    other = backend.open(tmp_path / "store", clock)
+    try:
+        await other.last_seq()
+        # When ten creations race through both handles
+        handles = [store, other] * 5
+        results = await asyncio.gather(
+            *(h.create_schedule(make_schedule(), most=3) for h in handles),
+            return_exceptions=True,
+        )
+    finally:
+        await other.close()
+
+    # Then three were stored and seven refused, and another tenant is not held back
+    refused = [r for r in results if isinstance(r, TooManySchedules)]
+    assert len(refused) == 7 and len(await store.schedules(tenant="acme")) == 3
+    assert refused[0].details[0]["limit"] == 3
+    assert await store.create_schedule(make_schedule(tenant="other"), most=3)
+
+
+async def test_a_tick_over_its_rate_is_put_off_and_fires_once_the_tokens_are_back(
+    store: Store, clock: SettableClock
+) -> None:
+    # Given a due schedule whose tenant's bucket is empty
+    rate = Rate(per_s=1.0, burst=1.0)
+    schedule = await store.create_schedule(make_schedule())
+    token = await store.lead("supervisor", "s1", 30)
+    assert token is not None
+    assert await store.take_token(rate_bucket("acme"), rate) == 0.0
+
+    # When the tick is handled: put off, nothing fired, the schedule not moved on
+    put_off = await store.handle_tick(replace(fire(schedule, NOW), rate=rate), token)
+    assert put_off is not None and put_off.outcome == "rate_limited" and put_off.task is None
+    assert await tasks_of(store) == []
+    still = await store.schedule(schedule.id)
+    assert still is not None and still.next_at == NOW and still.fired == 0
+
+    # Then once a token is back the same tick fires
+    clock.advance(1)
+    done = await store.handle_tick(replace(fire(schedule, NOW), rate=rate), token)
+    assert done is not None and done.outcome == "fired"
+    assert [t.idempotency_key for t in await tasks_of(store)] == [tick_key(schedule.id, NOW)]
+    counters = await store.counters()
+    assert counters[(SCHEDULE_FIRES, "rate_limited")] == 1

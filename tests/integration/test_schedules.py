@@ -20,6 +20,8 @@ from kiln import canonical, demo
 from kiln.app import running
 from kiln.config import Settings
 from kiln.counters import SCHEDULE_FIRES
+from kiln.errors import RateLimited
+from kiln.limits import Rate
 from kiln.models import Task
 from kiln.process_metrics import supervisor_readings
 from kiln.scheduler import tick_key
@@ -272,3 +274,52 @@ async def test_a_retried_delay_with_its_idempotency_key_is_a_replay(real_app: ki
         "image.generate", demo_params("k"), delay_s=60, idempotency_key="k-1"
     )
     assert again.replayed and again.task.id == first.task.id
+
+
+async def test_ticks_count_against_the_tenant_rate_and_every_schedule_gets_its_turn(
+    fake_app: kiln.App, clock: AdvancingClock
+) -> None:
+    # Given a tenant that may create one task a second, and five every-second schedules
+    fake_app.settings = fake_app.settings.with_(tenant_rate=Rate(per_s=1, burst=1))
+    schedules = [await add_schedule(fake_app, "* * * * * *", prompt=f"s{n}") for n in range(5)]
+    sup = fake_app.supervisor()
+
+    # When the leader sweeps once a second for ten seconds
+    await sweep_every_second(sup, clock, 10)
+
+    # Then ten tasks were made, not fifty: one a second, the ticks over the rate put off
+    # (the oldest due tick goes first, so every schedule fired)
+    assert len(await fired_keys(fake_app)) == 10
+    fired = [await fake_app.store.schedule(s.id) for s in schedules]
+    assert all(s is not None and s.fired >= 1 for s in fired)
+    counters = await fake_app.store.counters()
+    assert counters[(SCHEDULE_FIRES, "rate_limited")] > 0
+    assert counters[(SCHEDULE_FIRES, "fired")] == 10
+    # And a request of the tenant finds the bucket the ticks emptied
+    with pytest.raises(RateLimited):
+        await fake_app.check_rate("default")
+
+
+@pytest.mark.parametrize(("missed", "second_tick"), [("fire_once", 50), ("skip", 60)])
+async def test_a_tick_put_off_past_the_grace_follows_the_missed_policy(
+    fake_app: kiln.App, clock: AdvancingClock, missed: str, second_tick: int
+) -> None:
+    # Given a tenant that may create one task every 100 s, and a schedule every 10 s
+    fake_app.settings = fake_app.settings.with_(tenant_rate=Rate(per_s=0.01, burst=1))
+    start = clock.now  # a whole minute
+    schedule = await add_schedule(fake_app, "*/10 * * * * *", missed=missed)
+    sup = fake_app.supervisor()
+
+    # When the leader sweeps every 10 s for 150 s
+    for _ in range(15):
+        clock.advance(10)
+        await sup.sweep()
+
+    # Then tick +10 fired with the first token, and the next token (at +110) went to:
+    # fire_once: the latest tick missed by then (+50), the ones before it skipped;
+    # skip: the first tick still on time (+60), the missed ones skipped
+    assert await fired_keys(fake_app) == sorted(
+        [tick_key(schedule.id, start + 10), tick_key(schedule.id, start + second_tick)]
+    )
+    after = await fake_app.store.schedule(schedule.id)
+    assert after is not None and after.fired == 2 and after.skipped > 0

@@ -17,6 +17,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln import limits, wire
 from kiln.api import tasks
 from kiln.api.auth import Principal
 from kiln.api.errors import envelope, error_responses, status_of, validation_details
@@ -57,16 +58,46 @@ def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
     return item
 
 
-async def take_tokens(state: ApiState, tenant: str, items: dict[int, BatchItemIn]) -> list[int]:
-    """The indexes, in order, that the tenant's rate limit lets through: each item takes a
-    token; once one is refused, the rest are (the limit holds for the whole batch)."""
-    if state.app.settings.tenant_limit(tenant).rate is None:
-        return list(items)
-    allowed: list[int] = []
-    for index in items:
+def checked_items(
+    state: ApiState, items: list[JSON]
+) -> tuple[dict[int, JSON], dict[int, BatchItemIn], dict[int, int]]:
+    """Each item checked as a submission: the refused items' answers, the valid items, and
+    the tasks each valid item creates (a pipeline: itself and every copy of its steps).
+    Once the valid items pass KILN_MAX_TASKS_PER_REQUEST the batch is refused whole
+    (TooManyTasks, 413), before the rest are checked: the count given adds the tasks the
+    rest ask for."""
+    most = state.settings.max_tasks_per_request
+    answers: dict[int, JSON] = {}
+    accepted: dict[int, BatchItemIn] = {}
+    counts: dict[int, int] = {}
+    total = 0
+    for index, raw in enumerate(items):
         try:
-            await state.app.check_rate(tenant)
+            accepted[index] = item = checked(state, index, raw)
+        except KilnError as exc:
+            answers[index] = refused(index, exc)
+            continue
+        counts[index] = limits.tasks_in(item.kind, item.params)
+        total += counts[index]
+        if total > most:
+            rest = items[index + 1 :]
+            asked = sum(limits.tasks_in(str(r.get("kind")), r.get("params")) for r in rest)
+            limits.check_tasks_per_request(total + asked, most)
+    return answers, accepted, counts
+
+
+async def take_tokens(state: ApiState, tenant: str, counts: dict[int, int]) -> list[int]:
+    """The indexes, in order, that the tenant's rate limit lets through: each item takes a
+    token per task it creates; once one is refused, the rest are (the limit holds for the
+    whole batch), and each refused item is counted in kiln_rate_limited."""
+    if state.app.settings.tenant_limit(tenant).rate is None:
+        return list(counts)
+    allowed: list[int] = []
+    for index, count in counts.items():
+        try:
+            await state.app.engine.check_rate(tenant, count)
         except RateLimited:
+            await state.app.engine.count_rate_limited(len(counts) - len(allowed) - 1)
             break
         allowed.append(index)
     return allowed
@@ -102,17 +133,18 @@ async def submitted(state: ApiState, principal: Principal, index: int, item: Bat
 )
 async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
     state = api_state(request)
+    if wire.IDEMPOTENCY_HEADER in request.headers:  # not a parameter: items take keys
+        raise InvalidRequest(
+            "a batch takes no Idempotency-Key header: give each item its own "
+            "idempotency_key (each item is replayed on its own)",
+            details=[{"loc": ["header", wire.IDEMPOTENCY_HEADER], "msg": "use each item's "
+                      "idempotency_key", "type": "value_error"}],
+        )  # fmt: skip
     body = tasks.validated(
         BatchRequest, await tasks.json_body(request, state.settings.max_body_bytes)
     )
-    answers: dict[int, JSON] = {}
-    accepted: dict[int, BatchItemIn] = {}
-    for index, raw in enumerate(body.tasks):
-        try:
-            accepted[index] = checked(state, index, raw)
-        except KilnError as exc:
-            answers[index] = refused(index, exc)
-    allowed = await take_tokens(state, principal.tenant, accepted)
+    answers, accepted, counts = checked_items(state, body.tasks)
+    allowed = await take_tokens(state, principal.tenant, counts)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
     done = await asyncio.gather(*(submitted(state, principal, i, accepted[i]) for i in allowed))

@@ -38,7 +38,9 @@ HTTP_STATUS: dict[str, int] = {
     "not_retryable": 409,
     "not_in_review": 409,
     "conflict": 409,
+    "too_many_schedules": 409,
     "payload_too_large": 413,
+    "too_many_tasks": 413,
     "unsupported_media_type": 415,
     "rate_limited": 429,
     "headers_too_large": 431,
@@ -173,10 +175,11 @@ _DESCRIPTIONS: dict[int, str] = {
     403: "The key may not do this (`forbidden`)",
     404: "No such task for this key (`not_found`)",
     409: "The task's status does not allow this (`already_final`, `not_retryable`, "
-    "`not_in_review`)",
-    413: "The body is too large (`payload_too_large`)",
+    "`not_in_review`), or the tenant holds its most schedules (`too_many_schedules`)",
+    413: "The body is too large (`payload_too_large`), or would create more tasks than one "
+    "request may (`too_many_tasks`)",
     415: "The body is not JSON (`unsupported_media_type`)",
-    429: "Too many submissions for this tenant (`rate_limited`, with Retry-After)",
+    429: "Over the tenant's rate of tasks (`rate_limited`, with Retry-After)",
     422: "The request is not valid (`invalid_request`, `unknown_kind`, `idempotency_key_reused`)",
     503: "The store or the storage does not answer (`not_ready`)",
 }

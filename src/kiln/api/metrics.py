@@ -324,7 +324,8 @@ class StoreCollector:
         fires = CounterMetricFamily(
             "kiln_schedule_fires",
             "Ticks of recurring schedules by outcome (fired; skipped_overlap: the last tick's "
-            "task was not final; skipped_missed: missed by more than the grace)",
+            "task was not final; skipped_missed: missed by more than the grace; rate_limited: "
+            "put off, its tenant over its rate)",
             labels=["outcome"],
         )
         for outcome in SCHEDULE_OUTCOMES:  # each shown even at zero

@@ -3,8 +3,10 @@
 ``POST /v1/schedules`` checks everything a tick's submission would need (the cron
 expression, the zone, the kind, its params, the options) before it stores anything, so a
 tick never fails on what could have been refused at once. Schedules belong to a tenant as
-tasks do: another tenant's schedule is ``404 not_found``; the admin key sees them all.
-The leading supervisor fires the ticks (:mod:`kiln.scheduler`).
+tasks do: another tenant's schedule is ``404 not_found``; the admin key sees them all. A
+tenant holds at most KILN_MAX_SCHEDULES_PER_TENANT schedules (``409 too_many_schedules``;
+the admin key is exempt). The leading supervisor fires the ticks (:mod:`kiln.scheduler`),
+each counted against its tenant's rate.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _answer(schedule: ScheduleRecord, status_code: int = 200) -> Response:
     summary="Create a recurring schedule",
     status_code=201,
     response_model=ScheduleOut,
-    responses=error_responses(401, 413, 415, 422),
+    responses=error_responses(401, 409, 413, 415, 422),
     openapi_extra=_body_doc(ScheduleRequest),
 )
 async def create_schedule(request: Request, principal: Caller) -> Response:
@@ -164,12 +166,14 @@ async def create_schedule(request: Request, principal: Caller) -> Response:
     now = state.app.engine.now()
     cron = Cron.parse(body.cron, body.timezone, now=now)
     submission = submission_of(state, body.task)
+    state.app.tasks_of(body.task.kind, submission["params"])  # each tick is one request
     record = ScheduleRecord(
         id=canonical.new_id("sch_"), tenant=principal.tenant, cron=cron.expression,
         timezone=cron.timezone, submission=submission, overlap=body.overlap,
         missed=body.missed, paused=body.paused, next_at=cron.next_after(now),
     )  # fmt: skip
-    return _answer(await state.app.store.create_schedule(record), 201)
+    most = None if principal.admin else state.settings.max_schedules_per_tenant
+    return _answer(await state.app.store.create_schedule(record, most=most), 201)
 
 
 @router.get(

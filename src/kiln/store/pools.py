@@ -238,21 +238,23 @@ class PoolOps(Ops):
         usage = lambda r: PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3]))  # noqa: E731
         return await self._rows(self.q.pool_usage, (self.clock(),), usage)
 
-    async def take_token(self, name: str, rate: Rate) -> float:
-        """Take one token from the bucket ``name``: 0.0 when taken, else the seconds until
-        one is there (nothing taken). Shared by every process on the store."""
+    async def take_token(self, name: str, rate: Rate, n: int = 1) -> float:
+        """Take ``n`` tokens from the bucket ``name`` (kiln.limits.bucket_take): 0.0 when
+        taken, else the seconds until they are there (nothing taken). Shared by every
+        process on the store."""
+        return await self._write(lambda tx: self._take_tokens(tx, name, rate, n))
 
-        async def write(tx: Tx) -> float:
-            now = self.clock()
-            await tx.run(self.q.new_bucket, (name, rate.burst, now))
-            row = await tx.one(self.q.lock_bucket, (name,))
-            assert row is not None
-            left, wait_s = bucket_take(row[0], row[1], now, rate)
-            if wait_s == 0.0:
-                await tx.run(self.q.save_bucket, (left, now, name))
-            return wait_s
-
-        return await self._write(write)
+    async def _take_tokens(self, tx: Tx, name: str, rate: Rate, n: int) -> float:
+        """``take_token`` inside ``tx`` (a schedule's tick takes its tokens in the
+        transaction that fires it)."""
+        now = self.clock()
+        await tx.run(self.q.new_bucket, (name, rate.burst, now))
+        row = await tx.one(self.q.lock_bucket, (name,))
+        assert row is not None
+        left, wait_s = bucket_take(row[0], row[1], now, rate, n)
+        if wait_s == 0.0:
+            await tx.run(self.q.save_bucket, (left, now, name))
+        return wait_s
 
     async def breakers(self) -> list[BreakerRecord]:
         """Every breaker's shared state, by name (one small read)."""

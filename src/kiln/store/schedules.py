@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kiln.counters import SCHEDULE_FIRES
-from kiln.errors import NotLeader
+from kiln.errors import NotLeader, TooManySchedules
+from kiln.limits import Rate, rate_bucket
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, iso
 from kiln.pipelines import KIND as PIPELINE
 from kiln.states import FINAL
@@ -28,8 +29,9 @@ from kiln.store.rows import dumps, task_from_row
 from kiln.store.tx import Ops, Refused, Row, Tx
 
 #: What a tick may come to: a task, or skipped because the last one still runs, or
-#: skipped because it was missed (kiln_schedule_fires_total{outcome}).
-OUTCOMES = ("fired", "skipped_overlap", "skipped_missed")
+#: skipped because it was missed (kiln_schedule_fires_total{outcome}); or put off for now
+#: because its tenant is over its rate (``rate_limited``: it stays due, counted each time).
+OUTCOMES = ("fired", "skipped_overlap", "skipped_missed", "rate_limited")
 OVERLAP_POLICIES = ("skip", "queue")
 MISSED_POLICIES = ("fire_once", "skip")
 
@@ -95,6 +97,10 @@ class Tick:
     tick_at: float
     #: Missed ticks skipped on the way (counted ``skipped_missed``).
     missed: int = 0
+    #: The tenant's rate (None: no limit) and the tasks the tick's task creates: it fires
+    #: only with that many tokens taken from the tenant's bucket, in its transaction.
+    rate: Rate | None = None
+    tasks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +135,14 @@ class ScheduleOps(Ops):
             self, tx: Tx, change: Change
         ) -> tuple[Task, list[TaskEvent]] | Refused: ...
 
-    async def create_schedule(self, schedule: ScheduleRecord) -> ScheduleRecord:
+        async def _take_tokens(self, tx: Tx, name: str, rate: Rate, n: int) -> float: ...
+
+    async def create_schedule(
+        self, schedule: ScheduleRecord, *, most: int | None = None
+    ) -> ScheduleRecord:
+        """Store a new schedule; with ``most``, refused (TooManySchedules) when its tenant
+        holds that many already (counted under the tenant's lock, so concurrent creations
+        cannot pass it together)."""
         now = self.clock()
         made = ScheduleRecord(
             id=schedule.id, tenant=schedule.tenant, cron=schedule.cron,
@@ -142,7 +155,13 @@ class ScheduleOps(Ops):
             made.missed, made.paused, made.next_at, now, now,
         )  # fmt: skip
 
-        async def write(tx: Tx) -> ScheduleRecord:
+        async def write(tx: Tx) -> ScheduleRecord | Refused:
+            if most is not None:
+                await tx.lock_tenant(f"schedules:{made.tenant}")
+                row = await tx.one(self.q.count_schedules, (made.tenant,))
+                held = 0 if row is None else int(row[0])
+                if held >= most:
+                    return Refused(too_many_schedules(made.tenant, held, most))
             await tx.run(self.q.insert_schedule, args)
             return made
 
@@ -214,6 +233,9 @@ class ScheduleOps(Ops):
         if tick.task is not None:
             if schedule.overlap == "skip" and await self._still_running(tx, schedule):
                 outcome = "skipped_overlap"
+            elif not await self._rate_allows(tx, schedule, tick):
+                tx.bump(SCHEDULE_FIRES, "rate_limited")  # stays due: not advanced
+                return TickResult("rate_limited", None, schedule)
             else:
                 outcome, task = await self._fire(tx, tick.task)
         fired = 1 if outcome == "fired" else 0
@@ -228,6 +250,14 @@ class ScheduleOps(Ops):
         after = await tx.one(self.q.get_schedule, (schedule.id,))
         assert after is not None
         return TickResult(outcome, task, schedule_from_row(after))
+
+    async def _rate_allows(self, tx: Tx, schedule: ScheduleRecord, tick: Tick) -> bool:
+        """Take the tick's tokens from its tenant's bucket (the one its requests take
+        from); False, nothing taken, when the bucket has too few."""
+        if tick.rate is None:
+            return True
+        bucket = rate_bucket(schedule.tenant)
+        return await self._take_tokens(tx, bucket, tick.rate, tick.tasks) == 0.0
 
     async def _still_running(self, tx: Tx, schedule: ScheduleRecord) -> bool:
         if schedule.last_task_id is None:
@@ -245,3 +275,13 @@ class ScheduleOps(Ops):
         if isinstance(result, Refused):
             return "skipped_missed", None
         return ("fired" if result.created else "skipped_missed"), result.task
+
+
+def too_many_schedules(tenant: str, held: int, most: int) -> TooManySchedules:
+    """The refusal of one schedule more than KILN_MAX_SCHEDULES_PER_TENANT allows."""
+    return TooManySchedules(
+        f"tenant {tenant!r} holds {held} schedules, the most it may "
+        "(KILN_MAX_SCHEDULES_PER_TENANT allows more); delete one first",
+        details=[{"loc": ["body"], "msg": "too many schedules", "type": "too_many_schedules",
+                  "count": held, "limit": most, "setting": "KILN_MAX_SCHEDULES_PER_TENANT"}],
+    )  # fmt: skip

@@ -168,7 +168,7 @@ class TaskOps(Ops):
     async def _replay(self, tx: Tx, new: NewTask, now: float) -> SubmitResult | Refused | None:
         row = await tx.one(self.q.read_key, (new.tenant, new.idempotency_key))
         assert row is not None
-        if row[0] != new.fingerprint:
+        if row[0] != new.fingerprint and row[0] not in new.older_fingerprints:
             return Refused(
                 IdempotencyKeyReused("this Idempotency-Key was used with a different request body")
             )
@@ -478,9 +478,9 @@ class TaskOps(Ops):
         rows = await self._rows(self.q.all_counters, (), tuple)
         return {(name, labels): int(n) for name, labels, n in rows}
 
-    async def bump(self, name: str, labels: str = "") -> None:
+    async def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
         async def write(tx: Tx) -> None:
-            tx.bump(name, labels)
+            tx.bump(name, labels, delta)
 
         await self._write(write)
 

@@ -709,6 +709,10 @@ INSERT INTO schedules (id, tenant, cron, timezone, submission, overlap, missed, 
     next_at, created_at, updated_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 
+-- count_schedules --
+-- The schedules a tenant holds: (tenant).
+SELECT count(*) FROM schedules WHERE tenant = ?
+
 -- get_schedule --
 -- A schedule: (id).
 SELECT id, tenant, cron, timezone, submission, overlap, missed, paused, next_at,
