@@ -95,6 +95,7 @@ class Settings:
     claim_order: str = "fifo"
     affinity_wait_s: float = 5.0
     model_memory_gb: float | None = None
+    max_loaded_models: int = 8
     generate_memory: MemoryRule | None = None
     generate_batch: tuple[int, float] | None = None
     preempt_after_s: float | None = None
@@ -445,6 +446,10 @@ VARIABLES: tuple[Variable, ...] = (
        "the memory a worker process's loaded models may take together; past it the least "
        "recently used model is unloaded before another loads", group=SCHEDULING, unit="GiB",
        shown="unset (no limit)"),
+    _v("KILN_MAX_LOADED_MODELS", "max_loaded_models", COUNT, "the most models a worker "
+       "process holds loaded at once, within KILN_MODEL_MEMORY_GB or without it; past it the "
+       "least recently used idle model is unloaded before another loads", group=SCHEDULING,
+       unit="models"),
     _v("KILN_GENERATE_MEMORY", "generate_memory", values.structured(
        "pool:base or pool:base+per/mpx, in GiB", values.parse_memory_rule), "what an "
        "`image.generate` task takes of a pool of memory (memory admission): `gpu-mem:4+1.5/mpx`"
