@@ -72,6 +72,8 @@ class Settings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     metrics_port: int | None = None
+    metrics_key: str | None = field(default=None, repr=False)
+    metrics_models: tuple[str, ...] = ()
     sqlite_synchronous: str = "FULL"
     log_format: str = "text"
     log_level: str = "INFO"
@@ -341,6 +343,13 @@ VARIABLES: tuple[Variable, ...] = (
        shown="unset (off)"),
     _v("KILN_METRICS_HOST", "metrics_host", TEXT, "address of that `/metrics` "
        "(`--metrics-host`)", group=PROCESSES),
+    _v("KILN_METRICS_KEY", "metrics_key", KEY, "a key (`Authorization: Bearer`) that reads "
+       "the API's whole `/metrics`, per-tenant series included, like the admin key; without "
+       "either, a scrape gets the operational series only while auth is on", group=PROCESSES,
+       secret=True, blank_unset=False),
+    _v("KILN_METRICS_MODELS", "metrics_models", values.names(), "models that keep a `model` "
+       "label of their own in the metrics even while no live worker holds them loaded (the "
+       "others count as `other`)", group=PROCESSES, shown="unset (the loaded ones only)"),
     _v("KILN_SHUTDOWN_GRACE_S", "shutdown_grace_s", SECONDS_OR_ZERO, "on SIGTERM, how long "
        "`kiln serve` and `kiln worker` let running attempts finish before giving them back "
        "uncounted; keep it below the stop timeout (Kubernetes "

@@ -65,8 +65,8 @@ async def test_the_admin_sees_every_tenant_or_one_and_a_tenant_no_other(
     assert only["attempts"] == 1 and len(only["day"]) == 10 and "tenant" not in only
     # And alice may not ask for bob's
     assert_error(await working_api.client.get("/v1/usage?tenant=bob"), 403, "forbidden")
-    # And /metrics reports the GPU-seconds by tenant, kind, model and outcome
-    samples = await scrape(working_api)
+    # And /metrics reports the GPU-seconds by tenant, kind, model and outcome to the admin
+    samples = await scrape(working_api, ADMIN_KEY)
     gpu = labelled(samples, "kiln_gpu_seconds_total", "tenant", "kind", "model", "outcome")
     assert set(gpu) == {
         ("alice", "image.generate", "", "success"), ("bob", "image.generate", "", "success"),

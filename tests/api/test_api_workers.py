@@ -50,8 +50,8 @@ async def test_the_admin_lists_the_live_workers_and_metrics_count_them(
     assert times[1] >= times[0] and times[2] > times[1]
     assert theirs["models"] == ["sdxl"] and theirs["running"] == 1 and theirs["slots"] == 2
     assert theirs["resources"] == {"image.generate": {"gpu": 1}}
-    # And /metrics counts the workers per kind and per model
-    samples = await scrape(working_api)
+    # And /metrics counts the workers per kind and, for the admin, per model
+    samples = await scrape(working_api, ADMIN_KEY)
     assert labelled(samples, "kiln_workers", "kind")[("image.generate",)] == 2
     assert labelled(samples, "kiln_worker_models_loaded", "model") == {("sdxl",): 1}
     # And the admin's stats carry the same list, for the dashboard
