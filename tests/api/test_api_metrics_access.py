@@ -3,6 +3,7 @@ auth is on; label values tenants choose (models, failure codes, HTTP methods) bo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from kiln.cli import cli
 from kiln.config import Settings
 from kiln.counters import FAILURES
 from kiln.errors import ConfigError
+from kiln.model_cache import DEFAULT_MAX_MODELS
 from kiln.states import Status
 
 METRICS_KEY = "key-metrics-0123456789"
@@ -42,15 +44,27 @@ def exposed(family: str) -> str:
     return EXPOSED.get(family, family)
 
 
-@pytest.fixture
-async def loading_api(settings: Settings) -> AsyncIterator[ApiUnderTest]:
-    """Keys for alice, bob, the admin and a metrics key; one in-process worker serving
+@contextlib.asynccontextmanager
+async def loading(settings: Settings) -> AsyncIterator[ApiUnderTest]:
+    """Keys for alice, bob and the admin; two in-process worker slots serving
     `image.generate` on the demo backend, which loads the model a task names (no memory
     limit, no load time); calls as alice."""
-    keyed = with_keys(settings).with_(metrics_key=METRICS_KEY, demo_model_load_s=0.0)
-    app = backend_app(keyed)
-    async with running_api(keyed, key=ALICE_KEY, workers=2, kiln_app=app) as under_test:
-        yield under_test
+    keyed = with_keys(settings).with_(demo_model_load_s=0.0)
+    async with running_api(keyed, key=ALICE_KEY, workers=2, kiln_app=backend_app(keyed)) as api:
+        yield api
+
+
+@pytest.fixture
+async def loading_api(settings: Settings) -> AsyncIterator[ApiUnderTest]:
+    async with loading(settings) as api:
+        yield api
+
+
+@pytest.fixture
+async def metrics_api(settings: Settings) -> AsyncIterator[ApiUnderTest]:
+    """The same, with a metrics key."""
+    async with loading(settings.with_(metrics_key=METRICS_KEY)) as api:
+        yield api
 
 
 def backend_app(settings: Settings) -> kiln.App:
@@ -109,13 +123,13 @@ async def test_an_anonymous_scrape_with_keys_shows_no_tenant_series_or_names(
 
 @pytest.mark.parametrize("key", [ADMIN_KEY, METRICS_KEY], ids=["admin key", "metrics key"])
 async def test_the_admin_key_and_the_metrics_key_see_the_tenant_series(
-    loading_api: ApiUnderTest, key: str
+    metrics_api: ApiUnderTest, key: str
 ) -> None:
     # Given alice's task on a model the worker holds loaded
-    await run_all(loading_api, [model_body(SECRET_MODEL)])
-    await declared(loading_api, SECRET_MODEL)
+    await run_all(metrics_api, [model_body(SECRET_MODEL)])
+    await declared(metrics_api, SECRET_MODEL)
     # When the scrape sends the admin key or the metrics key
-    samples = await scrape(loading_api, key)
+    samples = await scrape(metrics_api, key)
     # Then it sees alice's GPU-seconds on her model, and the model loaded and its load
     gpu = labelled(samples, "kiln_gpu_seconds_total", "tenant", "kind", "model", "outcome")
     assert set(gpu) == {("alice", "image.generate", SECRET_MODEL, "success")}
@@ -126,18 +140,22 @@ async def test_the_admin_key_and_the_metrics_key_see_the_tenant_series(
 
 
 async def test_a_wrong_key_is_401_and_a_tenant_key_403_on_metrics(
-    loading_api: ApiUnderTest,
+    keyed_api: ApiUnderTest,
 ) -> None:
     for headers, status, code in (
         ({"Authorization": "Bearer not-a-key-at-all"}, 401, "unauthorized"),
         ({"Authorization": "Basic YWRtaW46YWRtaW4="}, 401, "unauthorized"),
         (bearer(BOB_KEY), 403, "forbidden"),
     ):
-        answer = await loading_api.client.get("/metrics", headers=headers)
+        answer = await keyed_api.client.get("/metrics", headers=headers)
         assert_error(answer, status, code)
-    # And the metrics key opens no /v1 endpoint: it is for /metrics alone
-    assert_error(await loading_api.client.get("/v1/tasks", headers=bearer(METRICS_KEY)),
+        assert "kiln_tasks" not in answer.text
+
+
+async def test_the_metrics_key_opens_metrics_alone(metrics_api: ApiUnderTest) -> None:
+    assert_error(await metrics_api.client.get("/v1/tasks", headers=bearer(METRICS_KEY)),
                  401, "unauthorized")  # fmt: skip
+    assert (await metrics_api.client.get("/metrics", headers=bearer(METRICS_KEY))).is_success
 
 
 async def test_without_keys_a_scrape_shows_everything(api: ApiUnderTest) -> None:
@@ -160,7 +178,7 @@ async def test_a_hundred_model_names_add_a_bounded_number_of_series(
     # When the admin scrapes
     samples = await scrape(loading_api, ADMIN_KEY)
     # Then the worker holds a bounded number of them (KILN_MAX_LOADED_MODELS)
-    limit = loading_api.kiln.settings.max_loaded_models
+    limit = DEFAULT_MAX_MODELS  # KILN_MAX_LOADED_MODELS unset
     held = await worker_models(loading_api)
     assert 1 <= len(held) <= limit
     # And the GPU-seconds name only those by model; the other 90-odd count as `other`
@@ -178,10 +196,8 @@ async def test_a_configured_model_keeps_its_own_series_when_no_worker_holds_it(
     settings: Settings,
 ) -> None:
     # Given a server listing `m-kept` in KILN_METRICS_MODELS, whose worker holds one model
-    keyed = with_keys(settings).with_(
-        metrics_models=("m-kept",), max_loaded_models=1, demo_model_load_s=0.0
-    )
-    async with running_api(keyed, key=ALICE_KEY, workers=1, kiln_app=backend_app(keyed)) as api:
+    configured = settings.with_(metrics_models=("m-kept",), max_loaded_models=1)
+    async with loading(configured) as api:
         # When tasks on m-kept, then m-gone, then m-last run (the last one stays loaded)
         for model in ("m-kept", "m-gone", "m-last"):
             await run_all(api, [model_body(model)])
