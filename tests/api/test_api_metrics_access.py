@@ -139,17 +139,25 @@ async def test_the_admin_key_and_the_metrics_key_see_the_tenant_series(
     assert loads == {(SECRET_MODEL,): 1}
 
 
-async def test_a_wrong_key_is_401_and_a_tenant_key_403_on_metrics(
+async def test_a_wrong_key_is_401_and_a_tenant_key_gets_the_operational_series(
     keyed_api: ApiUnderTest,
 ) -> None:
-    for headers, status, code in (
-        ({"Authorization": "Bearer not-a-key-at-all"}, 401, "unauthorized"),
-        ({"Authorization": "Basic YWRtaW46YWRtaW4="}, 401, "unauthorized"),
-        (bearer(BOB_KEY), 403, "forbidden"),
+    # Given a failure of alice's task, counted by the store
+    await keyed_api.kiln.store.bump(FAILURES, "alice:boom")
+    # When /metrics is asked with a key that is none of the configured ones, or another scheme
+    for headers in (
+        {"Authorization": "Bearer not-a-key-at-all"},
+        {"Authorization": "Basic YWRtaW46YWRtaW4="},
+        {"Authorization": "Bearer "},
     ):
         answer = await keyed_api.client.get("/metrics", headers=headers)
-        assert_error(answer, status, code)
-        assert "kiln_tasks" not in answer.text
+        # Then it is 401 in the envelope, and shows nothing
+        assert_error(answer, 401, "unauthorized")
+        assert answer.headers["www-authenticate"] == "Bearer"
+    # And bob's key (a client sends its key everywhere) gets what a scrape without one gets
+    bobs = parse(await scrape_text(keyed_api, BOB_KEY))
+    assert ("kiln_failures_total", (("code", "boom"),)) in bobs
+    assert not {name for name, _ in bobs if name.startswith(tuple(TENANT_FAMILIES))}
 
 
 async def test_the_metrics_key_opens_metrics_alone(metrics_api: ApiUnderTest) -> None:

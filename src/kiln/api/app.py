@@ -291,7 +291,7 @@ async def readyz(request: Request) -> Response:
     response_class=Response,
     responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-        **error_responses(401, 403),
+        **error_responses(401),
     },
 )
 async def metrics(request: Request) -> Response:

@@ -50,7 +50,7 @@ from kiln.counters import (
     WEBHOOK_DELIVERIES,
 )
 from kiln.engine import Engine
-from kiln.errors import Forbidden, Unauthorized
+from kiln.errors import Unauthorized
 from kiln.states import Status
 from kiln.store import WorkerRecord
 from kiln.store.pools import PoolUsage
@@ -81,9 +81,10 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 def sees_tenants(settings: Settings, authorization: str | None) -> bool:
     """Whether a scrape sending this ``Authorization`` header gets :data:`TENANT_FAMILIES`.
 
-    With no key configured at all, everyone does. Otherwise no header is the operational
-    view; the admin key or ``KILN_METRICS_KEY`` is the whole; a tenant's key is 403 and
-    any other key 401. Keys are compared in constant time, each one.
+    With no key configured at all, everyone does. Otherwise no header, or a tenant's key
+    (whose client sends it everywhere), is the operational view; the admin key or
+    ``KILN_METRICS_KEY`` is the whole; any other key is 401. Keys are compared in constant
+    time, each one.
     """
     guarded = settings.auth_enabled or settings.metrics_key is not None
     if not guarded:
@@ -98,11 +99,8 @@ def sees_tenants(settings: Settings, authorization: str | None) -> bool:
     if sum(hmac.compare_digest(presented, k.encode()) for k in whole):
         return True
     if sum(hmac.compare_digest(presented, k.encode()) for k in settings.api_keys):
-        raise Forbidden(
-            "a tenant's key may not read the deployment's metrics: scrape with "
-            "KILN_METRICS_KEY (or the admin key), or with no key for the operational series"
-        )
-    raise Unauthorized("the key is not valid for /metrics")
+        return False
+    raise Unauthorized("the key is not valid: send KILN_METRICS_KEY or the admin key, or none")
 
 
 def model_label(model: str, shown: Collection[str]) -> str:
