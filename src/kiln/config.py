@@ -72,6 +72,8 @@ class Settings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     metrics_port: int | None = None
+    metrics_key: str | None = field(default=None, repr=False)
+    metrics_models: tuple[str, ...] = ()
     sqlite_synchronous: str = "FULL"
     log_format: str = "text"
     log_level: str = "INFO"
@@ -97,6 +99,7 @@ class Settings:
     claim_order: str = "fifo"
     affinity_wait_s: float = 5.0
     model_memory_gb: float | None = None
+    max_loaded_models: int = 8
     generate_memory: MemoryRule | None = None
     generate_batch: tuple[int, float] | None = None
     preempt_after_s: float | None = None
@@ -342,6 +345,13 @@ VARIABLES: tuple[Variable, ...] = (
        shown="unset (off)"),
     _v("KILN_METRICS_HOST", "metrics_host", TEXT, "address of that `/metrics` "
        "(`--metrics-host`)", group=PROCESSES),
+    _v("KILN_METRICS_KEY", "metrics_key", KEY, "a key (`Authorization: Bearer`) that reads "
+       "the API's whole `/metrics`, per-tenant series included, like the admin key; without "
+       "either, a scrape gets the operational series only while auth is on", group=PROCESSES,
+       secret=True, blank_unset=False),
+    _v("KILN_METRICS_MODELS", "metrics_models", values.names(), "models that keep a `model` "
+       "label of their own in the metrics even while no live worker holds them loaded (the "
+       "others count as `other`)", group=PROCESSES, shown="unset (the loaded ones only)"),
     _v("KILN_SHUTDOWN_GRACE_S", "shutdown_grace_s", SECONDS_OR_ZERO, "on SIGTERM, how long "
        "`kiln serve` and `kiln worker` let running attempts finish before giving them back "
        "uncounted; keep it below the stop timeout (Kubernetes "
@@ -455,6 +465,10 @@ VARIABLES: tuple[Variable, ...] = (
        "the memory a worker process's loaded models may take together; past it the least "
        "recently used model is unloaded before another loads", group=SCHEDULING, unit="GiB",
        shown="unset (no limit)"),
+    _v("KILN_MAX_LOADED_MODELS", "max_loaded_models", COUNT, "the most models a worker "
+       "process holds loaded at once, within KILN_MODEL_MEMORY_GB or without it; past it the "
+       "least recently used idle model is unloaded before another loads", group=SCHEDULING,
+       unit="models"),
     _v("KILN_GENERATE_MEMORY", "generate_memory", values.structured(
        "pool:base or pool:base+per/mpx, in GiB", values.parse_memory_rule), "what an "
        "`image.generate` task takes of a pool of memory (memory admission): `gpu-mem:4+1.5/mpx`"

@@ -4,11 +4,14 @@ A handler that loads a model marks the load as its attempt's ``loading_model`` s
 worker times it, logs ``model_loaded`` with the model and the seconds, and keeps a
 histogram per model for ``kiln_model_load_seconds{model}`` (``kiln worker
 --metrics-port``, and the API's ``/metrics`` for ``kiln serve``'s in-process workers).
+Model names come from tasks, so the histogram names only the models it is told to show
+(those the worker holds loaded, and ``KILN_METRICS_MODELS``); the others' loads are summed
+under ``other``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,10 @@ class LoadTimes:
     count: int = 0
     total_s: float = 0.0
     within: list[int] = field(default_factory=lambda: [0] * len(BUCKETS_S))
+
+    def merged(self, other: LoadTimes) -> LoadTimes:
+        within = [a + b for a, b in zip(self.within, other.within, strict=True)]
+        return LoadTimes(self.count + other.count, self.total_s + other.total_s, within)
 
     def add(self, seconds: float) -> None:
         self.count += 1
@@ -47,10 +54,25 @@ class ModelLoads:
 
 
 class ModelLoadMetrics:
-    """A Prometheus collector of :class:`ModelLoads`: ``kiln_model_load_seconds{model}``."""
+    """A Prometheus collector of :class:`ModelLoads`: ``kiln_model_load_seconds{model}``,
+    each model not in ``shown()`` (when given) summed under ``other``."""
 
-    def __init__(self, loads: ModelLoads) -> None:
+    def __init__(
+        self, loads: ModelLoads, shown: Callable[[], Collection[str]] | None = None
+    ) -> None:
         self.loads = loads
+        self.shown = shown
+
+    def by_label(self) -> dict[str, LoadTimes]:
+        """The loads by the ``model`` label they are shown under."""
+        if self.shown is None:
+            return dict(self.loads.by_model)
+        names = self.shown()
+        found: dict[str, LoadTimes] = {}
+        for model, times in self.loads.by_model.items():
+            label = model if model in names else "other"
+            found[label] = found[label].merged(times) if label in found else times
+        return found
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -61,7 +83,7 @@ class ModelLoadMetrics:
         family = HistogramMetricFamily(
             "kiln_model_load_seconds", "Time a worker took to load a model", labels=["model"]
         )
-        for model, times in sorted(self.loads.by_model.items()):
+        for model, times in sorted(self.by_label().items()):
             buckets = [(repr(b), n) for b, n in zip(BUCKETS_S, times.within, strict=True)]
             family.add_metric([model], [*buckets, ("+Inf", times.count)], times.total_s)
         yield family

@@ -15,12 +15,26 @@ from kiln.states import Status
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-async def scrape(api: ApiUnderTest) -> Samples:
-    response = await api.client.get("/metrics", headers={"Authorization": ""})
-    assert response.status_code == 200
+async def scrape(api: ApiUnderTest, key: str | None = None) -> Samples:
+    """The samples of ``/metrics``: without a key (the client's own is not sent), or with
+    ``key`` as a Bearer token."""
+    return parse(await scrape_text(api, key))
+
+
+async def scrape_text(api: ApiUnderTest, key: str | None = None) -> str:
+    response = await api.client.get("/metrics", headers={"Authorization": bearer_value(key)})
+    assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+def bearer_value(key: str | None) -> str:
+    return f"Bearer {key}" if key else ""
+
+
+def parse(text: str) -> Samples:
     samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples

@@ -65,8 +65,8 @@ async def test_the_admin_sees_every_tenant_or_one_and_a_tenant_no_other(
     assert only["attempts"] == 1 and len(only["day"]) == 10 and "tenant" not in only
     # And alice may not ask for bob's
     assert_error(await working_api.client.get("/v1/usage?tenant=bob"), 403, "forbidden")
-    # And /metrics reports the GPU-seconds by tenant, kind, model and outcome
-    samples = await scrape(working_api)
+    # And /metrics reports the GPU-seconds by tenant, kind, model and outcome to the admin
+    samples = await scrape(working_api, ADMIN_KEY)
     gpu = labelled(samples, "kiln_gpu_seconds_total", "tenant", "kind", "model", "outcome")
     assert set(gpu) == {
         ("alice", "image.generate", "", "success"), ("bob", "image.generate", "", "success"),
@@ -77,12 +77,18 @@ async def test_the_admin_sees_every_tenant_or_one_and_a_tenant_no_other(
 async def test_bad_usage_parameters_are_422_in_the_error_envelope(
     keyed_api: ApiUnderTest,
 ) -> None:
-    for query in (
-        "group_by=tenant,colour",
-        "from=yesterday",
-        "from=2027-01-15T08:00:00",  # no offset
+    for query, loc, value in (
+        ("group_by=tenant,colour", ["query", "group_by"], "colour"),
+        ("from=yesterday", ["query", "from"], "yesterday"),
+        ("from=2027-01-15T08:00:00", ["query", "from"], "2027-01-15T08:00:00"),  # no offset
+        ("to=soon", ["query", "to"], "soon"),
     ):
-        assert_error(await keyed_api.client.get(f"/v1/usage?{query}"), 422, "invalid_request")
+        error = assert_error(await keyed_api.client.get(f"/v1/usage?{query}"), 422,
+                             "invalid_request")  # fmt: skip
+        # each detail says where, what and which kind of error, as every other 422 does
+        (detail,) = error["details"]
+        assert set(detail) == {"loc", "msg", "type"}, detail
+        assert detail["loc"] == loc and value in detail["msg"] and detail["type"]
     # And a window that ends before it starts holds nothing
     empty = await keyed_api.client.get("/v1/usage?from=2027-01-16&to=2027-01-15&group_by=kind")
     assert empty.status_code == 200 and empty.json()["items"] == []
@@ -94,3 +100,25 @@ async def test_bad_usage_parameters_are_422_in_the_error_envelope(
         {"attempts": 0, "waiting_s": 0.0, "loading_s": 0.0, "generating_s": 0.0,
          "gpu_seconds": 0.0}
     ]  # fmt: skip
+
+
+async def test_a_tenant_key_may_not_group_usage_by_worker(working_api: ApiUnderTest) -> None:
+    # Given an attempt of alice's, run by the API's worker
+    await _run(working_api, "alice's fox")
+    # When alice asks for her usage by worker, alone or with other keys
+    for group_by in ("worker", "kind,worker"):
+        refused = await working_api.client.get(f"/v1/usage?group_by={group_by}")
+        # Then she is refused: worker ids are the deployment's, not a tenant's
+        assert_error(refused, 403, "forbidden")
+    # And by anything else she still sees her own
+    mine = await working_api.client.get("/v1/usage?group_by=kind,pool")
+    assert mine.status_code == 200 and mine.json()["items"][0]["attempts"] == 1
+    # And the admin sees the worker that ran it
+    every = await working_api.client.get("/v1/usage?group_by=worker", headers=bearer(ADMIN_KEY))
+    (item,) = every.json()["items"]
+    assert item["worker"].count(":") >= 2 and item["attempts"] == 1
+
+
+async def test_without_keys_usage_may_be_grouped_by_worker(api: ApiUnderTest) -> None:
+    answer = await api.client.get("/v1/usage?group_by=worker")
+    assert answer.status_code == 200 and answer.json()["group_by"] == ["worker"]

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import datetime, timedelta
 
 from api_support import ADMIN_KEY, BOB_KEY, ApiUnderTest, wait_until
 from test_api_metrics import labelled, scrape
 
 from kiln.store import WorkerRecord
+
+
+def rfc3339(value: object) -> datetime:
+    """An API time: RFC 3339 text in UTC (``...Z``), nothing else."""
+    assert isinstance(value, str) and value.endswith("Z"), value
+    moment = datetime.fromisoformat(value)
+    assert moment.utcoffset() == timedelta(0)
+    return moment
 
 
 async def test_the_admin_lists_the_live_workers_and_metrics_count_them(
@@ -36,16 +45,19 @@ async def test_the_admin_lists_the_live_workers_and_metrics_count_them(
     theirs = next(w for w in workers if w["id"] == other.id)
     assert (mine["host"], mine["pid"]) == (socket.gethostname(), os.getpid())
     assert "image.generate" in mine["kinds"] and mine["slots"] >= 1
-    assert mine["last_seen_at"] >= mine["started_at"] and mine["expires_at"] > mine["last_seen_at"]
+    # And its times are RFC 3339 UTC, as every time in the API
+    times = [rfc3339(mine[name]) for name in ("started_at", "last_seen_at", "expires_at")]
+    assert times[1] >= times[0] and times[2] > times[1]
     assert theirs["models"] == ["sdxl"] and theirs["running"] == 1 and theirs["slots"] == 2
     assert theirs["resources"] == {"image.generate": {"gpu": 1}}
-    # And /metrics counts the workers per kind and per model
-    samples = await scrape(working_api)
+    # And /metrics counts the workers per kind and, for the admin, per model
+    samples = await scrape(working_api, ADMIN_KEY)
     assert labelled(samples, "kiln_workers", "kind")[("image.generate",)] == 2
     assert labelled(samples, "kiln_worker_models_loaded", "model") == {("sdxl",): 1}
     # And the admin's stats carry the same list, for the dashboard
     stats = (await working_api.client.get("/v1/stats", headers=admin)).json()
     assert {w["id"] for w in stats["workers"]} == {w["id"] for w in workers}
+    assert all(rfc3339(w["expires_at"]) > rfc3339(w["started_at"]) for w in stats["workers"])
     # And a tenant's key may not list them, and its stats carry no list
     assert "workers" not in (await working_api.client.get("/v1/stats")).json()
     refused = await working_api.client.get(

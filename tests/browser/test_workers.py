@@ -1,9 +1,11 @@
 """The workers panel in Chromium: the live worker processes of the deployment, for the
-admin (or anyone when auth is off); hidden from a tenant's key."""
+admin (or anyone when auth is off), each with when it started; hidden from a tenant's
+key."""
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 import httpx
 import pytest
@@ -34,6 +36,12 @@ def test_the_overview_lists_the_live_workers(
     assert held, answer
     shown = re.compile("^(" + "|".join(re.escape(text) for text in held) + ")$")
     expect(mine.first.get_by_test_id("worker-models")).to_have_text(shown)
+    # And when it started, from the API's RFC 3339 `started_at`
+    (started_at,) = {w["started_at"] for w in answer["workers"] if w["pid"] == server.popen.pid}
+    assert started_at.endswith("Z") and datetime.fromisoformat(started_at)
+    started = mine.first.get_by_test_id("worker-started")
+    expect(started).to_have_attribute("datetime", started_at)
+    expect(started).to_have_text(re.compile(r"^started (just now|\d+ (s|min|h|d) ago)$"))
     assert int(panel.get_attribute("data-count") or "0") >= 1
     assert console_errors == []
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -61,10 +63,14 @@ def test_workers_list_themselves_and_disappear_when_gone(
         assert worker.resources.get("image.generate") == {"gpu": 1}
         assert worker.seen_at >= worker.started_at and worker.expires_at > worker.seen_at
     # And `kiln workers` shows them, as a table and as the API's JSON
-    shown = kiln_workers(api_only, "--json")
-    assert {w["pid"] for w in json.loads(shown)["workers"]} >= both
+    shown = json.loads(kiln_workers(api_only, "--json"))["workers"]
+    assert {w["pid"] for w in shown} >= both
+    for worker in shown:  # times in RFC 3339 UTC, as everywhere in the API
+        started, seen = (datetime.fromisoformat(worker[k]) for k in ("started_at", "last_seen_at"))
+        assert worker["started_at"].endswith("Z") and seen >= started
     table = kiln_workers(api_only)
     assert "RUNNING" in table and f"{killed.pid}" in table and "0/3" in table
+    assert re.search(r"\bUP\b", table) and re.search(r" \d+[smhd]\n", table), table
     # When one is SIGKILLed, it is listed until its lease lapses, then no more
     processes.kill(killed)
     wait_until(lambda: killed.pid not in listed(api_only.data_dir), 10, "the killed one gone")

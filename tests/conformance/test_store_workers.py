@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kiln.models import iso
 from kiln.store import Store, WorkerRecord
 from kiln.store.workers import FORGET_AFTER_S
 
@@ -40,7 +41,7 @@ async def test_a_worker_is_listed_with_what_it_said_while_its_beat_holds(
     assert (listed.started_at, listed.seen_at, listed.expires_at) == (
         first.started_at, started + 10, started + 40,
     )  # fmt: skip
-    assert listed.to_json()["last_seen_at"] == started + 10
+    assert listed.to_json()["last_seen_at"] == iso(started + 10)
 
 
 async def test_a_worker_whose_beat_lapsed_disappears_and_its_row_goes_later(

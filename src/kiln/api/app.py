@@ -39,7 +39,7 @@ from kiln.api import usage as usage_routes
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
-from kiln.api.metrics import RequestMetrics
+from kiln.api.metrics import RequestMetrics, sees_tenants
 from kiln.api.openapi import openapi_builder
 from kiln.api.request_spans import RequestSpans
 from kiln.api.schemas import HealthOut
@@ -227,7 +227,9 @@ def _lifespan(
             if workers > 0:
                 worker = app.worker(concurrency=workers, resources={"gpu": gpus})
                 state.metrics.registry.register(LiveMetrics(*worker_readings(worker)))
-                state.metrics.registry.register(ModelLoadMetrics(worker.model_loads))
+                state.metrics.registry.register(
+                    ModelLoadMetrics(worker.model_loads, shown=state.metrics.models_shown)
+                )
                 for collector in backends.collectors(app):  # upstream latency and breakers
                     state.metrics.registry.register(collector)
                 shutdown.workers.append(worker)
@@ -285,13 +287,20 @@ async def readyz(request: Request) -> Response:
 
 @ops.get(
     "/metrics",
-    summary="Prometheus metrics: the deployment's tasks plus this process",
+    summary="Prometheus metrics: the deployment's tasks plus this process (per-tenant "
+    "series: the metrics key or the admin key)",
     response_class=Response,
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        **error_responses(401),
+    },
 )
 async def metrics(request: Request) -> Response:
     state = api_state(request)
-    body = await state.metrics.render(state.app.engine)
+    tenants = sees_tenants(state.settings, request.headers.get("authorization"))
+    body = await state.metrics.render(
+        state.app.engine, tenants=tenants, models=state.settings.metrics_models
+    )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -50,6 +50,13 @@ def check_settings(settings: Settings) -> None:
         raise ValueError("KILN_ADMIN_KEY must differ from every key in KILN_API_KEYS")
     if settings.admin_key is not None and key_refusal(settings.admin_key) is not None:
         raise ValueError(f"KILN_ADMIN_KEY is not usable: {key_refusal(settings.admin_key)}")
+    metrics_key = settings.metrics_key
+    if metrics_key is not None and (
+        metrics_key in settings.api_keys or metrics_key == settings.admin_key
+    ):
+        raise ValueError("KILN_METRICS_KEY must differ from the admin key and every API key")
+    if metrics_key is not None and key_refusal(metrics_key) is not None:
+        raise ValueError(f"KILN_METRICS_KEY is not usable: {key_refusal(metrics_key)}")
     if any(key_refusal(key) is not None for key in settings.api_keys):
         raise ValueError("KILN_API_KEYS holds a key that is blank or holds spaces")
     if settings.output_urls not in OUTPUT_URL_MODES:

@@ -5,13 +5,22 @@ scrape handler fetches the numbers, hands them to :class:`StoreCollector`, then 
 the app's own registry (never the global one, so several apps share a test process).
 ``kiln_state_seconds`` is built from the event log's ``dwell_s``, read incrementally:
 each scrape reads only the events written since the previous one.
+
+Who sees what (docs/deployment.md): the families that carry a tenant or a value a tenant
+typed (:data:`TENANT_FAMILIES`) go only to the admin key and ``KILN_METRICS_KEY`` while
+auth is on; a scrape without a key gets the rest. Label values tenants choose are bounded:
+a ``model`` is shown by name only when a live worker holds it loaded or
+``KILN_METRICS_MODELS`` lists it (else ``other``), failure codes past the
+:data:`MAX_FAILURE_CODES` most frequent are ``other``, and so are HTTP methods outside
+:data:`HTTP_METHODS`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Callable, Iterable
+import hmac
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -25,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.autoscaling import Autoscaling, KindSignals, PoolSignals
 from kiln.breakers import STATE_VALUES, shared_state
+from kiln.config import Settings
 from kiln.counters import (
     BREAKER_TRANSITIONS,
     DEDUP_HITS,
@@ -40,6 +50,7 @@ from kiln.counters import (
     WEBHOOK_DELIVERIES,
 )
 from kiln.engine import Engine
+from kiln.errors import Unauthorized
 from kiln.states import Status
 from kiln.store import WorkerRecord
 from kiln.store.pools import PoolUsage
@@ -51,6 +62,51 @@ STATE_BUCKETS_S: tuple[float, ...] = (
 )  # fmt: skip
 _EVENT_PAGE = 5000
 _DEDUP_TYPES = ("idempotency", "content")
+
+#: The label value of everything a bounded label does not show by name.
+OTHER = "other"
+#: Families with a ``tenant`` label or values tenants typed (model names): for the admin
+#: key and the metrics key only, while auth is on (prometheus_client's names: no
+#: ``_total``).
+TENANT_FAMILIES = frozenset(
+    {"kiln_gpu_seconds", "kiln_worker_models_loaded", "kiln_model_load_seconds"}
+)
+#: ``kiln_failures_total`` shows this many codes by name, the most frequent; the rest are
+#: ``other`` (a handler, or the demo's ``simulate.fail_code``, may say any code).
+MAX_FAILURE_CODES = 50
+#: The methods ``kiln_api_requests_total`` names; any other a client sends is ``other``.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def sees_tenants(settings: Settings, authorization: str | None) -> bool:
+    """Whether a scrape sending this ``Authorization`` header gets :data:`TENANT_FAMILIES`.
+
+    With no key configured at all, everyone does. Otherwise no header, or a tenant's key
+    (whose client sends it everywhere), is the operational view; the admin key or
+    ``KILN_METRICS_KEY`` is the whole; any other key is 401. Keys are compared in constant
+    time, each one.
+    """
+    guarded = settings.auth_enabled or settings.metrics_key is not None
+    if not guarded:
+        return True
+    if not authorization or not authorization.strip():
+        return False
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthorized("send the metrics key as Authorization: Bearer <key>")
+    presented = key.strip().encode()
+    whole = [k for k in (settings.admin_key, settings.metrics_key) if k is not None]
+    if sum(hmac.compare_digest(presented, k.encode()) for k in whole):
+        return True
+    if sum(hmac.compare_digest(presented, k.encode()) for k in settings.api_keys):
+        return False
+    raise Unauthorized("the key is not valid: send KILN_METRICS_KEY or the admin key, or none")
+
+
+def model_label(model: str, shown: Collection[str]) -> str:
+    """A ``model`` label: ``""`` (no model) and the models ``shown`` as they are, the rest
+    :data:`OTHER`."""
+    return model if not model or model in shown else OTHER
 
 
 class DwellHistogram:
@@ -110,6 +166,8 @@ class StoreSnapshot:
     autoscaling: Autoscaling = field(default_factory=lambda: Autoscaling({}, {}))
     #: GPU-seconds by (tenant, kind, model, outcome), from the ledger.
     gpu_seconds: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    #: The models a ``model`` label shows by name: live workers' and KILN_METRICS_MODELS.
+    models: frozenset[str] = frozenset()
 
 
 #: Counters without labels: (counter, metric, help).
@@ -249,7 +307,12 @@ class StoreCollector:
             "GPU-seconds of ended attempts (seconds generating x batch share), from the ledger",
             labels=["tenant", "kind", "model", "outcome"],
         )
-        for labels, seconds in sorted(self.snapshot.gpu_seconds.items()):
+        shown = self.snapshot.models
+        bounded: dict[tuple[str, str, str, str], float] = {}
+        for (tenant, kind, model, outcome), seconds in self.snapshot.gpu_seconds.items():
+            key = (tenant, kind, model_label(model, shown), outcome)
+            bounded[key] = bounded.get(key, 0.0) + seconds
+        for labels, seconds in sorted(bounded.items()):
             family.add_metric(list(labels), seconds)
         return family
 
@@ -362,12 +425,30 @@ class StoreCollector:
         return family
 
     def _failures(self) -> dict[str, int]:
+        """Failures by code: the :data:`MAX_FAILURE_CODES` most frequent by name, the
+        rest summed as :data:`OTHER`."""
         found: dict[str, int] = {}
         for (counter, labels), n in self.snapshot.counters.items():
             if counter == FAILURES:
                 code = labels.partition(":")[2] or labels
                 found[code] = found.get(code, 0) + n
-        return found
+        ranked = sorted(found.items(), key=lambda item: (-item[1], item[0]))
+        shown = dict(ranked[:MAX_FAILURE_CODES])
+        rest = sum(n for _, n in ranked[MAX_FAILURE_CODES:])
+        if rest:
+            shown[OTHER] = shown.get(OTHER, 0) + rest
+        return shown
+
+
+class _Operational:
+    """The families of a registry but :data:`TENANT_FAMILIES`: what a scrape without a key
+    gets while auth is on."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return (m for m in self.registry.collect() if m.name not in TENANT_FAMILIES)
 
 
 class ApiMetrics:
@@ -375,6 +456,8 @@ class ApiMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.operational = CollectorRegistry(auto_describe=False)
+        self.operational.register(_Operational(self.registry))
         self.histogram = DwellHistogram()
         self.store_collector = StoreCollector(self.histogram)
         self.gpu_seconds = GpuSeconds()
@@ -399,8 +482,16 @@ class ApiMetrics:
             registry=self.registry,
         )
 
-    async def render(self, engine: Engine) -> bytes:
-        """The registry's text, with the store-backed families read through ``engine``."""
+    def models_shown(self) -> frozenset[str]:
+        """The models a ``model`` label shows by name, as of the latest scrape."""
+        return self.store_collector.snapshot.models
+
+    async def render(
+        self, engine: Engine, *, tenants: bool = True, models: Iterable[str] = ()
+    ) -> bytes:
+        """The registry's text, with the store-backed families read through ``engine``:
+        every family, or (``tenants`` false) all but :data:`TENANT_FAMILIES`. ``models``
+        are shown by name in a ``model`` label besides those live workers hold."""
         stats = await engine.stats(None)
         counters = await engine.counters()
         await self.histogram.catch_up(engine)
@@ -417,9 +508,11 @@ class ApiMetrics:
         }
         snapshot.workers = workers
         snapshot.autoscaling = await engine.autoscaling(workers=workers, pools=pools)
-        snapshot.gpu_seconds = await self.gpu_seconds.read(engine)
+        snapshot.models = frozenset(models).union(*(w.models for w in workers))
+        if tenants:
+            snapshot.gpu_seconds = await self.gpu_seconds.read(engine)
         self.store_collector.snapshot = snapshot
-        return generate_latest(self.registry)
+        return generate_latest(self.registry if tenants else self.operational)
 
 
 class RequestMetrics:
@@ -448,7 +541,8 @@ class RequestMetrics:
             await self.app(scope, receive, send_counted)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            key = (scope["method"], route, status)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else OTHER
+            key = (method, route, status)
             counter = self._counters.get(key)
             if counter is None:
                 counter = self._counters[key] = self.metrics.requests.labels(*key[:2], status)

@@ -355,10 +355,10 @@ class WorkerOut(_Out):
     resources: dict[str, dict[str, int]]
     #: The models it holds loaded.
     models: list[str]
-    started_at: float
-    last_seen_at: float
+    started_at: AwareDatetime
+    last_seen_at: AwareDatetime
     #: When it stops being listed if it beats no more.
-    expires_at: float
+    expires_at: AwareDatetime
 
 
 class KindLoadOut(_Out):

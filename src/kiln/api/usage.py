@@ -1,9 +1,10 @@
 """``GET /v1/usage``: the GPU-second ledger summed over a window, by the keys asked for.
 
-A tenant's key sees its own attempts only; the admin sees every tenant's, or one tenant's
-with ``tenant=``. Times are RFC 3339 (a bare date is that day's midnight UTC); the window
-holds the attempts that ended at or after ``from`` and before ``to`` (none when ``from``
-is not before ``to``).
+A tenant's key sees its own attempts only, and never which worker ran them (``group_by``
+``worker`` is 403 ``forbidden`` for it: worker ids name the deployment's hosts); the admin
+sees every tenant's, or one tenant's with ``tenant=``. Times are RFC 3339 (a bare date is
+that day's midnight UTC); the window holds the attempts that ended at or after ``from``
+and before ``to`` (none when ``from`` is not before ``to``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def parse_time(name: str, text: str) -> float:
     if moment is None or moment.tzinfo is None:
         raise InvalidRequest(
             f"{name} must be an RFC 3339 time with its offset (2027-01-15T08:00:00Z) or a date",
-            details=[{"field": name, "value": text}],
+            details=[
+                {"loc": ["query", name], "msg": f"not a time: {text!r}", "type": "value_error"}
+            ],
         )
     return min(max(moment.timestamp(), 0.0), LAST_S)  # the ledger holds nothing outside
 
@@ -58,7 +61,10 @@ def parse_groups(text: str | None) -> list[str]:
     if unknown:
         raise InvalidRequest(
             f"group_by takes {', '.join(GROUPS)}; not {', '.join(unknown)}",
-            details=[{"field": "group_by", "value": name} for name in unknown],
+            details=[
+                {"loc": ["query", "group_by"], "msg": f"unknown key {name!r}", "type": "enum"}
+                for name in unknown
+            ],
         )
     return list(dict.fromkeys(names))
 
@@ -91,7 +97,8 @@ async def usage(
     group_by: Annotated[
         str | None,
         Query(
-            description=f"comma-separated, any of {', '.join(GROUPS)}",
+            description=f"comma-separated, any of {', '.join(GROUPS)} (`worker`: the admin "
+            "key only)",
             json_schema_extra={"pattern": GROUP_BY_PATTERN},
         ),
     ] = None,
@@ -101,6 +108,8 @@ async def usage(
     end = app.now() if until is None else parse_time("to", until)
     start = max(end - DEFAULT_WINDOW_S, 0.0) if since is None else parse_time("from", since)
     groups = parse_groups(group_by)
+    if "worker" in groups and not principal.may_review:  # the admin, or anyone (auth off)
+        raise Forbidden("only the admin key may group usage by worker")
     scope = principal.scope
     if tenant:
         if scope is not None and tenant != scope:

@@ -37,7 +37,7 @@ from kiln.config_values import MemoryRule
 from kiln.demo import OUTPUT_NAMES, GenerateParams
 from kiln.errors import InvalidRequest, Retryable
 from kiln.kinds import AmountsOf, BatchPolicy, Registry
-from kiln.model_cache import ModelCache
+from kiln.model_cache import DEFAULT_MAX_MODELS, ModelCache
 from kiln.models import JSON, Output
 from kiln.paint import encode
 
@@ -90,9 +90,15 @@ class DemoBackend:
     name = "demo"
     resources: Mapping[str, int] = {"gpu": 1}
 
-    def __init__(self, *, load_s: float = 0.0, memory_gb: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        load_s: float = 0.0,
+        memory_gb: float | None = None,
+        max_models: int = DEFAULT_MAX_MODELS,
+    ) -> None:
         self.load_s = load_s
-        self.models: ModelCache[str] = ModelCache(memory_gb)
+        self.models: ModelCache[str] = ModelCache(memory_gb, max_models=max_models)
 
     def model_of(self, params: JSON) -> str | None:
         model = params.get("model")
@@ -117,7 +123,11 @@ DEMO_MODEL_GB = 2.0
 
 
 def _demo(settings: Settings, metrics: UpstreamMetrics) -> Backend:
-    return DemoBackend(load_s=settings.demo_model_load_s, memory_gb=settings.model_memory_gb)
+    return DemoBackend(
+        load_s=settings.demo_model_load_s,
+        memory_gb=settings.model_memory_gb,
+        max_models=settings.max_loaded_models,
+    )
 
 
 def _openai_images(settings: Settings, metrics: UpstreamMetrics) -> Backend:

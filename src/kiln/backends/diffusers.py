@@ -61,7 +61,7 @@ from kiln.backends.upstream import UpstreamMetrics
 from kiln.config import Settings
 from kiln.demo import GenerateParams
 from kiln.errors import InvalidRequest, Permanent, Retryable, Yielded
-from kiln.model_cache import ModelCache
+from kiln.model_cache import DEFAULT_MAX_MODELS, ModelCache
 from kiln.models import JSON
 from kiln.paint import encode, preview
 
@@ -257,13 +257,16 @@ class DiffusersBackend:
         device: str = "auto",
         preview_every: int = 5,
         memory_gb: float | None = None,
+        max_models: int = DEFAULT_MAX_MODELS,
     ) -> None:
         # Normalised, not resolved: the default model's name must not depend on the links
         # of the machine (API nodes and workers name it alike).
         self.model_dir = Path(os.path.normpath(model_dir.absolute()))
         self.device = device
         self.preview_every = preview_every
-        self.models: ModelCache[LoadedPipeline] = ModelCache(memory_gb, unload=self._unload)
+        self.models: ModelCache[LoadedPipeline] = ModelCache(
+            memory_gb, unload=self._unload, max_models=max_models
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: UpstreamMetrics) -> DiffusersBackend:
@@ -285,6 +288,7 @@ class DiffusersBackend:
             device=settings.diffusers_device,
             preview_every=settings.diffusers_preview_every,
             memory_gb=settings.model_memory_gb,
+            max_models=settings.max_loaded_models,
         )
 
     @property

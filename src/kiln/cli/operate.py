@@ -62,8 +62,10 @@ def workers_command(
     Console(highlight=False).print(worker_table(found["workers"]))
 
 
-def worker_table(workers: list[JSON]) -> Table:
-    """Workers as rows: where, what they claim, attempts in hand of their slots, models."""
+def worker_table(workers: list[JSON], now: datetime | None = None) -> Table:
+    """Workers as rows: where, what they claim, attempts in hand of their slots, models,
+    how long since each started (``started_at``, RFC 3339)."""
+    now = now or datetime.now(UTC)
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     table.add_column("HOST", no_wrap=True)
     table.add_column("PID", no_wrap=True, justify="right")
@@ -71,11 +73,13 @@ def worker_table(workers: list[JSON]) -> Table:
     table.add_column("KINDS", overflow="fold")
     table.add_column("MODELS", overflow="fold")
     table.add_column("VERSION", no_wrap=True)
+    table.add_column("UP", no_wrap=True, justify="right")
     for worker in workers:
         table.add_row(
             escape(str(worker["host"])), str(worker["pid"]),
             f"{worker['running']}/{worker['slots']}", escape(", ".join(worker["kinds"])),
             escape(", ".join(worker["models"]) or "-"), escape(str(worker["version"])),
+            escape(tasks.age(str(worker["started_at"]), now)),
         )  # fmt: skip
     return table
 

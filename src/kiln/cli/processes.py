@@ -22,6 +22,7 @@ from kiln import backends, config
 from kiln.config import Settings
 from kiln.errors import ConfigError
 from kiln.model_loads import ModelLoadMetrics
+from kiln.presence import models_loaded
 from kiln.process_metrics import LiveMetrics, Readings, supervisor_readings, worker_readings
 
 if TYPE_CHECKING:
@@ -343,10 +344,15 @@ async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
             concurrency=settings.concurrency, kinds=kinds, resources={"gpu": settings.gpus}
         )
         readings = worker_readings(process)
+
+        def held() -> set[str]:  # model names come from tasks: name these only
+            kinds = (app.kinds[name] for name in process.kinds)
+            return {*models_loaded(kinds), *settings.metrics_models}
+
         upstream: list[Collector] = [
             *backends.collectors(app),
             app.breakers,
-            ModelLoadMetrics(process.model_loads),
+            ModelLoadMetrics(process.model_loads, shown=held),
         ]
         with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
             await _until_signalled(process.run(), drain=process.drain)

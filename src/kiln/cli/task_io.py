@@ -203,7 +203,7 @@ def task_table(tasks: list[JSON]) -> Table:
     for task in tasks:
         table.add_row(task["id"], _status(task), task["kind"],
                       f"{task['attempt']}/{task['max_attempts']}",
-                      _age(str(task["created_at"]), now))  # fmt: skip
+                      age(str(task["created_at"]), now))  # fmt: skip
     return table
 
 
@@ -229,7 +229,7 @@ def moment_of(raw: str | None) -> float | str | None:
         return raw
 
 
-def _age(stamp: str, now: datetime) -> str:
+def age(stamp: str, now: datetime) -> str:
     """How long ago an API time was, in its largest unit: ``45s``, ``12m``, ``3h``, ``9d``."""
     try:
         seconds = max((now - datetime.fromisoformat(stamp)).total_seconds(), 0.0)

@@ -1,8 +1,20 @@
 // The workers panel: the live worker processes (`workers` of GET /v1/stats, there for the
 // admin key only, as GET /v1/workers lists them), each with the attempts it has in hand of
-// its slots, its kinds and the models it holds loaded. Hidden when stats carry no list.
+// its slots, its kinds, the models it holds loaded and when it started (`started_at`, RFC
+// 3339 like every time of the API). Hidden when stats carry no list.
 
-import { h, clear } from "./ui.js";
+import { h, clear, parseTime, formatRelative, formatClock } from "./ui.js";
+
+function startedAt(worker) {
+  const t = parseTime(worker.started_at);
+  return h("time", {
+    class: "worker-started muted small",
+    datetime: worker.started_at,
+    title: t === null ? "" : formatClock(t),
+    dataset: { testid: "worker-started" },
+    text: t === null ? "started —" : `started ${formatRelative(t)}`,
+  });
+}
 
 function workerRow(worker) {
   const models = worker.models.length ? worker.models.join(", ") : "no model loaded";
@@ -13,6 +25,7 @@ function workerRow(worker) {
     h("span", { class: "worker-load", text: `${worker.running}/${worker.slots} running` }),
     h("span", { class: "worker-kinds muted small", text: worker.kinds.join(", ") }),
     h("span", { class: "worker-models small", dataset: { testid: "worker-models" }, text: models }),
+    startedAt(worker),
   );
 }
 

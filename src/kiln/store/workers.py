@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kiln.models import iso
 from kiln.store.rows import dumps
 from kiln.store.tx import Ops, Row, Tx
 
@@ -39,13 +40,13 @@ class WorkerRecord:
     expires_at: float = 0.0
 
     def to_json(self) -> dict[str, object]:
-        """The wire form (``GET /v1/workers``)."""
+        """The wire form (``GET /v1/workers``): times RFC 3339 UTC, as everywhere in the API."""
         return {
             "id": self.id, "host": self.host, "pid": self.pid, "version": self.version,
             "kinds": list(self.kinds), "slots": self.slots, "running": self.running,
             "resources": self.resources, "models": list(self.models),
-            "started_at": self.started_at, "last_seen_at": self.seen_at,
-            "expires_at": self.expires_at,
+            "started_at": iso(self.started_at), "last_seen_at": iso(self.seen_at),
+            "expires_at": iso(self.expires_at),
         }  # fmt: skip
 
 
