@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 
 import kiln
-from kiln import demo, transform
+from kiln import backends, transform
 from kiln.config import Settings
 
 FORMATS = jsonschema.FormatChecker()
@@ -24,10 +24,11 @@ def _rfc3339(value: object) -> bool:
 
 
 def served_kiln(settings: Settings) -> kiln.App:
-    """A kiln App with the kinds `kiln serve` has: image.generate, image.transform and
-    image.contact_sheet (the last two take inputs)."""
+    """A kiln App with the kinds `kiln serve` has: image.generate (on the settings'
+    backend, the demo by default), image.transform and image.contact_sheet (the last two
+    take inputs)."""
     app = kiln.App(settings=settings)
-    demo.register(app)
+    backends.register(app)
     transform.register(app)
     return app
 

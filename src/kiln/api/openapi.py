@@ -76,7 +76,11 @@ def _pipeline_params(app: App, components: dict[str, Any]) -> dict[str, Any]:
         "properties": {
             "name": {"type": "string", "pattern": pipelines.NAME.pattern},
             "kind": {"type": "string", "enum": sorted(app.kinds)},
-            "params": {"type": "object", "description": "as its kind takes them"},
+            "params": {
+                "type": "object",
+                "additionalProperties": True,
+                "description": "as its kind takes them",
+            },
             "inputs": {
                 "type": "object",
                 "additionalProperties": {"type": "string", "pattern": pipelines.REF.pattern},
