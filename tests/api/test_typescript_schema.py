@@ -13,7 +13,7 @@ import pytest
 from api_support import running_api
 from openapi_support import served_kiln
 
-from doc_examples import Example, examples
+from doc_examples import ROOT, Example, blocks, examples
 from kiln.config import Settings
 from typescript_support import CLIENT, GENERATE_FLAGS, SCHEMA, install, tool
 
@@ -116,3 +116,32 @@ def test_a_body_the_document_refuses_does_not_type_check(
 def test_the_client_and_the_docs_resume_example_type_check(client_installed: None) -> None:
     checked = tool("tsc", "--noEmit", "-p", CLIENT)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _ts_blocks() -> list[str]:
+    page = (ROOT / "docs" / "typescript.md").read_text()
+    return [b.text for b in blocks(page) if b.lang == "ts"]
+
+
+def test_the_typescript_docs_examples_type_check_with_the_package(
+    client_installed: None, tmp_path: Path
+) -> None:
+    # Given each TypeScript block of docs/typescript.md, importing the package by its name
+    found = _ts_blocks()
+    assert len(found) >= 3
+    index = (CLIENT / "src" / "index").as_posix()
+    modules = []
+    for number, text in enumerate(found):
+        module = tmp_path / f"doc{number}.ts"
+        module.write_text(text.replace('"@kiln/client"', f'"{index}"'))
+        modules.append(module)
+    # Then tsc takes them, as their readers' builds would
+    checked = tool("tsc", *TSC_FLAGS, "--lib", "ES2022,DOM,DOM.Iterable", *modules)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_docs_resume_example_is_the_checked_example_file() -> None:
+    follow = (CLIENT / "examples" / "follow.ts").read_text()
+    shown = follow.replace('"../src/index"', '"@kiln/client"')
+    body = shown.split("\n", 1)[1]  # its first line says where it comes from
+    assert [b for b in _ts_blocks() if b.strip() == body.strip()], "docs/typescript.md differs"
