@@ -1177,7 +1177,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
             /** @description inputs named by content instead of uploaded (docs/uploads.md) */
             inputs: {
                 /** @description sha256:<64 hex> of an earlier upload or output of this tenant's tasks */
@@ -1327,7 +1327,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
         };
         /**
          * TransformParams
@@ -1428,7 +1428,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
             /** @description inputs named by content instead of uploaded (docs/uploads.md) */
             inputs: {
                 /** @description sha256:<64 hex> of an earlier upload or output of this tenant's tasks */
@@ -1509,7 +1509,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
         };
         /**
          * ScheduleTask image.generate
@@ -1561,7 +1561,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
         };
         /**
          * ScheduleTask pipeline
@@ -1613,7 +1613,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
         };
         /**
          * ScheduleTask
@@ -1681,7 +1681,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
             /**
              * Inputs
              * @description inputs named by content instead of uploaded: input name → 'sha256:<64 hex>' of an earlier upload or output of this tenant's tasks (docs/uploads.md, 'Inputs by reference'); unknown content is 422
@@ -1755,7 +1755,7 @@ export interface components {
              * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
              * @default null
              */
-            webhook_events?: string[] | null;
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
             /**
              * Inputs
              * @description inputs named by content instead of uploaded: input name → 'sha256:<64 hex>' of an earlier upload or output of this tenant's tasks (docs/uploads.md, 'Inputs by reference'); unknown content is 422
@@ -1798,9 +1798,7 @@ export interface components {
              * Tasks
              * @description submissions as POST /v1/tasks takes them (BatchItemIn), plus an optional idempotency_key; an item that is not valid is refused alone
              */
-            tasks: {
-                [key: string]: unknown;
-            }[];
+            tasks: components["schemas"]["BatchItem"][];
         };
         /**
          * RerunRequest
@@ -1989,6 +1987,286 @@ export interface components {
                 created_before: unknown;
             };
         };
+        /**
+         * BatchItem image.contact_sheet
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "BatchItem.image.contact_sheet": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.contact_sheet";
+            params: components["schemas"]["image.contact_sheet.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /** @description inputs named by content instead of uploaded (docs/uploads.md) */
+            inputs: {
+                /** @description sha256:<64 hex> of an earlier upload or output of this tenant's tasks */
+                images: string;
+            };
+            /**
+             * Idempotency Key
+             * @description as the Idempotency-Key header of POST /v1/tasks
+             * @default null
+             */
+            idempotency_key?: string | null;
+        };
+        /**
+         * BatchItem image.generate
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "BatchItem.image.generate": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.generate";
+            params: components["schemas"]["image.generate.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /**
+             * Idempotency Key
+             * @description as the Idempotency-Key header of POST /v1/tasks
+             * @default null
+             */
+            idempotency_key?: string | null;
+        };
+        /**
+         * BatchItem image.transform
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "BatchItem.image.transform": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.transform";
+            params: components["schemas"]["image.transform.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /** @description inputs named by content instead of uploaded (docs/uploads.md) */
+            inputs: {
+                /** @description sha256:<64 hex> of an earlier upload or output of this tenant's tasks */
+                image: string;
+            };
+            /**
+             * Idempotency Key
+             * @description as the Idempotency-Key header of POST /v1/tasks
+             * @default null
+             */
+            idempotency_key?: string | null;
+        };
+        /**
+         * BatchItem pipeline
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "BatchItem.pipeline": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "pipeline";
+            params: components["schemas"]["PipelineParams"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /**
+             * Idempotency Key
+             * @description as the Idempotency-Key header of POST /v1/tasks
+             * @default null
+             */
+            idempotency_key?: string | null;
+        };
+        /**
+         * BatchItem
+         * @description a submission, plus its own Idempotency-Key
+         */
+        BatchItem: components["schemas"]["BatchItem.image.contact_sheet"] | components["schemas"]["BatchItem.image.generate"] | components["schemas"]["BatchItem.image.transform"] | components["schemas"]["BatchItem.pipeline"];
     };
     responses: never;
     parameters: never;

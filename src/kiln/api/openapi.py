@@ -26,7 +26,13 @@ from pydantic import BaseModel
 from kiln import pipelines
 from kiln.api.bulk_actions import CancelRequest, RetryRequest
 from kiln.api.schedules import ScheduleRequest
-from kiln.api.schemas import BatchRequest, RerunRequest, ReviewRequest, SubmitRequest
+from kiln.api.schemas import (
+    BatchItemIn,
+    BatchRequest,
+    RerunRequest,
+    ReviewRequest,
+    SubmitRequest,
+)
 from kiln.app import App
 from kiln.config import Settings
 from kiln.inputs import REFERENCE_PATTERN
@@ -162,6 +168,20 @@ def submit_schema(app: App, components: dict[str, Any], *, uploads: bool = False
     return _one_of(title, base.get("description", ""), variants)
 
 
+def batch_item_schema(components: dict[str, Any]) -> dict[str, Any]:
+    """An item of ``POST /v1/tasks/batch``: a JSON submission of any kind, plus its own
+    ``idempotency_key`` (one variant per variant of ``SubmitRequest``)."""
+    key = _model_schema(BatchItemIn, components)["properties"]["idempotency_key"]
+    variants: dict[str, str] = {}
+    for kind, ref in components["SubmitRequest"]["discriminator"]["mapping"].items():
+        variant = copy.deepcopy(components[ref.rsplit("/", 1)[1]])
+        variant["title"] = f"BatchItem {kind}"
+        variant["properties"]["idempotency_key"] = key
+        components[f"BatchItem.{kind}"] = variant
+        variants[kind] = f"BatchItem.{kind}"
+    return _one_of("BatchItem", "a submission, plus its own Idempotency-Key", variants)
+
+
 def upload_body(app: App) -> dict[str, Any] | None:
     """The ``multipart/form-data`` submission, when a registered kind takes inputs."""
     names = sorted({name for kind in app.kinds.values() for name in kind.inputs})
@@ -232,6 +252,8 @@ def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], 
             body["content"]["multipart/form-data"] = upload
         for model in (ReviewRequest, BatchRequest, RerunRequest, CancelRequest, RetryRequest):
             components[model.__name__] = _model_schema(model, components)
+        components["BatchItem"] = batch_item_schema(components)
+        components["BatchRequest"]["properties"]["tasks"]["items"] = _ref("BatchItem")
         if not settings.auth_enabled:
             _without_security(schema)
         api.openapi_schema = schema

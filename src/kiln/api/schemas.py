@@ -12,7 +12,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.config import JsonDict
+from pydantic.config import JsonDict, JsonValue
 
 from kiln import webhooks
 from kiln.inputs import REFERENCE_PATTERN
@@ -49,6 +49,16 @@ def _run_at_schema(schema: JsonDict) -> None:
         "description": "run no earlier than this: unix seconds, or an RFC 3339 time with an "
         "offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s",
     })  # fmt: skip
+
+
+def _webhook_events_schema(schema: JsonDict) -> None:
+    """The list's items are event names, ``final`` or ``*`` (in the list's own branch, so
+    that a generated client types them too)."""
+    branches = schema.get("anyOf")
+    names: list[JsonValue] = list(sorted(webhooks.SELECTORS))
+    for branch in branches if isinstance(branches, list) else []:
+        if isinstance(branch, dict) and branch.get("type") == "array":
+            branch["items"] = {"type": "string", "enum": names}
 
 
 def _integral(value: Any) -> Any:
@@ -139,7 +149,7 @@ class SubmitRequest(BaseModel):
             max_length=32,
             description="event names, 'final' (the event that ends the task) or '*'; "
             "default ['final']",
-            json_schema_extra={"items": {"type": "string", "enum": sorted(webhooks.SELECTORS)}},
+            json_schema_extra=_webhook_events_schema,
         ),
     ] = None
 
