@@ -171,14 +171,41 @@ async def test_any_http_url_with_a_host_is_taken_by_the_document(
     assert body_errors(document, "POST", "/v1/tasks", body) == []
 
 
-@pytest.mark.parametrize(
-    "url", ["ftp://example.com/x", "https://", "http://example.com:0/", "http://a:65536/"]
-)
-async def test_a_url_no_server_takes_is_refused_by_the_document_and_by_kiln(
-    served: ApiUnderTest, url: str
+REFUSED = [
+    *(
+        image_body("a hook", webhook_url=url)
+        for url in ("ftp://example.com/x", "https://", "http://example.com:0/", "http://a:65536/")
+    ),
+    {"kind": "image.transform", "params": {"op": "convert"}},  # its input, neither sent nor named
+    {"kind": "image.generate", "params": {"prompt": "a fox"}, "inputs": {"image": "sha256:…"}},
+    {
+        "kind": "pipeline",
+        "params": {
+            "steps": [{"name": "a", "kind": "image.transform", "params": {"prompt": "a fox"}}]
+        },
+    },
+    {
+        "kind": "pipeline",
+        "params": {
+            "steps": [
+                {
+                    "name": "a",
+                    "kind": "image.generate",
+                    "params": {"prompt": "a fox"},
+                    "inputs": {"image": "step:b/image.png"},
+                }
+            ]
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("body", REFUSED)
+async def test_a_body_no_server_takes_is_refused_by_the_document_and_by_kiln(
+    served: ApiUnderTest, body: dict[str, Any]
 ) -> None:
+    _, body = await _prepared(served, Example("test", 0, "POST", "/v1/tasks", body))
     document = (await served.client.get("/openapi.json")).json()
-    body = image_body("a hook", webhook_url=url)
     assert body_errors(document, "POST", "/v1/tasks", body) != []
     assert (await served.submit(body)).status_code == 422
 

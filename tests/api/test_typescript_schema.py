@@ -104,6 +104,12 @@ def test_a_body_the_document_refuses_does_not_type_check(
         {"kind": "image.generate", "params": {"prompt": "a fox"}, "priorty": 1},
         {"kind": "image.generate", "params": {"prompt": "a fox"}, "inputs": {"image": "x"}},
         {"kind": "image.transform", "params": {"prompt": "a fox"}, "inputs": {"image": "x"}},
+        {
+            "kind": "pipeline",
+            "params": {
+                "steps": [{"name": "a", "kind": "image.transform", "params": {"prompt": "a fox"}}]
+            },
+        },
     ]
     for number, body in enumerate(wrong):
         module = tmp_path / f"wrong{number}.ts"

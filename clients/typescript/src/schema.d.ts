@@ -1435,21 +1435,64 @@ export interface components {
                 image: string;
             };
         };
-        /** PipelineStep */
-        PipelineStep: {
+        /** PipelineStep image.contact_sheet */
+        "PipelineStep.image.contact_sheet": {
             name: string;
-            /** @enum {string} */
-            kind: "image.contact_sheet" | "image.generate" | "image.transform";
-            /** @description as its kind takes them */
-            params?: {
-                [key: string]: unknown;
-            };
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.contact_sheet";
+            params?: components["schemas"]["image.contact_sheet.params"];
+            repeat?: number;
             /** @description input name → step:NAME/OUTPUT or step:NAME/* (an earlier step) */
             inputs?: {
-                [key: string]: string;
+                images?: string;
             };
-            repeat?: number;
+            /** @description what kiln planned; ignored, planned anew */
+            copies?: unknown;
+            /** @description what kiln planned; ignored, planned anew */
+            timeouts?: unknown;
         };
+        /** PipelineStep image.generate */
+        "PipelineStep.image.generate": {
+            name: string;
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.generate";
+            params?: components["schemas"]["image.generate.params"];
+            repeat?: number;
+            /** @description what kiln planned; ignored, planned anew */
+            copies?: unknown;
+            /** @description what kiln planned; ignored, planned anew */
+            timeouts?: unknown;
+        };
+        /** PipelineStep image.transform */
+        "PipelineStep.image.transform": {
+            name: string;
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "image.transform";
+            params?: components["schemas"]["image.transform.params"];
+            repeat?: number;
+            /** @description input name → step:NAME/OUTPUT or step:NAME/* (an earlier step) */
+            inputs?: {
+                image?: string;
+            };
+            /** @description what kiln planned; ignored, planned anew */
+            copies?: unknown;
+            /** @description what kiln planned; ignored, planned anew */
+            timeouts?: unknown;
+        };
+        /**
+         * PipelineStep
+         * @description a step: a task of its kind
+         */
+        PipelineStep: components["schemas"]["PipelineStep.image.contact_sheet"] | components["schemas"]["PipelineStep.image.generate"] | components["schemas"]["PipelineStep.image.transform"];
         /** PipelineParams */
         PipelineParams: {
             steps: components["schemas"]["PipelineStep"][];

@@ -36,6 +36,7 @@ from kiln.api.schemas import (
 from kiln.app import App
 from kiln.config import Settings
 from kiln.inputs import REFERENCE_PATTERN
+from kiln.kinds import TaskKind
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 #: What the document says of a cron expression: the server's parser decides.
@@ -72,29 +73,43 @@ def _by_reference(names: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def _pipeline_params(app: App, components: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline's params (docs/pipelines.md): its steps, each any registered kind."""
-    step = {
-        "title": "PipelineStep",
+def _pipeline_step(name: str, kind: TaskKind) -> dict[str, Any]:
+    """A step of a pipeline of kind ``name``: its params are that kind's, its inputs name
+    outputs of earlier steps (docs/pipelines.md)."""
+    reference = {"type": "string", "pattern": pipelines.REF.pattern}
+    properties: dict[str, Any] = {
+        "name": {"type": "string", "pattern": pipelines.NAME.pattern},
+        "kind": {"type": "string", "const": name},
+        "params": {"type": "object", "additionalProperties": True}
+        if kind.params is None
+        else _ref(f"{name}.params"),
+        "repeat": {"type": "integer", "minimum": 1, "maximum": pipelines.MAX_REPEAT},
+    }
+    if kind.inputs:
+        properties["inputs"] = {
+            "type": "object",
+            "properties": {input_name: reference for input_name in kind.inputs},
+            "additionalProperties": False,
+            "description": "input name → step:NAME/OUTPUT or step:NAME/* (an earlier step)",
+        }
+    for planned in sorted(pipelines.PLANNED_KEYS):  # a pipeline's stored params, sent again
+        properties[planned] = {"description": "what kiln planned; ignored, planned anew"}
+    return {
+        "title": f"PipelineStep {name}",
         "type": "object",
         "additionalProperties": False,
         "required": ["name", "kind"],
-        "properties": {
-            "name": {"type": "string", "pattern": pipelines.NAME.pattern},
-            "kind": {"type": "string", "enum": sorted(app.kinds)},
-            "params": {
-                "type": "object",
-                "additionalProperties": True,
-                "description": "as its kind takes them",
-            },
-            "inputs": {
-                "type": "object",
-                "additionalProperties": {"type": "string", "pattern": pipelines.REF.pattern},
-                "description": "input name → step:NAME/OUTPUT or step:NAME/* (an earlier step)",
-            },
-            "repeat": {"type": "integer", "minimum": 1, "maximum": pipelines.MAX_REPEAT},
-        },
+        "properties": properties,
     }
+
+
+def _pipeline_params(app: App, components: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's params (docs/pipelines.md): its steps, each of a registered kind."""
+    steps: dict[str, str] = {}
+    for name, kind in sorted(app.kinds.items()):
+        components[f"PipelineStep.{name}"] = _pipeline_step(name, kind)
+        steps[name] = f"PipelineStep.{name}"
+    step = _one_of("PipelineStep", "a step: a task of its kind", steps)
     components["PipelineStep"] = step
     return {
         "title": "PipelineParams",
