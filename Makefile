@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-deps run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers bench-sweep bench-http chaos docs clean
+.PHONY: help setup system-deps client-ts run test test-diffusers test-gpu lint fmt types check bench bench-pg bench-peers bench-sweep bench-http chaos docs clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -24,6 +24,11 @@ setup: $(STAMP) ## create .venv and install kiln with its dev tools (quick when 
 
 system-deps: ## install the system packages the tests drive (Chromium), when missing
 	@scripts/system-deps.sh
+
+client-ts: $(STAMP) system-deps ## regenerate the TypeScript client's types from the OpenAPI document, and type-check it
+	cd clients/typescript && npm ci --no-audit --no-fund --prefer-offline
+	$(PY) scripts/openapi_document.py > clients/typescript/openapi.json
+	cd clients/typescript && npm run -s generate && npm run -s check
 
 run: $(STAMP) ## start kiln (API, dashboard, workers, supervisor) on SQLite + ./kiln-data, with a first task
 	@HOST=$(HOST) PORT=$(PORT) scripts/run.sh

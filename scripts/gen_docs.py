@@ -10,6 +10,7 @@ from kiln.states import TRANSITIONS, mermaid
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- states:begin -->", "<!-- states:end -->"
+EVENTS_BEGIN, EVENTS_END = "<!-- webhook-events:begin -->", "<!-- webhook-events:end -->"
 
 
 def diagram_block() -> str:
@@ -26,6 +27,27 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def webhook_events_block() -> str:
+    """The events a webhook may ask for (docs/webhooks.md): every event of the table."""
+    rows = ["| event | from | to | who |", "|---|---|---|---|"]
+    for rule in TRANSITIONS:
+        sources = ", ".join(sorted(rule.sources)) or "—"
+        rows.append(
+            f"| `{rule.event}` | {sources} | {', '.join(sorted(rule.targets))} | {rule.actor} |"
+        )
+    return f"{EVENTS_BEGIN}\n" + "\n".join(rows) + f"\n{EVENTS_END}"
+
+
+def _replace_block(path: Path, begin: str, end: str, block: str) -> bool:
+    text = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        print(f"{path.name} has no {begin} block", file=sys.stderr)
+        return False
+    path.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+    return True
+
+
 def main() -> int:
     states = ROOT / "docs" / "states.md"
     states.parent.mkdir(exist_ok=True)
@@ -35,14 +57,10 @@ def main() -> int:
         f"{diagram_block()}\n\n{table()}\n",
         encoding="utf-8",
     )
-    readme = ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        print("README.md has no states block", file=sys.stderr)
-        return 1
-    readme.write_text(pattern.sub(lambda _: diagram_block(), text), encoding="utf-8")
-    return 0
+    webhooks = ROOT / "docs" / "webhooks.md"
+    done = _replace_block(ROOT / "README.md", BEGIN, END, diagram_block())
+    done = _replace_block(webhooks, EVENTS_BEGIN, EVENTS_END, webhook_events_block()) and done
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

@@ -305,14 +305,23 @@ async def test_openapi_documents_inputs_by_reference_for_kinds_that_take_inputs(
 ) -> None:
     schema = (await keyed.client.get("/openapi.json")).json()["components"]["schemas"]
 
-    uploads = {v["properties"]["kind"]["const"]: v for v in schema["SubmitUploadRequest"]["oneOf"]}
-    by_kind = {v["properties"]["kind"]["const"]: v for v in schema["SubmitRequest"]["oneOf"]}
+    def variants(name: str) -> dict[str, Any]:
+        refs = schema[name]["oneOf"]
+        found = [schema[ref["$ref"].rsplit("/", 1)[1]] for ref in refs]
+        return {v["properties"]["kind"]["const"]: v for v in found}
+
+    uploads, by_kind = variants("SubmitUploadRequest"), variants("SubmitRequest")
     assert {"image.transform", "image.contact_sheet"} <= set(uploads)
     for upload in uploads.values():  # every kind that takes uploads takes references too
         inputs = upload["properties"]["inputs"]["anyOf"][0]
         assert inputs["additionalProperties"]["pattern"] == "^sha256:[0-9a-fA-F]{64}$"
+    for kind, name in (("image.transform", "image"), ("image.contact_sheet", "images")):
+        # the JSON variant names its inputs by reference, and needs them
+        inputs = by_kind[kind]["properties"]["inputs"]
+        assert inputs["properties"][name]["pattern"] == "^sha256:[0-9a-fA-F]{64}$"
+        assert inputs["required"] == [name] and "inputs" in by_kind[kind]["required"]
     assert "inputs" not in by_kind["image.generate"]["properties"]
-    assert "inputs" not in schema["ScheduleTask"]["oneOf"][0]["properties"]
+    assert all("inputs" not in v["properties"] for v in variants("ScheduleTask").values())
 
 
 async def test_file_parts_and_references_mix_and_dedup_as_uploads_alike(

@@ -287,7 +287,15 @@ async def test_openapi_documents_every_route_and_the_bodies(api: ApiUnderTest) -
     components = schema["components"]["schemas"]
     submit_body = schema["paths"]["/v1/tasks"]["post"]["requestBody"]
     assert submit_body["content"]["application/json"]["schema"]["$ref"].endswith("SubmitRequest")
-    (variant,) = components["SubmitRequest"]["oneOf"]
+    submit = components["SubmitRequest"]
+    variants = {
+        kind: components[ref.rsplit("/", 1)[1]]
+        for kind, ref in submit["discriminator"]["mapping"].items()
+    }
+    assert submit["discriminator"]["propertyName"] == "kind"
+    assert [v["$ref"] for v in submit["oneOf"]] == list(submit["discriminator"]["mapping"].values())
+    assert set(variants) == {"image.generate", "pipeline"}
+    variant = variants["image.generate"]
     assert variant["additionalProperties"] is False
     assert variant["required"] == ["kind", "params"]
     assert variant["properties"]["kind"]["const"] == "image.generate"

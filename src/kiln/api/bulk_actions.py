@@ -36,6 +36,7 @@ def _moment_schema(schema: dict[str, Any]) -> None:
         "anyOf": [
             {"type": "number", "minimum": 0, "maximum": LAST_S},
             {"type": "string", "pattern": r"^[0-9]{1,9}(\.[0-9]{1,6})?(s|m|h|d|w)$"},
+            {"type": "string", "format": "date-time"},
             {"type": "null"},
         ],
         "description": "unix seconds, a duration before now (90s, 15m, 1h, 2d, 1w), or an "

@@ -12,7 +12,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.config import JsonDict
+from pydantic.config import JsonDict, JsonValue
 
 from kiln import webhooks
 from kiln.inputs import REFERENCE_PATTERN
@@ -24,25 +24,41 @@ JSONObject = dict[str, Any]
 #: The largest event seq (a signed 64-bit integer in both databases): a larger resume
 #: point (``?after=``, ``Last-Event-ID``) is refused before the store is asked.
 MAX_SEQ = 2**63 - 1
-#: The shape of a webhook URL the OpenAPI document promises is taken: http(s) and a host
-#: name (the server checks more: see kiln.webhooks.check_url).
+#: A webhook URL as the OpenAPI document takes it: http(s), a host (a name or an IP
+#: address), an optional port (1 to 65535), then anything. Which hosts may be called is
+#: the server's policy, not the document's: a loopback, private or link-local address is
+#: refused unless KILN_WEBHOOK_ALLOW_PRIVATE allows it (kiln.webhooks.check_url).
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
 WEBHOOK_URL_PATTERN = (
-    r"^https?://[a-z][a-z0-9-]{0,30}(\.[a-z][a-z0-9-]{0,30}){1,3}(:[1-9][0-9]{0,3})?"
-    r"(/[A-Za-z0-9._~/-]{0,200})?$"
+    rf"^https?://([A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?|\[[0-9A-Fa-f:.]+\])(:{_PORT})?"
+    r"([/?#][^\s]*)?$"
 )
 
 
 def _run_at_schema(schema: JsonDict) -> None:
-    """``run_at`` as the OpenAPI document shows it: unix seconds, no further ahead than a
-    year from when the document was built (a bound that only loosens as time passes). The
-    server also takes an RFC 3339 time with an offset (docs/schedules.md)."""
+    """``run_at`` as the OpenAPI document shows it: unix seconds (no further ahead than a
+    year from when the document was built, a bound that only loosens as time passes), or
+    an RFC 3339 time with its offset (at most a year ahead: the server checks)."""
     schema.clear()
     schema.update({
-        "anyOf": [{"type": "number", "minimum": 0,
-                   "maximum": math.floor(time.time() + MAX_DELAY_S)}, {"type": "null"}],
+        "anyOf": [
+            {"type": "number", "minimum": 0, "maximum": math.floor(time.time() + MAX_DELAY_S)},
+            {"type": "string", "format": "date-time", "examples": ["2027-01-01T09:00:00Z"]},
+            {"type": "null"},
+        ],
         "description": "run no earlier than this: unix seconds, or an RFC 3339 time with an "
         "offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s",
     })  # fmt: skip
+
+
+def _webhook_events_schema(schema: JsonDict) -> None:
+    """The list's items are event names, ``final`` or ``*`` (in the list's own branch, so
+    that a generated client types them too)."""
+    branches = schema.get("anyOf")
+    names: list[JsonValue] = list(sorted(webhooks.SELECTORS))
+    for branch in branches if isinstance(branches, list) else []:
+        if isinstance(branch, dict) and branch.get("type") == "array":
+            branch["items"] = {"type": "string", "enum": names}
 
 
 def _integral(value: Any) -> Any:
@@ -133,7 +149,7 @@ class SubmitRequest(BaseModel):
             max_length=32,
             description="event names, 'final' (the event that ends the task) or '*'; "
             "default ['final']",
-            json_schema_extra={"items": {"type": "string", "enum": sorted(webhooks.SELECTORS)}},
+            json_schema_extra=_webhook_events_schema,
         ),
     ] = None
 
