@@ -15,7 +15,6 @@ moment by how far ahead it is.
 from __future__ import annotations
 
 import copy
-import zoneinfo
 from collections.abc import Callable
 from typing import Any
 
@@ -234,7 +233,10 @@ def _schedule_schemas(app: App, components: dict[str, Any]) -> None:
     components["ScheduleTask"] = _one_of("ScheduleTask", "what each tick submits", variants)
     properties = components["ScheduleRequest"]["properties"]
     properties["task"] = _ref("ScheduleTask")
-    properties["timezone"]["enum"] = sorted(zoneinfo.available_timezones())
+    # No enum of zones: the list is the machine's tz database, so a document written from it
+    # (and a client generated from the document) would differ from machine to machine. The
+    # server checks the name against its own database (422 for a name it does not know).
+    properties["timezone"]["description"] = "an IANA time zone name (Europe/Paris, UTC)"
     properties["cron"]["description"] = CRON_DESCRIPTION
 
 
