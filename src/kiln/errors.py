@@ -190,8 +190,10 @@ class TaskError(KilnError):
     code = "task_failed"
     retryable = True
 
-    def __init__(self, message: str = "", *, code: str | None = None) -> None:
-        super().__init__(message or self.__class__.__name__)
+    def __init__(
+        self, message: str = "", *, code: str | None = None, details: list[Any] | None = None
+    ) -> None:
+        super().__init__(message or self.__class__.__name__, details=details)
         self.code = code or ("task_failed" if self.retryable else "permanent_failure")
 
 

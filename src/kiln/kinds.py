@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 HandlerResult = Output | Sequence[Output] | None
 #: The longest model name a task may need.
 MODEL_NAME_MAX = 200
+#: ``TaskKind.inputs`` of a kind that takes inputs of any name (none required).
+ANY_INPUTS = "*"
 Handler = Callable[..., Awaitable[HandlerResult]]
 ReviewCheck = Callable[[Any, list[Output]], bool | Awaitable[bool]]
 #: ``check(params, inputs)``: raises InvalidRequest when the params do not fit the inputs.
@@ -72,7 +74,8 @@ class TaskKind:
     retry: RetryPolicy | None = None
     review: ReviewCheck | None = None
     normalize: Callable[[JSON], JSON] | None = None
-    #: Names of the inputs a task of this kind is submitted with (uploaded files).
+    #: Names of the inputs a task of this kind is submitted with (uploaded files);
+    #: ``(ANY_INPUTS,)``: any uniquely named inputs, none required.
     inputs: tuple[str, ...] = ()
     check: InputCheck | None = None
     #: Which model a task needs (warm-model routing, docs/scheduling.md): the name of a
@@ -149,12 +152,13 @@ class TaskKind:
         one, and params that do not fit the inputs (``check``)."""
         names = [str(i["name"]) for i in inputs]
         for name in names:
-            if name not in self.inputs or names.count(name) > 1:
-                why = "twice" if name in self.inputs else f"but {self.name} does not take it"
+            taken = name in self.inputs or ANY_INPUTS in self.inputs
+            if not taken or names.count(name) > 1:
+                why = "twice" if taken else f"but {self.name} does not take it"
                 detail = {"loc": [name], "msg": "unexpected input", "type": "input"}
                 raise InvalidRequest(f"the input {name!r} was sent {why}", details=[detail])
         for name in self.inputs:
-            if name not in names:
+            if name not in names and name != ANY_INPUTS:
                 detail = {"loc": [name], "msg": "missing input", "type": "input"}
                 raise InvalidRequest(
                     f"{self.name} needs the input {name!r}: upload it as a file part of a "

@@ -71,7 +71,10 @@ def classify(exc: BaseException) -> JSON:
     """
     message = str(exc) or type(exc).__name__
     if isinstance(exc, TaskError):
-        return {"code": exc.code, "message": message, "retryable": exc.retryable}
+        found: JSON = {"code": exc.code, "message": message, "retryable": exc.retryable}
+        if exc.details:  # what the handler said of the failure (a ComfyUI node's, ...)
+            found["details"] = exc.details
+        return found
     if isinstance(exc, StorageError | StoreUnavailable):  # an outage, not the task's fault
         return {"code": exc.code, "message": message, "retryable": True}
     retryable = not isinstance(exc, PROGRAMMING_ERRORS)
