@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -215,11 +216,18 @@ async def test_a_workflow_comfyui_refuses_fails_with_its_node_errors(
     assert details["node_errors"]["4"]["errors"][0]["type"] == "value_not_in_list"
 
 
-async def test_an_instance_that_cannot_be_reached_is_retryable(tmp_path: Path) -> None:
-    async with kiln_for(tmp_path, "http://127.0.0.1:9") as (app, _):
+async def test_an_instance_that_cannot_be_reached_is_retryable_and_stops_claims(
+    tmp_path: Path,
+) -> None:
+    async with kiln_for(tmp_path, "http://127.0.0.1:9") as (app, handler):
         task, _ = await run_job(app, {"workflow": txt2img(CKPT)}, max_attempts=1)
+        # Then the instance's breaker opened: this worker claims no job while it is
+        name = handler.backend.name
+        closed = app.breakers.closed(comfy_workflow.KIND)
     assert task.status is Status.FAILED and task.error is not None
     assert (task.error["code"], task.error["retryable"]) == ("comfyui_unavailable", True)
+    assert name == f"comfyui@{socket.gethostname()}:9"
+    assert handler.breaker.state == "open" and not closed
 
 
 async def test_an_instance_that_dies_mid_run_is_retryable(standin: Process, tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from socket import gethostname
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -49,6 +50,7 @@ import httpx
 from kiln import inputs, tracing
 from kiln.backends.comfy_workflow_params import KIND, ComfyWorkflowParams, models_of
 from kiln.backends.comfyui import _preview_image, _thumbnail
+from kiln.circuit import CircuitBreaker
 from kiln.errors import Permanent, Retryable
 from kiln.kinds import ANY_INPUTS, Registry
 from kiln.models import JSON, Output
@@ -63,6 +65,7 @@ __all__ = ["KIND", "ComfyWorkflow", "ComfyWorkflowParams", "model_of", "register
 UNAVAILABLE = "comfyui_unavailable"
 OUT_OF_MEMORY = "comfyui_out_of_memory"
 TIMED_OUT = "comfyui_timeout"
+INTERRUPTED = "comfyui_interrupted"
 NODE_FAILED = "node_execution_error"
 INVALID_PROMPT = "invalid_prompt"
 #: Inputs that name the model a graph runs on, before the others (LoRAs, VAEs, ...).
@@ -118,10 +121,18 @@ class _Run:
 class ComfyWorkflow:
     """The `comfy.workflow` handler on one ComfyUI instance."""
 
-    def __init__(self, app: Registry, *, url: str, timeout_s: float) -> None:
+    def __init__(self, app: Registry, *, url: str, timeout_s: float, open_s: float = 30.0) -> None:
         self.app = app
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        #: The instance's circuit breaker, shared through the store with the workers of
+        #: the same instance only: it opens when the instance is gone, so this worker
+        #: claims no job while it is, and another instance's worker takes the retries.
+        self.backend = _Instance(instance_name(self.url))
+        self.breaker = CircuitBreaker(
+            failure_threshold=1, window=1, min_calls=1, cooldown_s=open_s, clock=time.time
+        )
+        self.metrics = _Fed({self.backend.name: self.breaker})
         #: The checkpoint the instance last loaded for this worker (ComfyUI keeps it).
         self.last_model: str | None = None
 
@@ -138,9 +149,29 @@ class ComfyWorkflow:
         return str(base.copy_with(scheme=scheme, path=path, params={"clientId": client_id}))
 
     async def __call__(self, ctx: Context, params: ComfyWorkflowParams) -> list[Output]:
+        run = _Run(client_id=uuid.uuid4().hex, graph=params.graph())
+        permit = self.breaker.admit()
+        gone: bool | None = None  # whether the instance is gone; None: no verdict
+        try:
+            outputs = await self._guarded(ctx, params, run)
+            gone = False
+            return outputs
+        except Permanent:
+            gone = False
+            raise
+        except Retryable as exc:
+            gone = exc.code == UNAVAILABLE or None
+            raise
+        finally:
+            if permit is not None:
+                if gone is None:
+                    self.breaker.release(permit)
+                else:
+                    self.breaker.record(permit, ok=not gone)
+
+    async def _guarded(self, ctx: Context, params: ComfyWorkflowParams, run: _Run) -> list[Output]:
         from websockets.exceptions import WebSocketException
 
-        run = _Run(client_id=uuid.uuid4().hex, graph=params.graph())
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await self._run(ctx, params, run)
@@ -333,6 +364,30 @@ class ComfyWorkflow:
                     await http.post(f"{self.url}/interrupt", json={"prompt_id": run.prompt_id})
 
 
+@dataclass(frozen=True, slots=True)
+class _Instance:
+    """The ComfyUI instance a worker drives, as kiln's breakers name a generator."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Fed:
+    """The breakers the handler feeds itself (``kiln.breakers.generator_of`` reads them)."""
+
+    breakers: dict[str, CircuitBreaker]
+
+
+def instance_name(url: str) -> str:
+    """``comfyui@<host>:<port>``; a loopback address is this machine's, so the name holds
+    the machine's name (each GPU machine may run its own ComfyUI on 127.0.0.1:8188)."""
+    parsed = httpx.URL(url)
+    host = parsed.host or "localhost"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = gethostname()
+    return f"comfyui@{host}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
 def _answer(response: httpx.Response, route: str, *, raw: bool = False) -> Any:
     """The JSON (or the bytes) of a 2xx answer; a retryable failure otherwise."""
     if not response.is_success:
@@ -363,7 +418,7 @@ def _refused(response: httpx.Response) -> Permanent:
 def _execution_failed(kind: str, data: JSON) -> Retryable | Permanent:
     node = f"node {data.get('node_id')} ({data.get('node_type')})"
     if kind == "execution_interrupted":
-        return Retryable(f"ComfyUI interrupted the prompt at {node}", code=UNAVAILABLE)
+        return Retryable(f"ComfyUI interrupted the prompt at {node}", code=INTERRUPTED)
     exception_type = str(data.get("exception_type") or "")
     message = f"ComfyUI: {node} failed: {exception_type}: {data.get('exception_message')}"
     if "OutOfMemory" in exception_type:
@@ -378,7 +433,10 @@ def register(app: Registry, *, url: str | None = None) -> ComfyWorkflow:
     KILN_COMFYUI_URL). Nothing is reached until a job runs."""
     settings = app.settings
     handler = ComfyWorkflow(
-        app, url=url or settings.comfyui_url, timeout_s=settings.comfyui_timeout_s
+        app,
+        url=url or settings.comfyui_url,
+        timeout_s=settings.comfyui_timeout_s,
+        open_s=settings.breaker_open_s,
     )
     app.task(
         KIND,
