@@ -219,10 +219,20 @@ async def test_the_job_of_a_dead_instance_is_retried_on_the_other(pairs: Pairs) 
         pairs.instances[index].kill()
         done = await wait_for_status(app.store, job.id, Status.SUCCESS, timeout_s=90)
         events = await task_events(app.store, job.id)
-    # Then its attempt failed as unavailable, and the other pair ran it again
-    failures = [e.error for e in events if e.event is Event.FAIL and e.error]
-    assert [f["code"] for f in failures] == ["comfyui_unavailable"]
-    assert await pairs.ran(done.id) == 1 - index and done.attempt == 2
+        # Then its attempt failed as unavailable, and the other pair ran it again
+        failures = [e.error for e in events if e.event is Event.FAIL and e.error]
+        assert [f["code"] for f in failures] == ["comfyui_unavailable"]
+        assert await pairs.ran(done.id) == 1 - index and done.attempt == 2
+        # And the worker of the dead instance claims no more jobs: the next ones all
+        # run on the other pair, at their first attempt
+        more = [
+            (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], seed=n)})).task.id
+            for n in range(6)
+        ]
+        for task_id in more:
+            task = await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=60)
+            assert task.attempt == 1 and await pairs.ran(task_id) == 1 - index
+    assert pairs.events(index, "claim") == [job.id]
 
 
 @pytest.mark.parametrize("new_database", ["sqlite"], indirect=True)
