@@ -47,7 +47,7 @@ class Pairs:
         self.procs: list[subprocess.Popen[bytes]] = []
         for instance in self.instances:
             workers.env["KILN_COMFYUI_URL"] = instance.url
-            self.procs.append(workers.start("--kinds", KIND, "--concurrency", "1", "--gpus", "1"))
+            self.procs.append(workers.start("--kinds", KIND))  # one job at a time: the default
         workers.start_supervisor()
 
     def app(self) -> kiln.App:
@@ -247,7 +247,8 @@ async def test_jobs_of_two_checkpoints_go_mostly_to_the_instance_that_holds_thei
             graph = txt2img(rng.choice(CKPTS), seed=n, steps=2)
             ids.append((await app.submit(KIND, {"workflow": graph})).task.id)
         done = [await wait_for_status(app.store, i, Status.SUCCESS, timeout_s=120) for i in ids]
-        held = {model for worker in await app.engine.workers() for model in worker.models}
+        live = await app.engine.workers()
+        held = {model for worker in live for model in worker.models}
         for task_id in ids:  # each job's uploaded line is in its worker's log
             await pairs.ran(task_id)
     # Then each worker ran mostly jobs of the checkpoint its instance held already
@@ -262,3 +263,5 @@ async def test_jobs_of_two_checkpoints_go_mostly_to_the_instance_that_holds_thei
     print(f"20 jobs of 2 checkpoints on 2 instances: {warm} warm, {cold} cold, {loads} loads")
     assert cold == loads and warm >= 14, (warm, cold)
     assert held <= set(CKPTS) and held
+    # And each worker took one job at a time, as its instance runs one prompt at a time
+    assert sorted((w.kinds, w.slots) for w in live) == [((KIND,), 1), ((KIND,), 1)]
