@@ -21,6 +21,7 @@ import httpx
 import pytest
 from tests.services.comfyui_nodes import txt2img
 from tests.services.comfyui_standin import Process
+from tests.services.seaweed import CREDENTIALS
 
 import kiln
 from kiln.backends import comfy_workflow
@@ -91,8 +92,12 @@ class Pairs:
 
 @pytest.fixture
 def pairs(
-    tmp_path: Path, new_database: Callable[[], str], cli_workers: MakeWorkers
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    new_database: Callable[[], str],
+    cli_workers: MakeWorkers,
 ) -> Iterator[Pairs]:
+    """The pairs on the test's database, and on S3 storage when its ``s3`` param says so."""
     workers = cli_workers(
         tmp_path / "kiln",
         new_database(),
@@ -101,6 +106,9 @@ def pairs(
         KILN_SUPERVISOR_INTERVAL_S="0.5",
         KILN_BREAKER_OPEN_S="120",
     )
+    if request.node.callspec.params.get("s3"):
+        workers.storage_url = request.getfixturevalue("s3_server").url("comfy")
+        workers.env.update({**CREDENTIALS, "KILN_STORAGE_URL": workers.storage_url})
     made = Pairs(tmp_path, workers)
     yield made
     workers.stop()
@@ -128,8 +136,12 @@ async def running_on(pairs: Pairs, app: kiln.App, task_id: str) -> tuple[int, st
     return found[0]
 
 
-@pytest.mark.parametrize("new_database", ["sqlite", "postgres"], indirect=True)
-async def test_a_workflow_runs_a_failing_node_fails_and_a_cancel_interrupts(pairs: Pairs) -> None:
+@pytest.mark.parametrize(
+    ("new_database", "s3"), [("sqlite", False), ("postgres", True)], indirect=["new_database"]
+)
+async def test_a_workflow_runs_a_failing_node_fails_and_a_cancel_interrupts(
+    pairs: Pairs, s3: bool
+) -> None:
     async with pairs.app() as app:
         # When a workflow runs, then one whose ImageScale node raises
         done = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=3)})).task
@@ -137,6 +149,7 @@ async def test_a_workflow_runs_a_failing_node_fails_and_a_cancel_interrupts(pair
         # Then its saved image is in storage as the instance wrote it, sha256 verified
         [output] = task.result["outputs"]
         data = await app.storage.get(output["key"])
+        assert app.storage.url.startswith("s3://" if s3 else "file://")
         assert output["name"] == "9-kiln_00001_.png"
         assert hashlib.sha256(data).hexdigest() == output["sha256"]
         saved = pairs.instances[await pairs.ran(task.id)].root / "output" / "kiln_00001_.png"
