@@ -265,3 +265,39 @@ async def test_a_job_past_its_timeout_is_interrupted(standin: Process, tmp_path:
     assert task.error is not None and task.error["code"] == "comfyui_timeout"
     log = await standin_log(standin)
     assert len(log["deleted"]) == 1 and log["interrupts"][0]["prompt_id"] == log["deleted"][0]
+
+
+async def test_a_prompt_cleared_from_the_queue_is_lost_and_retryable(
+    standin: Process, tmp_path: Path
+) -> None:
+    async with httpx.AsyncClient(base_url=standin.url) as http:
+        # Given the instance busy with a long prompt of someone else's
+        busy = await http.post("/prompt", json={"prompt": txt2img(CKPT, steps=2000, seed=1)})
+        other = busy.json()["prompt_id"]
+        async with kiln_for(tmp_path, standin.url) as (app, _):
+            job = asyncio.ensure_future(run_job(app, {"workflow": txt2img(CKPT)}, max_attempts=1))
+
+            async def queued() -> bool:
+                return bool((await http.get("/queue")).json()["queue_pending"])
+
+            while not await queued():
+                assert not job.done(), job.result()
+                await asyncio.sleep(0.05)
+            # When someone clears the queue, our prompt with it
+            await http.post("/queue", json={"clear": True})
+            task, _ = await job
+        await http.post("/interrupt", json={"prompt_id": other})
+    # Then the attempt failed as a lost prompt, retryable
+    assert task.status is Status.FAILED and task.error is not None
+    assert (task.error["code"], task.error["retryable"]) == ("comfyui_prompt_lost", True)
+
+
+def test_the_model_of_a_job_is_its_checkpoint_before_any_lora() -> None:
+    graph = txt2img(CKPT, lora="detail.safetensors")
+    lora_first = {"10": graph.pop("10"), **graph}
+    assert comfy_workflow.model_of({"workflow": lora_first}) == CKPT
+    unet = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "flux1-dev.safetensors"}}}
+    assert comfy_workflow.model_of({"workflow": unet}) == "flux1-dev.safetensors"
+    vae = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}}}
+    assert comfy_workflow.model_of({"workflow": vae}) == "ae.safetensors"
+    assert comfy_workflow.model_of({"workflow": {}}) is None

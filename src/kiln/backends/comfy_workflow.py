@@ -21,9 +21,10 @@ One job, as ComfyUI's own ``websockets_api_example.py`` runs a prompt:
 4. ``GET /history/<prompt id>``: every image of type ``output`` (SaveImage nodes) is read
    with ``GET /view`` and becomes the output ``<node id>-<file name>``.
 
-Errors: an instance that cannot be reached, a socket that drops, or a prompt that is
-neither in ``/history`` nor in ``/queue`` is retryable (``comfyui_unavailable``, the job
-runs again, maybe on another instance); a node's ``execution_error`` is permanent
+Errors: an instance that cannot be reached or a socket that drops is retryable
+(``comfyui_unavailable``: the job runs again, on another instance while this one's
+breaker is open), and so is a prompt that is neither in ``/history`` nor in ``/queue``
+(``comfyui_prompt_lost``: its queue was cleared); a node's ``execution_error`` is permanent
 (``node_execution_error``, with the node in the error's details), except out of GPU
 memory (``comfyui_out_of_memory``, retryable); a prompt ComfyUI refuses (400) is
 permanent (``invalid_prompt``, ComfyUI's ``error`` and ``node_errors`` in the details).
@@ -66,6 +67,7 @@ UNAVAILABLE = "comfyui_unavailable"
 OUT_OF_MEMORY = "comfyui_out_of_memory"
 TIMED_OUT = "comfyui_timeout"
 INTERRUPTED = "comfyui_interrupted"
+PROMPT_LOST = "comfyui_prompt_lost"
 NODE_FAILED = "node_execution_error"
 INVALID_PROMPT = "invalid_prompt"
 #: Inputs that name the model a graph runs on, before the others (LoRAs, VAEs, ...).
@@ -329,8 +331,8 @@ class ComfyWorkflow:
         run.finished = True  # nothing left there to clean up
         raise Retryable(
             f"ComfyUI at {self.url} has prompt {run.prompt_id} neither queued nor in its "
-            "history (was it restarted?)",
-            code=UNAVAILABLE,
+            "history (was its queue cleared?)",
+            code=PROMPT_LOST,
         )
 
     async def _history(self, http: httpx.AsyncClient, prompt_id: str) -> JSON | None:
