@@ -143,62 +143,68 @@ async def test_a_workflow_runs_a_failing_node_fails_and_a_cancel_interrupts(
     pairs: Pairs, s3: bool
 ) -> None:
     async with pairs.app() as app:
-        # When a workflow runs, then one whose ImageScale node raises
-        done = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=3)})).task
-        task = await wait_for_status(app.store, done.id, Status.SUCCESS, timeout_s=60)
-        # Then its saved image is in storage as the instance wrote it, sha256 verified
-        [output] = task.result["outputs"]
-        data = await app.storage.get(output["key"])
         assert app.storage.url.startswith("s3://" if s3 else "file://")
-        assert output["name"] == "9-kiln_00001_.png"
-        assert hashlib.sha256(data).hexdigest() == output["sha256"]
-        saved = pairs.instances[await pairs.ran(task.id)].root / "output" / "kiln_00001_.png"
-        assert saved.read_bytes() == data
+        await a_workflow_runs(pairs, app)
+        await a_failing_node_fails(pairs, app)
+        await a_cancel_interrupts(pairs, app)
 
-        for instance in pairs.instances:
-            httpx.post(
-                f"{instance.url}/standin/faults",
-                json={
-                    "raise": {
-                        "class_type": "ImageScale",
-                        "exception_type": "ValueError",
-                        "exception_message": "width must be positive",
-                    }
-                },
-            )
-        graph = txt2img(CKPTS[0], seed=11)
-        graph["10"] = {
-            "class_type": "ImageScale",
-            "inputs": {
-                "image": ["8", 0],
-                "upscale_method": "bilinear",
-                "width": 32,
-                "height": 32,
-                "crop": "disabled",
-            },
-        }
-        graph["9"]["inputs"]["images"] = ["10", 0]
-        bad = (await app.submit(KIND, {"workflow": graph})).task
-        failed = await wait_for_status(app.store, bad.id, Status.FAILED, timeout_s=60)
-        # Then it failed for good with the node's id, type and message
-        assert failed.attempt == 1 and failed.error is not None
-        assert failed.error["code"] == "node_execution_error"
-        assert failed.error["details"][0] == {
-            "node_id": "10",
-            "node_type": "ImageScale",
-            "exception_type": "ValueError",
-            "exception_message": "width must be positive",
-        }
 
-        # When a long job is cancelled while its prompt runs
-        long = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=2000)})).task
-        index, prompt_id = await running_on(pairs, app, long.id)
-        await app.cancel(long.id)
-        await wait_for_status(app.store, long.id, Status.CANCELLED, timeout_s=60)
-        # Then its instance was told to interrupt it and take it off the queue: it is gone
-        url = pairs.instances[index].url
-        await wait_until(lambda: _true(get(f"{url}/history/{prompt_id}")), timeout_s=30)
-        log = get(f"{url}/standin/log")
+async def a_workflow_runs(pairs: Pairs, app: kiln.App) -> None:
+    # When a workflow runs
+    done = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=3)})).task
+    task = await wait_for_status(app.store, done.id, Status.SUCCESS, timeout_s=60)
+    # Then its saved image is in storage as the instance wrote it, sha256 verified
+    [output] = task.result["outputs"]
+    data = await app.storage.get(output["key"])
+    assert output["name"] == "9-kiln_00001_.png"
+    assert hashlib.sha256(data).hexdigest() == output["sha256"]
+    saved = pairs.instances[await pairs.ran(task.id)].root / "output" / "kiln_00001_.png"
+    assert saved.read_bytes() == data
+
+
+async def a_failing_node_fails(pairs: Pairs, app: kiln.App) -> None:
+    # When a workflow's ImageScale node raises, on either instance
+    fault = {
+        "class_type": "ImageScale",
+        "exception_type": "ValueError",
+        "exception_message": "width must be positive",
+    }
+    for instance in pairs.instances:
+        httpx.post(f"{instance.url}/standin/faults", json={"raise": fault})
+    graph = txt2img(CKPTS[0], seed=11)
+    graph["10"] = {
+        "class_type": "ImageScale",
+        "inputs": {
+            "image": ["8", 0],
+            "upscale_method": "bilinear",
+            "width": 32,
+            "height": 32,
+            "crop": "disabled",
+        },
+    }
+    graph["9"]["inputs"]["images"] = ["10", 0]
+    bad = (await app.submit(KIND, {"workflow": graph})).task
+    failed = await wait_for_status(app.store, bad.id, Status.FAILED, timeout_s=60)
+    # Then it failed for good with the node's id, type and message
+    assert failed.attempt == 1 and failed.error is not None
+    assert failed.error["code"] == "node_execution_error"
+    assert failed.error["details"][0] == {
+        "node_id": "10",
+        "node_type": "ImageScale",
+        **{k: fault[k] for k in ("exception_type", "exception_message")},
+    }
+
+
+async def a_cancel_interrupts(pairs: Pairs, app: kiln.App) -> None:
+    # When a long job is cancelled while its prompt runs
+    long = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=2000)})).task
+    index, prompt_id = await running_on(pairs, app, long.id)
+    await app.cancel(long.id)
+    await wait_for_status(app.store, long.id, Status.CANCELLED, timeout_s=60)
+    # Then its instance was told to interrupt it and take it off the queue: it is gone
+    url = pairs.instances[index].url
+    await wait_until(lambda: _true(get(f"{url}/history/{prompt_id}")), timeout_s=30)
+    log = get(f"{url}/standin/log")
     assert {"prompt_id": prompt_id, "running": prompt_id} in log["interrupts"]
     assert prompt_id in log["deleted"]
     assert get(f"{url}/history/{prompt_id}")[prompt_id]["status"]["status_str"] == "error"

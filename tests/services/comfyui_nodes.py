@@ -141,137 +141,96 @@ def _error(kind: str, message: str, details: str, name: str, value: Any) -> dict
     }
 
 
+def _value_error(name: str, kind: Any, value: Any, choices: Choices) -> dict[str, Any] | None:
+    """What is wrong with one widget value (not a link), or None."""
+    if kind in ("CHECKPOINTS", "LORAS", "INPUT_FILES") or isinstance(kind, list):
+        allowed = kind if isinstance(kind, list) else choices.of(kind)
+        if value in allowed:
+            return None
+        if kind == "INPUT_FILES":
+            details = f"{name} - Invalid image file: {value}"
+            return _error(
+                "custom_validation_failed",
+                "Custom validation failed for node",
+                details,
+                name,
+                value,
+            )
+        details = f"{name}: '{value}' not in {allowed}"
+        return _error("value_not_in_list", "Value not in list", details, name, value)
+    if kind in ("INT", "FLOAT") and (isinstance(value, bool) or not isinstance(value, int | float)):
+        message = f"Failed to convert an input value to a {kind} value"
+        return _error("invalid_input_type", message, f"{name}, {value}", name, value)
+    return None
+
+
 def _input_errors(
     prompt: Mapping[str, Any], node: Mapping[str, Any], choices: Choices
 ) -> list[dict[str, Any]]:
     """What ComfyUI's ``validate_inputs`` finds wrong with one node's inputs."""
-    required = NODES[node["class_type"]][0]
     inputs = node.get("inputs") or {}
     errors = []
-    for name, spec in required.items():
+    for name, spec in NODES[node["class_type"]][0].items():
+        value = inputs.get(name)
         if name not in inputs:
-            errors.append(
-                _error("required_input_missing", "Required input is missing", name, name, None)
+            found = _error("required_input_missing", "Required input is missing", name, name, None)
+        elif isinstance(value, list):
+            bad = len(value) != 2 or str(value[0]) not in prompt
+            message = "Bad linked input, must be a length-2 list of [string, int]"
+            found = (
+                _error("bad_linked_input", message, f"{name}, {value}", name, value)
+                if bad
+                else None
             )
-            continue
-        value = inputs[name]
-        if isinstance(value, list):
-            if len(value) != 2 or str(value[0]) not in prompt:
-                errors.append(
-                    _error(
-                        "bad_linked_input",
-                        "Bad linked input, must be a length-2 list of [string, int]",
-                        f"{name}, {value}",
-                        name,
-                        value,
-                    )
-                )
-            continue
-        kind = spec[0]
-        if kind in ("CHECKPOINTS", "LORAS", "INPUT_FILES") or isinstance(kind, list):
-            allowed = kind if isinstance(kind, list) else choices.of(kind)
-            if kind == "INPUT_FILES" and value not in allowed:
-                errors.append(
-                    _error(
-                        "custom_validation_failed",
-                        "Custom validation failed for node",
-                        f"{name} - Invalid image file: {value}",
-                        name,
-                        value,
-                    )
-                )
-            elif value not in allowed:
-                errors.append(
-                    _error(
-                        "value_not_in_list",
-                        "Value not in list",
-                        f"{name}: '{value}' not in {allowed}",
-                        name,
-                        value,
-                    )
-                )
-        elif kind in ("INT", "FLOAT") and (
-            isinstance(value, bool) or not isinstance(value, int | float)
-        ):
-            errors.append(
-                _error(
-                    "invalid_input_type",
-                    f"Failed to convert an input value to a {kind} value",
-                    f"{name}, {value}",
-                    name,
-                    value,
-                )
-            )
+        else:
+            found = _value_error(name, spec[0], value, choices)
+        if found is not None:
+            errors.append(found)
     return errors
+
+
+def _invalid(kind: str, message: str, details: str = "") -> dict[str, Any]:
+    return {"type": kind, "message": message, "details": details, "extra_info": {}}
+
+
+def _graph_error(prompt: Any) -> dict[str, Any] | None:
+    """What makes the whole prompt unrunnable before any input is looked at, or None."""
+    if not isinstance(prompt, dict):
+        return _invalid("invalid_prompt", "Prompt is not an object")
+    for node_id, node in prompt.items():
+        class_type = node.get("class_type") if isinstance(node, dict) else None
+        if class_type is None:
+            message = "Cannot execute because a node is missing the class_type property."
+            return _invalid("invalid_prompt", message, f"Node ID '#{node_id}'")
+        if class_type not in NODES:
+            message = f"Cannot execute because node {class_type} does not exist."
+            return _invalid("invalid_prompt", message, f"Node ID '#{node_id}'")
+    if not any(NODES[node["class_type"]][2] for node in prompt.values()):
+        return _invalid("prompt_no_outputs", "Prompt has no outputs")
+    return None
 
 
 def validate(
     prompt: Any, choices: Choices
 ) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
     """``(error, node_errors, output node ids)``: error None when the prompt may run."""
-    if not isinstance(prompt, dict):
-        return _error("invalid_prompt", "Prompt is not an object", "", "prompt", None), {}, []
-    for node_id, node in prompt.items():
-        class_type = node.get("class_type") if isinstance(node, dict) else None
-        if class_type is None:
-            return (
-                {
-                    "type": "invalid_prompt",
-                    "message": "Cannot execute because a node is missing the class_type property.",
-                    "details": f"Node ID '#{node_id}'",
-                    "extra_info": {},
-                },
-                {},
-                [],
-            )
-        if class_type not in NODES:
-            return (
-                {
-                    "type": "invalid_prompt",
-                    "message": f"Cannot execute because node {class_type} does not exist.",
-                    "details": f"Node ID '#{node_id}'",
-                    "extra_info": {},
-                },
-                {},
-                [],
-            )
+    error = _graph_error(prompt)
+    if error is not None:
+        return error, {}, []
     outputs = [node_id for node_id, node in prompt.items() if NODES[node["class_type"]][2]]
-    if not outputs:
-        return (
-            {
-                "type": "prompt_no_outputs",
-                "message": "Prompt has no outputs",
-                "details": "",
-                "extra_info": {},
-            },
-            {},
-            [],
-        )
     node_errors: dict[str, Any] = {}
     for output in outputs:
         for node_id in order(prompt, [output]):
             errors = _input_errors(prompt, prompt[node_id], choices)
             if errors:
+                class_type = prompt[node_id]["class_type"]
                 entry = node_errors.setdefault(
-                    node_id,
-                    {
-                        "errors": errors,
-                        "dependent_outputs": [],
-                        "class_type": prompt[node_id]["class_type"],
-                    },
+                    node_id, {"errors": errors, "dependent_outputs": [], "class_type": class_type}
                 )
                 entry["dependent_outputs"].append(output)
     if node_errors:
-        return (
-            {
-                "type": "prompt_outputs_failed_validation",
-                "message": "Prompt outputs failed validation",
-                "details": "",
-                "extra_info": {},
-            },
-            node_errors,
-            outputs,
-        )
+        failed = _invalid("prompt_outputs_failed_validation", "Prompt outputs failed validation")
+        return failed, node_errors, outputs
     return None, {}, outputs
 
 
