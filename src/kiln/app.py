@@ -21,6 +21,7 @@ from typing import Any
 import pydantic
 
 from kiln import canonical, limits, logs, pipelines, timing, transform, webhooks
+from kiln.backends.comfy_workflow_params import KIND as COMFY_WORKFLOW
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
 from kiln.config import Settings
@@ -55,6 +56,9 @@ from kiln.store.outbox import WebhookDelivery
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.supervisor import Supervisor
 from kiln.worker import Worker
+
+#: Kinds a worker claims only when it names them: they drive a server of their own.
+NAMED_ONLY = frozenset({COMFY_WORKFLOW})
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -804,7 +808,10 @@ class App:
         idle_poll_s: tuple[float, float] = (0.05, 1.0),
     ) -> Worker:
         """A worker of this process (see :class:`kiln.worker.Worker`); every worker of
-        the App shares its circuit breakers."""
+        the App shares its circuit breakers. Without ``kinds`` it claims every kind but
+        those that drive a server of their own (``comfy.workflow``): name them."""
+        if kinds is None and any(name in NAMED_ONLY for name in self.kinds):
+            kinds = [name for name in self.kinds if name not in NAMED_ONLY] or None
         return Worker(
             self.engine, breakers=self.breakers, concurrency=concurrency, kinds=kinds,
             resources=resources, worker_id=worker_id, lease_ttl_s=lease_ttl_s,

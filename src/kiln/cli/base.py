@@ -14,6 +14,7 @@ import typer
 
 import kiln
 from kiln import backends, config, logs, transform
+from kiln.backends import comfy_workflow
 from kiln.cli import task_io as tasks
 from kiln.client import Client
 from kiln.config import Settings
@@ -133,4 +134,5 @@ def app_of(settings: Settings) -> kiln.App:
     app = kiln.App(settings=settings)
     backends.register(app)  # image.generate on KILN_BACKEND (the demo by default)
     transform.register(app)
+    comfy_workflow.register(app)  # claimed only by workers that name it (--kinds)
     return app

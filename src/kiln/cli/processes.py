@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import os
 import signal
 import socket
 import uuid
@@ -19,6 +20,7 @@ from rich.console import Console
 
 import kiln
 from kiln import backends, config
+from kiln.backends import comfy_workflow
 from kiln.config import Settings
 from kiln.errors import ConfigError
 from kiln.model_loads import ModelLoadMetrics
@@ -327,12 +329,23 @@ def worker(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
     )
+    if comfy_workflow.KIND in (settings.kinds or ()) and concurrency is None:
+        settings = _one_prompt_at_a_time(settings)
     app = app_of(settings)
     names = list(settings.kinds) if settings.kinds else None
     unknown = sorted(set(names or []) - set(app.kinds))
     if unknown:
         raise ConfigError(f"no task kind {', '.join(unknown)} is registered", variable="KILN_KINDS")
     asyncio.run(_run_worker(opened(app), names))
+
+
+def _one_prompt_at_a_time(settings: Settings) -> Settings:
+    """A worker of `comfy.workflow` drives one ComfyUI instance, which runs one prompt at
+    a time: unless KILN_CONCURRENCY or --concurrency says otherwise, it claims one job at
+    a time, so it holds no job back from the other instances' workers."""
+    if "KILN_CONCURRENCY" in os.environ:
+        return settings
+    return settings.with_(concurrency=1)
 
 
 async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
