@@ -324,8 +324,8 @@ def table(body: dict[str, Any]) -> list[str]:
     median = body["median_per_s"]
     lines = ["system              drain/s  enqueue+drain/s  kiln CPU us  pickup p50/p99 ms"]
     rows = (
-        ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, "kiln_sqlite"),
-        ("kiln SQLite FULL", "kiln_sqlite_full", None, None),
+        ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
+        ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
         ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
