@@ -60,8 +60,12 @@ PEERS = (
     "psycopg-pool==3.3.3",
     "pgqueuer[asyncpg]==1.6.0",
     "asyncpg==0.32.0",
+    # pgqueuer 1.6.0's `pgq run` fails at start on typer 0.29 (its --log-level default
+    # reaches the logger as a str); 0.16 is the typer the recorded runs used
+    "typer==0.16.0",
 )
-#: Oban for Python (PyPI ``oban``) needs Python >= 3.12; it runs where the peers' venv has it.
+#: Oban for Python (PyPI ``oban``): every release needs Python >= 3.12, newer than this
+#: machine's, so it is not installed nor run; the JSON says so.
 OBAN = "oban==0.7.0"
 #: kiln's worker slots on SQLite, as benchmarks/lifecycle.py runs it.
 SQLITE_SLOTS = 256
