@@ -68,7 +68,7 @@ bench: $(STAMP) ## the lifecycle benchmark (NORMAL and FULL durability)
 bench-pg: $(STAMP) ## the lifecycle on a throwaway PostgreSQL (3 worker processes) beside pgbench -N
 	$(PY) benchmarks/lifecycle.py --start-postgres
 
-bench-peers: $(STAMP) system-deps ## kiln beside Dramatiq (Redis) and Procrastinate (PostgreSQL), interleaved rounds
+bench-peers: $(STAMP) system-deps ## kiln beside Dramatiq (Redis), Procrastinate and PgQueuer (PostgreSQL) at their defaults: rates, pickup latency
 	$(PY) benchmarks/peers.py
 
 bench-sweep: $(STAMP) ## the supervisor's sweep over 1,000,000 tasks, nothing due (SQLite and PostgreSQL), with plans

@@ -1,27 +1,33 @@
-"""kiln beside its peers, in the same run: Dramatiq on Redis and Procrastinate on PostgreSQL.
+"""kiln beside its peers, in the same run: Dramatiq on Redis; Procrastinate and PgQueuer
+on PostgreSQL; Oban for Python where it installs.
 
-Rounds are interleaved (each round runs every system once), and each figure is the median
-over the rounds, so the machine's drift hits every system alike:
+Each peer runs through its own worker CLI at that CLI's defaults (what they are, and the
+source, in benchmarks/README.md). Rounds are interleaved (each round runs every system
+once) and each figure is the median over the rounds, so the machine's drift hits every
+system alike:
 
 - kiln on SQLite, full no-op lifecycles (submit included) per second,
   ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``;
 - kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
-  (default one of 64: on two cores, more processes than cores cost CPU for smaller
-  batches) on a throwaway cluster (fsync and synchronous_commit on);
-- Dramatiq on Redis and Procrastinate on the same PostgreSQL cluster: the drain rate of N
-  queued no-op jobs (and enqueue + drain), by ``benchmarks/peers/*.py``.
+  on a throwaway cluster (fsync and synchronous_commit on);
+- every peer: the drain rate (N jobs queued before the worker starts) and the enqueue +
+  drain rate (enqueued while the worker runs, first enqueue to last job done), by
+  ``benchmarks/peers/*.py``; Procrastinate and PgQueuer on the same cluster as kiln;
+- the pickup latency (submit to handler start), p50 and p99, of every system at a fixed
+  offered load (``--rate`` tasks/s for ``--seconds``, an open-loop generator).
 
-The peers live in their own virtual environment (``.peers-venv``, made and filled here,
-never in kiln's dependencies); Redis is Debian's ``redis-server`` (installed here as root
-when missing), started on a free loopback port without persistence.
+The peers live in their own virtual environment (``.peers-venv``, made and filled here
+from pinned PyPI versions, never in kiln's dependencies); Redis is Debian's
+``redis-server`` (installed here as root when missing), started on a free loopback port
+without persistence.
 
     make bench-peers
     .venv/bin/python benchmarks/peers.py --rounds 3 --tasks 3000 --pg-tasks 1500
+    .venv/bin/python benchmarks/peers.py --quick     # one small round, a smoke run
 
-The last line is one JSON object: each system's median (kiln's CPU per lifecycle too,
-``*_cpu_us``), and kiln's ratios to its peers
-(``sqlite_normal_vs_dramatiq``, ``sqlite_full_vs_dramatiq``,
-``postgres_vs_procrastinate``).
+The last line is one JSON object: each figure's median (``median_per_s``; kiln's CPU per
+lifecycle too, ``*_cpu_us``), the pickup p50/p99 per system (``pickup_ms``), and kiln's
+ratios to its peers (``ratios``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +52,23 @@ from pg_cluster import throwaway_cluster
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VENV = ROOT / ".peers-venv"
-PEERS = ("dramatiq[redis]==2.2.1", "procrastinate==3.10.0", "psycopg[binary]>=3.2")
+PEERS = (
+    "dramatiq[redis]==2.2.1",
+    "redis==8.2.0",
+    "procrastinate==3.10.0",
+    "psycopg[binary]==3.3.9",
+    "psycopg-pool==3.3.3",
+    "pgqueuer[asyncpg]==1.6.0",
+    "asyncpg==0.32.0",
+    # pgqueuer 1.6.0's `pgq run` fails at start on typer 0.29 (its --log-level default
+    # reaches the logger as a str); 0.16 is the typer the recorded runs used
+    "typer==0.16.0",
+)
+#: Oban for Python (PyPI ``oban``): every release needs Python >= 3.12, newer than this
+#: machine's, so it is not installed nor run; the JSON says so.
+OBAN = "oban==0.7.0"
+#: kiln's worker slots on SQLite, as benchmarks/lifecycle.py runs it.
+SQLITE_SLOTS = 256
 
 
 def peers_python() -> Path:
@@ -103,68 +126,254 @@ def redis() -> Iterator[str]:
         server.wait(timeout=10)
 
 
-def last_json(command: list[str], timeout_s: float) -> dict[str, Any]:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
+def last_json(
+    command: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=HERE,
+        env={**os.environ, **(env or {})},
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"{command[:3]} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{command[:3]} failed:\n{done.stderr[-3000:]}")
     found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
 
 
-def one_round(
-    args: argparse.Namespace, peers: Path, redis_url: str, cluster: Any
+def peer(
+    args: argparse.Namespace, peers: Path, script: str, tasks: int, env: dict[str, str]
 ) -> dict[str, Any]:
+    """One peer's three figures, by its script in the peers' venv, in a scratch folder."""
+    with tempfile.TemporaryDirectory(prefix="kiln-peers-") as scratch:
+        found = last_json(
+            [
+                str(peers),
+                str(HERE / "peers" / script),
+                "--tasks",
+                str(tasks),
+                "--rate",
+                str(args.rate),
+                "--seconds",
+                str(args.seconds),
+                "--scratch",
+                scratch,
+            ],
+            900,
+            env,
+        )
+    name = found["system"]
+    return {
+        name: found["drain_per_s"],
+        f"{name}_enqueue_drain": found["enqueue_drain_per_s"],
+        **pickup_keys(name, found),
+    }
+
+
+def pickup_keys(name: str, found: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"{name}_pickup_p50_ms": found["pickup_p50_ms"],
+        f"{name}_pickup_p99_ms": found["pickup_p99_ms"],
+        f"{name}_pickup_started_per_s": found["pickup_started_per_s"],
+    }
+
+
+def kiln_pickup(args: argparse.Namespace, name: str, database: str | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kiln-pickup-") as scratch:
+        url = database or f"sqlite:///{scratch}/pickup.db"
+        found = last_json(
+            [
+                sys.executable,
+                str(HERE / "peers" / "kiln_pickup.py"),
+                "--database",
+                url,
+                "--scratch",
+                scratch,
+                "--rate",
+                str(args.rate),
+                "--seconds",
+                str(args.seconds),
+                "--workers",
+                str(args.workers),
+                "--concurrency",
+                str(args.pg_slots if database else SQLITE_SLOTS),
+            ],
+            600,
+        )
+    return pickup_keys(name, found)
+
+
+def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     lifecycle = [sys.executable, str(HERE / "lifecycle.py"), "--output-bytes", "0", "--json-only"]
     figures: dict[str, Any] = {}
     for level in ("NORMAL", "FULL"):
         run = last_json([*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600)
         figures[f"kiln_sqlite_{level.lower()}"] = run["lifecycles_per_s"]
         figures[f"kiln_sqlite_{level.lower()}_cpu_us"] = run["cpu_us_per_lifecycle"]
-    figures["dramatiq"] = last_json(
-        [str(peers), str(HERE / "peers" / "dramatiq_noop.py"), "--redis-url", redis_url,
-         "--tasks", str(args.tasks), "--threads", str(args.threads)], 600,
-    )["drain_per_s"]  # fmt: skip
     run = last_json(
-        [*lifecycle, "--database", cluster.url, "--workers", str(args.workers),
-         "--concurrency", str(args.pg_slots), "--tasks", str(args.pg_tasks),
-         "--pgbench-seconds", "1"], 900,
-    )  # fmt: skip
+        [
+            *lifecycle,
+            "--database",
+            cluster.url,
+            "--workers",
+            str(args.workers),
+            "--concurrency",
+            str(args.pg_slots),
+            "--tasks",
+            str(args.pg_tasks),
+            "--pgbench-seconds",
+            "1",
+        ],
+        900,
+    )
     figures["kiln_postgres"] = run["lifecycles_per_s"]
     figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
-    database = cluster.create_database(f"procrastinate_{int(time.time() * 1000)}")
-    figures["procrastinate"] = last_json(
-        [str(peers), str(HERE / "peers" / "procrastinate_noop.py"), "--database", database,
-         "--tasks", str(args.pg_tasks), "--concurrency", str(args.concurrency)], 900,
-    )["drain_per_s"]  # fmt: skip
     return figures
+
+
+def one_round(
+    args: argparse.Namespace, peers: Path, redis_url: str, cluster: Any
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {"loadavg_start": os.getloadavg()[0]}
+    figures.update(kiln_figures(args, cluster))
+    figures.update(
+        peer(args, peers, "dramatiq_noop.py", args.tasks, {"BENCH_REDIS_URL": redis_url})
+    )
+    for script in ("procrastinate_noop.py", "pgqueuer_noop.py"):
+        database = cluster.create_database(f"{script.split('_')[0]}_{int(time.time() * 1000)}")
+        figures.update(peer(args, peers, script, args.pg_tasks, {"BENCH_DATABASE": database}))
+        cluster.drop_database(database.rsplit("/", 1)[1])
+    figures.update(kiln_pickup(args, "kiln_sqlite", None))
+    database = cluster.create_database(f"kiln_pickup_{int(time.time() * 1000)}")
+    figures.update(kiln_pickup(args, "kiln_postgres", database))
+    cluster.drop_database(database.rsplit("/", 1)[1])
+    figures["loadavg_end"] = os.getloadavg()[0]
+    return figures
+
+
+def oban_note(peers: Path) -> str:
+    """Why Oban for Python did not run: it needs a newer Python than the peers' venv has."""
+    version = subprocess.run(
+        [str(peers), "-c", "import sys; print(sys.version.split()[0])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return (
+        f"not run: PyPI {OBAN} requires Python >= 3.12, the peers' venv has {version}"
+        " (no other Python on this machine)"
+    )
+
+
+def ratio(numerator: float, denominator: float | None) -> float | None:
+    return round(numerator / denominator, 3) if denominator else None
+
+
+def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    ratios = {
+        "sqlite_normal_vs_dramatiq": ratio(median["kiln_sqlite_normal"], median["dramatiq"]),
+        "sqlite_full_vs_dramatiq": ratio(median["kiln_sqlite_full"], median["dramatiq"]),
+        "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
+        "postgres_vs_procrastinate_enqueue_drain": ratio(
+            median["kiln_postgres"], median["procrastinate_enqueue_drain"]
+        ),
+        "postgres_vs_pgqueuer_drain": ratio(median["kiln_postgres"], median["pgqueuer"]),
+        "postgres_vs_pgqueuer_enqueue_drain": ratio(
+            median["kiln_postgres"], median["pgqueuer_enqueue_drain"]
+        ),
+        "postgres_vs_oban_drain": None,
+    }
+    systems = ("kiln_sqlite", "kiln_postgres", "dramatiq", "procrastinate", "pgqueuer")
+    pickup = {
+        name: {
+            "p50": median[f"{name}_pickup_p50_ms"],
+            "p99": median[f"{name}_pickup_p99_ms"],
+            "started_per_s": median[f"{name}_pickup_started_per_s"],
+        }
+        for name in systems
+    }
+    return {
+        "rounds": rounds,
+        "median_per_s": median,
+        "ratios": ratios,
+        "pickup_ms": pickup,
+        "oban": oban_note(peers),
+        "machine": machine_line(),
+    }
+
+
+def machine_line() -> dict[str, Any]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "nproc": os.cpu_count(),
+        "loadavg": round(os.getloadavg()[0], 2),
+    }
+
+
+def pickup_cell(pickup: dict[str, float], rate: float) -> str:
+    cell = f"{pickup['p50']:.1f} / {pickup['p99']:.1f}"
+    if pickup["started_per_s"] < 0.95 * rate:
+        cell += f" (saturated: {pickup['started_per_s']:,.0f} of {rate:,.0f}/s started)"
+    return cell
+
+
+def table(body: dict[str, Any]) -> list[str]:
+    median = body["median_per_s"]
+    lines = ["system              drain/s  enqueue+drain/s  kiln CPU us  pickup p50/p99 ms"]
+    rows = (
+        ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
+        ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
+        ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
+        ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
+        ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
+        ("PgQueuer", "pgqueuer", "pgqueuer_enqueue_drain", "pgqueuer"),
+    )
+    for label, key, both, pick in rows:
+        drain = "-" if both is None else f"{median[key]:,.0f}"
+        lifecycle = f"{median[both or key]:,.0f}"
+        cpu = f"{median[key + '_cpu_us']:,.0f}" if f"{key}_cpu_us" in median else "-"
+        latency = "-" if pick is None else pickup_cell(body["pickup_ms"][pick], body["rate"])
+        lines.append(f"{label:<18} {drain:>8} {lifecycle:>16} {cpu:>12}  {latency}")
+    lines.append("kiln's rate is its whole lifecycle (submit included): the enqueue+drain column")
+    lines.append(f"Oban for Python: {body['oban']}")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=3000, help="SQLite and Dramatiq")
-    parser.add_argument("--pg-tasks", type=int, default=1500, help="PostgreSQL, both systems")
+    parser.add_argument("--pg-tasks", type=int, default=1500, help="PostgreSQL, all systems")
     parser.add_argument("--workers", type=int, default=1, help="kiln worker processes on PG")
     parser.add_argument("--pg-slots", type=int, default=64, help="slots per kiln worker on PG")
-    parser.add_argument("--threads", type=int, default=8, help="Dramatiq worker threads")
-    parser.add_argument("--concurrency", type=int, default=16, help="Procrastinate's")
+    parser.add_argument("--rate", type=float, default=500.0, help="pickup: offered tasks/s")
+    parser.add_argument("--seconds", type=float, default=10.0, help="pickup: how long")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 1 round, 300 tasks (200 on PG), 2 s of pickup",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.tasks, args.pg_tasks, args.seconds = 1, 300, 200, 2.0
     peers = peers_python()
     rounds: list[dict[str, Any]] = []
     with redis() as redis_url, throwaway_cluster() as cluster:
         for n in range(args.rounds):
             rounds.append(one_round(args, peers, redis_url, cluster))
-            shown = (f"{k} {v:,.0f}" + ("" if k.endswith("_us") else "/s")
-                     for k, v in rounds[-1].items())  # fmt: skip
-            print(f"round {n + 1}: " + ", ".join(shown))
-    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    ratios = {
-        "sqlite_normal_vs_dramatiq": median["kiln_sqlite_normal"] / median["dramatiq"],
-        "sqlite_full_vs_dramatiq": median["kiln_sqlite_full"] / median["dramatiq"],
-        "postgres_vs_procrastinate": median["kiln_postgres"] / median["procrastinate"],
-    }
-    print(json.dumps({"rounds": rounds, "median_per_s": median,
-                      "ratios": {k: round(v, 3) for k, v in ratios.items()}}))  # fmt: skip
+            shown = (f"{k} {v:,.1f}" for k, v in rounds[-1].items())
+            print(f"round {n + 1}: " + ", ".join(shown), flush=True)
+    body = summary(rounds, peers)
+    body["rate"], body["pickup_seconds"] = args.rate, args.seconds
+    print("\n".join(table(body)))
+    print(json.dumps(body))
 
 
 if __name__ == "__main__":
