@@ -53,12 +53,20 @@ _STATUS_HELP = "default: every status the action applies to"
 _NARROWING = ("status", "kind", "code", "created_after", "created_before")
 
 
+#: A time that may leave a task out: a ``created_after`` after the epoch (the server also
+#: refuses one at or before it given as text, and a ``created_before`` later than now).
+_TIME_NARROWS = {
+    "created_after": {"anyOf": [{"type": "string"}, {"type": "number", "exclusiveMinimum": 0}]},
+    "created_before": {"not": {"type": "null"}},
+}
+
+
 def _narrow_or_all(schema: dict[str, Any]) -> None:
     """The request's schema: a filter that names something, or ``all`` true."""
     named = [
         {"required": [name], "properties": {name: {"minItems": 1}}}
         if name in ("status", "kind", "code")
-        else {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+        else {"required": [name], "properties": {name: _TIME_NARROWS[name]}}
         for name in _NARROWING
     ]
     schema["anyOf"] = [
