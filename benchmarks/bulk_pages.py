@@ -41,11 +41,17 @@ STEPS = 200
 
 def wide(n: int) -> dict[str, Any]:
     """200 steps made at once: two steps of 100 copies, neither reading the other."""
-    return {"steps": [
-        {"name": side, "kind": "image.generate", "repeat": 100,
-         "params": {"prompt": f"{side} {n}", "width": 64, "height": 64, "steps": 2}}
-        for side in ("left", "right")
-    ]}  # fmt: skip
+    return {
+        "steps": [
+            {
+                "name": side,
+                "kind": "image.generate",
+                "repeat": 100,
+                "params": {"prompt": f"{side} {n}", "width": 64, "height": 64, "steps": 2},
+            }
+            for side in ("left", "right")
+        ]
+    }
 
 
 class WriterClock:
@@ -71,8 +77,9 @@ class WriterClock:
 
 async def cancel_pages(app: kiln.App, max_s: float) -> tuple[list[int], bool]:
     """Cancel every pipeline, page after page; the pipelines each page cancelled."""
-    found = filter_of("cancel", FilterIn(kind=["pipeline"]), scope=None, everything=False,
-                      now=app.now())  # fmt: skip
+    found = filter_of(
+        "cancel", FilterIn(kind=["pipeline"]), scope=None, everything=False, now=app.now()
+    )
     pages: list[int] = []
     cursor: str | None = None
     deadline = time.perf_counter() + max_s
@@ -101,8 +108,11 @@ async def measure(pipelines: int, max_s: float) -> dict[str, Any]:
     clock = WriterClock()
     with tempfile.TemporaryDirectory(prefix="kiln-bulk-") as tmp:
         root = Path(tmp)
-        settings = kiln.Settings(data_dir=root, database_url=f"sqlite:///{root / 'kiln.db'}",
-                                 storage_url=(root / "results").as_uri())  # fmt: skip
+        settings = kiln.Settings(
+            data_dir=root,
+            database_url=f"sqlite:///{root / 'kiln.db'}",
+            storage_url=(root / "results").as_uri(),
+        )
         app = kiln.App(settings=settings)
         demo.register(app)
         async with app:
@@ -134,12 +144,20 @@ async def measure(pipelines: int, max_s: float) -> dict[str, Any]:
 def baseline(rev: str, pipelines: int, max_s: float) -> dict[str, Any]:
     """The same measurement on ``rev``'s source, in a child process."""
     with tempfile.TemporaryDirectory(prefix="kiln-baseline-") as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"],
-                                 check=True, capture_output=True).stdout  # fmt: skip
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
-        args = [sys.executable, __file__, "--pipelines", str(pipelines), "--max-s", str(max_s),
-                "--json-only"]  # fmt: skip
+        args = [
+            sys.executable,
+            __file__,
+            "--pipelines",
+            str(pipelines),
+            "--max-s",
+            str(max_s),
+            "--json-only",
+        ]
         done = subprocess.run(args, env=env, check=True, capture_output=True, text=True)
     figure: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return {"rev": rev, **figure}
@@ -162,10 +180,12 @@ def main() -> None:
     figures["after"] = figure
     if not args.json_only:
         for name, found in figures.items():
-            print(f"{name}: {found['total_s']} s in {found['pages']} pages, longest transaction "
-                  f"{found['longest_transaction_s']} s; other tenant's submit p50 "
-                  f"{found['submit_p50_s']} s, max {found['submit_max_s']} s "
-                  f"({found['submits_meanwhile']} submits)")  # fmt: skip
+            print(
+                f"{name}: {found['total_s']} s in {found['pages']} pages, longest transaction "
+                f"{found['longest_transaction_s']} s; other tenant's submit p50 "
+                f"{found['submit_p50_s']} s, max {found['submit_max_s']} s "
+                f"({found['submits_meanwhile']} submits)"
+            )
     print(json.dumps(figures))
 
 

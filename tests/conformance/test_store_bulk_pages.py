@@ -37,10 +37,12 @@ def paged_app(store: Store, settings: Settings) -> kiln.App:
 
 def wide(n: int) -> JSON:
     """Two steps of 100 copies each, neither reading the other: 200 steps made at once."""
-    return {"steps": [
-        {"name": "left", "kind": GEN, "repeat": 100, "params": {"prompt": f"left {n}"}},
-        {"name": "right", "kind": GEN, "repeat": 100, "params": {"prompt": f"right {n}"}},
-    ]}  # fmt: skip
+    return {
+        "steps": [
+            {"name": "left", "kind": GEN, "repeat": 100, "params": {"prompt": f"left {n}"}},
+            {"name": "right", "kind": GEN, "repeat": 100, "params": {"prompt": f"right {n}"}},
+        ]
+    }
 
 
 async def wide_pipelines(app: kiln.App) -> list[Task]:

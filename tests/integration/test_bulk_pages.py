@@ -31,11 +31,17 @@ ACME, GLOBEX = "acme-key", "globex-key"
 
 def wide(n: int) -> dict[str, Any]:
     """200 steps made at once: two steps of 100 copies, neither reading the other."""
-    return {"steps": [
-        {"name": side, "kind": "image.generate", "repeat": 100,
-         "params": {"prompt": f"{side} {n}", "width": 64, "height": 64, "steps": 2}}
-        for side in ("left", "right")
-    ]}  # fmt: skip
+    return {
+        "steps": [
+            {
+                "name": side,
+                "kind": "image.generate",
+                "repeat": 100,
+                "params": {"prompt": f"{side} {n}", "width": 64, "height": 64, "steps": 2},
+            }
+            for side in ("left", "right")
+        ]
+    }
 
 
 def free_port() -> int:
@@ -54,8 +60,11 @@ class Serve:
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kiln", "serve", "--no-workers", "--port", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.root,
-            )  # fmt: skip
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=cluster.env,
+                cwd=cluster.root,
+            )
 
     async def healthy(self) -> bool:
         assert self.proc.poll() is None, self.log.read_text(errors="replace")[-3000:]
@@ -78,13 +87,16 @@ class Serve:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[CliWorkers]:
     started = CliWorkers(
-        tmp_path / "cluster", f"sqlite:///{tmp_path / 'kiln.db'}",
-        KILN_API_KEYS=f"acme:{ACME},globex:{GLOBEX}", KILN_SUPERVISOR_INTERVAL_S="0.2",
+        tmp_path / "cluster",
+        f"sqlite:///{tmp_path / 'kiln.db'}",
+        KILN_API_KEYS=f"acme:{ACME},globex:{GLOBEX}",
+        KILN_SUPERVISOR_INTERVAL_S="0.2",
         # A shared pool: its holder checks its lease before each renewal, so an attempt
         # whose renewal waited past the lease stops at once (lease_lost) instead of racing
         # the supervisor's expire
-        KILN_POOLS=f"gpu-a100:{RUNNING}", KILN_KIND_RESOURCES="image.generate=gpu-a100:1",
-    )  # fmt: skip
+        KILN_POOLS=f"gpu-a100:{RUNNING}",
+        KILN_KIND_RESOURCES="image.generate=gpu-a100:1",
+    )
     try:
         yield started
     finally:
@@ -108,8 +120,9 @@ def rows(db: Path, sql: str, *args: object) -> list[tuple[Any, ...]]:
 
 
 def events_of(db: Path, task_id: str) -> list[str]:
-    return [e for (e,) in rows(db, "SELECT event FROM events WHERE task_id = ? ORDER BY seq",
-                               task_id)]  # fmt: skip
+    return [
+        e for (e,) in rows(db, "SELECT event FROM events WHERE task_id = ? ORDER BY seq", task_id)
+    ]
 
 
 def held(db: Path, task_id: str) -> tuple[str, int, int]:
@@ -175,19 +188,28 @@ async def test_a_bulk_cancel_of_pipelines_leaves_the_writer_to_leases_and_submis
         assert submitted and all(a["created"] for a in submitted)
         seqs = rows(db, "SELECT seq FROM events WHERE event = 'steps_cancelled' ORDER BY seq")
         first, last = seqs[0][0], seqs[-1][0]
-        between = rows(db, "SELECT count(*) FROM events WHERE event = 'submit' AND tenant ="
-                           " 'globex' AND seq > ? AND seq < ?", first, last)  # fmt: skip
+        between = rows(
+            db,
+            "SELECT count(*) FROM events WHERE event = 'submit' AND tenant ="
+            " 'globex' AND seq > ? AND seq < ?",
+            first,
+            last,
+        )
         assert between[0][0] >= 1, (first, last)
         # And the pages were cut by rows: several, each pipeline in exactly one, in order
         print(f"pages: {[p['cancelled'] for p in pages]}, submitted meanwhile {len(submitted)}")
         assert len(pages) > 1 and all(p["cancelled"] >= 1 for p in pages[:-1])
         assert [i for p in pages for i in p["task_ids"]] == pipelines
         # And every pipeline and each of its 8,000 steps ended cancelled, each exactly once
-        assert rows(db, "SELECT count(*) FROM tasks WHERE pipeline_id IS NOT NULL"
-                        " AND status = 'CANCELLED'") == [(PIPELINES * 200,)]  # fmt: skip
-        cancels = rows(db, "SELECT e.task_id, count(*) FROM events e JOIN tasks t"
-                           " ON t.id = e.task_id WHERE t.pipeline_id IS NOT NULL"
-                           " AND e.event = 'cancel' GROUP BY e.task_id")  # fmt: skip
+        assert rows(
+            db, "SELECT count(*) FROM tasks WHERE pipeline_id IS NOT NULL AND status = 'CANCELLED'"
+        ) == [(PIPELINES * 200,)]
+        cancels = rows(
+            db,
+            "SELECT e.task_id, count(*) FROM events e JOIN tasks t"
+            " ON t.id = e.task_id WHERE t.pipeline_id IS NOT NULL"
+            " AND e.event = 'cancel' GROUP BY e.task_id",
+        )
         assert len(cancels) == PIPELINES * 200 and {n for _, n in cancels} == {1}
         ended = rows(db, "SELECT count(*) FROM events WHERE event = 'steps_cancelled'")
         assert ended == [(PIPELINES,)]
