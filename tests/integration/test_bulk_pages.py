@@ -131,6 +131,33 @@ def held(db: Path, task_id: str) -> tuple[str, int, int]:
     return found[0]
 
 
+def assert_leases_kept(
+    db: Path, before: dict[str, tuple[str, int, int]], cluster: CliWorkers
+) -> None:
+    """Each long attempt is still GENERATING at the epoch it was claimed at, its events
+    those of one attempt, and the worker halted none of its attempts but for a cancel."""
+    for task_id, (status, epoch, attempt) in before.items():
+        assert events_of(db, task_id) == ["submit", "claim", "acquire"], task_id
+        assert (status, attempt) == ("GENERATING", 1)
+        assert held(db, task_id) == ("GENERATING", epoch, 1), task_id
+    assert not [r for r in cluster.lines("attempt_halted") if r.get("reason") != "cancel"]
+
+
+def assert_every_step_cancelled_once(db: Path) -> None:
+    assert rows(
+        db, "SELECT count(*) FROM tasks WHERE pipeline_id IS NOT NULL AND status = 'CANCELLED'"
+    ) == [(PIPELINES * 200,)]
+    cancels = rows(
+        db,
+        "SELECT e.task_id, count(*) FROM events e JOIN tasks t"
+        " ON t.id = e.task_id WHERE t.pipeline_id IS NOT NULL"
+        " AND e.event = 'cancel' GROUP BY e.task_id",
+    )
+    assert len(cancels) == PIPELINES * 200 and {n for _, n in cancels} == {1}
+    ended = rows(db, "SELECT count(*) FROM events WHERE event = 'steps_cancelled'")
+    assert ended == [(PIPELINES,)]
+
+
 async def running_attempts(globex: kiln.AsyncClient, db: Path) -> dict[str, tuple[str, int, int]]:
     """The other tenant's long tasks, once the worker runs all of them: by id, (status,
     epoch, attempt)."""
@@ -179,11 +206,7 @@ async def test_a_bulk_cancel_of_pipelines_leaves_the_writer_to_leases_and_submis
         submitted = await meanwhile
         # Then the worker's running attempts kept their leases: no expire, no new claim, no
         # retry, the same epoch, still generating
-        for task_id, (status, epoch, attempt) in before.items():
-            assert events_of(db, task_id) == ["submit", "claim", "acquire"], task_id
-            assert (status, attempt) == ("GENERATING", 1)
-            assert held(db, task_id) == ("GENERATING", epoch, 1), task_id
-        assert not [r for r in cluster.lines("attempt_halted") if r.get("reason") != "cancel"]
+        assert_leases_kept(db, before, cluster)
         # And the other tenant's submissions were all answered, some committed between pages
         assert submitted and all(a["created"] for a in submitted)
         seqs = rows(db, "SELECT seq FROM events WHERE event = 'steps_cancelled' ORDER BY seq")
@@ -201,18 +224,7 @@ async def test_a_bulk_cancel_of_pipelines_leaves_the_writer_to_leases_and_submis
         assert len(pages) > 1 and all(p["cancelled"] >= 1 for p in pages[:-1])
         assert [i for p in pages for i in p["task_ids"]] == pipelines
         # And every pipeline and each of its 8,000 steps ended cancelled, each exactly once
-        assert rows(
-            db, "SELECT count(*) FROM tasks WHERE pipeline_id IS NOT NULL AND status = 'CANCELLED'"
-        ) == [(PIPELINES * 200,)]
-        cancels = rows(
-            db,
-            "SELECT e.task_id, count(*) FROM events e JOIN tasks t"
-            " ON t.id = e.task_id WHERE t.pipeline_id IS NOT NULL"
-            " AND e.event = 'cancel' GROUP BY e.task_id",
-        )
-        assert len(cancels) == PIPELINES * 200 and {n for _, n in cancels} == {1}
-        ended = rows(db, "SELECT count(*) FROM events WHERE event = 'steps_cancelled'")
-        assert ended == [(PIPELINES,)]
+        assert_every_step_cancelled_once(db)
         # When the long attempts are cancelled, the worker stops each (a write fenced by the
         # epoch it claimed at): it still held every lease
         for task_id in before:
