@@ -2,12 +2,14 @@
 names, a page at a time.
 
 A page is one transaction (:mod:`kiln.store.bulk`): up to ``limit`` tasks selected by
-keyset on the (time-ordered) task id, each changed by the very compare-and-set (with its event
-row) that ``POST /v1/tasks/{id}/cancel`` or ``/retry`` makes. The answer's ``cursor``
-resumes after the page's last task; an action interrupted and resumed, or run again from
-the start, never acts twice on a task: a retried task is no longer FAILED, a cancelled one
-no longer live, a running one already asked to stop is left out, and a task that changed
-since it was selected is refused by its compare-and-set and counted as skipped.
+keyset on the (time-ordered) task id, each changed by the very compare-and-set (with its
+event row) that ``POST /v1/tasks/{id}/cancel`` or ``/retry`` makes, and no further task
+once the transaction changed ``KILN_BULK_PAGE_ROWS`` rows (a page of pipelines holds a few:
+each moves its steps with it). The answer's ``cursor`` resumes after the page's last task;
+an action interrupted and resumed, or run again from the start, never acts twice on a task:
+a retried task is no longer FAILED, a cancelled one no longer live, a running one already
+asked to stop is left out, and a task that changed since it was selected is refused by its
+compare-and-set and counted as skipped.
 """
 
 from __future__ import annotations
@@ -84,12 +86,16 @@ class FilterIn:
     created_after: float | int | str | None = None
     created_before: float | int | str | None = None
 
-    @property
-    def narrows(self) -> bool:
-        """Whether it names anything but a tenant (else it must be asked for with ``all``)."""
-        return bool(self.status or self.kind or self.code) or (
-            self.created_after is not None or self.created_before is not None
-        )
+
+def narrows(raw: FilterIn, after: float | None, before: float | None, now: float) -> bool:
+    """Whether the filter can leave a task out (else it must be asked for with ``all``): it
+    names a status, kind or code, or a time that some task can fall outside of. A
+    ``created_after`` at or before the epoch (0, a negative number, 1970-01-01T00:00:00Z)
+    leaves nothing out, nor does a ``created_before`` later than now; the tenant never
+    counts (it only says whose tasks)."""
+    if raw.status or raw.kind or raw.code:
+        return True
+    return (after is not None and after > 0) or (before is not None and before <= now)
 
 
 def statuses_of(action: str, names: Sequence[str]) -> tuple[Status, ...]:
@@ -117,12 +123,6 @@ def filter_of(
     """The store's filter for ``action`` by a caller who sees ``scope`` (None: every
     tenant, the admin). Refused: an empty filter without ``all``, a status the action does
     not apply to, a bad time. A tenant the caller may not name is the API's to refuse."""
-    if not raw.narrows and not everything:
-        raise InvalidRequest(
-            "the filter names no status, kind, code or time: every task would match; "
-            'send "all": true to mean that',
-            details=[{"loc": ["body", "filter"], "msg": "empty filter", "type": "value_error"}],
-        )
     after, before = (
         None if value is None else moment_of(field, value, now)
         for field, value in (
@@ -130,6 +130,12 @@ def filter_of(
             ("created_before", raw.created_before),
         )
     )
+    if not everything and not narrows(raw, after, before, now):
+        raise InvalidRequest(
+            "the filter names no status, kind, code or time that leaves any task out: every "
+            'task would match; send "all": true to mean that',
+            details=[{"loc": ["body", "filter"], "msg": "empty filter", "type": "value_error"}],
+        )
     return BulkFilter(
         statuses=statuses_of(action, raw.status),
         kinds=tuple(dict.fromkeys(raw.kind)),

@@ -67,6 +67,7 @@ class Settings:
     max_body_bytes: int = 1_048_576
     max_upload_bytes: int = 20_971_520
     max_image_pixels: int = 40_000_000
+    bulk_page_rows: int = 2000
     max_header_bytes: int = 32_768
     max_connections: int = 1000
     header_timeout_s: float = 10.0
@@ -457,6 +458,10 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_PRIORITY_AGING_S", "priority_aging_s", SECONDS, "seconds of waiting worth one "
        "priority point in the claim order", group=LIMITS, unit="s",
        shown="unset (strict priority)"),
+    _v("KILN_BULK_PAGE_ROWS", "bulk_page_rows", COUNT, "a page of bulk cancel or retry "
+       "takes no more tasks once its transaction changed this many rows (the task that "
+       "reached it is finished, a pipeline with its steps); the cursor resumes after it",
+       group=LIMITS, unit="rows"),
     _v("KILN_AFFINITY_WAIT_S", "affinity_wait_s", SECONDS_OR_OFF, "the most a task whose "
        "model an idle worker holds loaded is left to that worker before any worker may take "
        "it; a worker's claim puts the tasks of the models it holds this far ahead "

@@ -361,10 +361,13 @@ class Engine:
     async def act_page(
         self, found: BulkFilter, after: str | None, limit: int, plan: Callable[[Task], Plan]
     ) -> BulkPage:
-        """One page of a bulk action in one transaction (:mod:`kiln.store.bulk`), then what
+        """One page of a bulk action in one transaction of at most about
+        ``KILN_BULK_PAGE_ROWS`` rows changed (:mod:`kiln.store.bulk`), then what
         :meth:`apply` and :meth:`request_cancel` do after theirs: the log lines, the wake-up
         of this process's streams, and the cancel listeners of its workers."""
-        page = await self.store.bulk_page(found, after, limit, plan)
+        page = await self.store.bulk_page(
+            found, after, limit, plan, rows=self.settings.bulk_page_rows
+        )
         _log_transitions(page.events)
         self.written(page.events)
         for task in page.asked:

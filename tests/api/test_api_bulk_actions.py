@@ -118,3 +118,37 @@ async def test_bad_input_is_refused_with_the_envelope_and_changes_nothing(
     assert await statuses(keyed_api, ids) == ["PENDING"] * 2
     every = await post("/v1/tasks/cancel", json={"all": True, "dry_run": True})
     assert every.status_code == 200 and every.json()["matched"] == 2
+
+
+async def test_a_time_that_leaves_no_task_out_needs_all(keyed_api: ApiUnderTest) -> None:
+    # Given two pending tasks
+    ids = await submit_pending(keyed_api, 2, "epoch fox")
+    post = keyed_api.client.post
+    # When a filter names only times that every task falls inside of: the epoch or before
+    # (as a number or as text), or an end later than now
+    everything: list[dict[str, Any]] = [
+        {"created_after": 0},
+        {"created_after": 0.0},
+        {"created_after": -86400},
+        {"created_after": "1970-01-01T00:00:00Z"},
+        {"created_before": "2999-01-01T00:00:00Z"},
+        {"created_after": 0, "created_before": 253402300799},
+    ]
+    for fields in everything:
+        # Then each is refused as the empty filter is, naming the way to mean it
+        response = await post("/v1/tasks/cancel", json={"filter": fields})
+        error = assert_error(response, 422, "invalid_request")
+        assert '"all": true' in error["message"], (fields, error)
+        dry = await post("/v1/tasks/cancel", json={"filter": fields, "dry_run": True})
+        assert_error(dry, 422, "invalid_request")
+    # And nothing changed
+    assert await statuses(keyed_api, ids) == ["PENDING"] * 2
+    # When the same filter says "all": true, it acts on every task
+    every = await post("/v1/tasks/cancel", json={"filter": {"created_after": 0}, "all": True})
+    assert every.status_code == 200, every.text
+    assert sorted(every.json()["task_ids"]) == sorted(ids)
+    # And a time that can leave a task out still narrows without "all"
+    later = await submit_pending(keyed_api, 1, "recent fox")
+    recent = await post("/v1/tasks/cancel", json={"filter": {"created_after": "1h"}})
+    assert recent.status_code == 200, recent.text
+    assert recent.json()["task_ids"] == later

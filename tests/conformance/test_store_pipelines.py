@@ -677,7 +677,7 @@ async def test_a_bulk_page_skips_a_pipeline_gone_meanwhile_and_acts_on_the_other
 
     # When a bulk cancel's page names both, the first deleted before its cancel
     found = BulkFilter(statuses=(Status.GENERATING,), kinds=("pipeline",), tenant="acme")
-    page = await app.store.bulk_page(found, None, 10, plan)
+    page = await app.store.bulk_page(found, None, 10, plan, rows=app.settings.bulk_page_rows)
     # Then only that one is skipped (NotFound in its savepoint); the other is cancelled
     assert (page.matched, page.skipped) == (2, 1)
     assert [t.id for t in page.changed] == [kept.id]

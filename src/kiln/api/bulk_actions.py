@@ -50,18 +50,19 @@ CancelStatus = Literal[
 ]
 RetryStatus = Literal["FAILED", "TIMEOUT", "CANCELLED"]
 _STATUS_HELP = "default: every status the action applies to"
-#: A filter narrows by one of these, or the request says ``"all": true``.
-_NARROWING = ("status", "kind", "code", "created_after", "created_before")
 
 
 def _narrow_or_all(schema: dict[str, Any]) -> None:
-    """The request's schema: a filter that names something, or ``all`` true."""
+    """The request's schema: a filter that names something, or ``all`` true. Of the
+    times, only a ``created_after`` in unix seconds after the epoch surely leaves a task
+    out: whether a duration before now, an RFC 3339 time or a ``created_before`` does
+    depends on the moment of the request, which the server checks (docs/pipelines.md)."""
     named = [
         {"required": [name], "properties": {name: {"minItems": 1}}}
-        if name in ("status", "kind", "code")
-        else {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-        for name in _NARROWING
+        for name in ("status", "kind", "code")
     ]
+    after = {"type": "number", "exclusiveMinimum": 0}
+    named.append({"required": ["created_after"], "properties": {"created_after": after}})
     schema["anyOf"] = [
         {"required": ["all"], "properties": {"all": {"const": True}}},
         {"required": ["filter"], "properties": {"filter": {"anyOf": named}}},

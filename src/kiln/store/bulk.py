@@ -14,12 +14,22 @@ own), :data:`ASK_TO_STOP` (a running task's ``cancel_requested``), or for a pipe
 changed between the select and its own compare-and-set, or is gone (a pipeline purged
 meanwhile: its action raises NotFound in its savepoint), is refused alone and counted as
 skipped; the others commit.
+
+A page is cut by the rows it changes, not only by its ``limit``: once its transaction has
+changed ``rows`` rows (task rows and their event rows, steps created, running tasks asked
+to stop: every row an INSERT, UPDATE or DELETE wrote, :class:`RowCount`), it takes no
+further task, and its cursor is the last task it took. The task that reached the budget is
+finished in the same transaction with everything its action moves, so a pipeline is never
+split between pages (at most 200 steps and itself: a page writes at most ``rows`` plus
+one pipeline's rows). Short transactions leave the writer to everyone else between pages:
+other tenants' submissions, workers' lease renewals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +40,7 @@ from kiln.states import Status
 from kiln.store import pipelines
 from kiln.store.records import Change
 from kiln.store.rows import task_from_row
-from kiln.store.tx import Ops, Refused, Tx, alone
+from kiln.store.tx import EventRow, Ops, Refused, Row, Tally, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
@@ -68,11 +78,12 @@ class BulkFilter:
 
 @dataclass(slots=True)
 class BulkPage:
-    """What one page did: the tasks it selected, those changed, those asked to stop, those
-    that had changed first (skipped), the event rows written, and the id it ended at
-    (None: no task after it matched when it was read)."""
+    """What one page did: the tasks it took, those changed, those asked to stop, those
+    that had changed first (skipped), the event rows written, the rows its transaction
+    changed, and the id it ended at (None: no task after it matched when it was read)."""
 
     matched: int = 0
+    rows: int = 0
     changed: list[Task] = field(default_factory=list)
     asked: list[Task] = field(default_factory=list)
     skipped: int = 0
@@ -113,6 +124,73 @@ def where_of(dialect: str, found: BulkFilter, after: str | None) -> tuple[str, l
     return " AND ".join(clauses), args
 
 
+_WRITES = ("INSERT", "UPDATE", "DELETE")
+
+
+def _writes(sql: str) -> bool:
+    return sql.lstrip()[:6].upper() in _WRITES
+
+
+class RowCount:
+    """A transaction that counts the rows its statements change (what a page's budget
+    measures); everything else is the driver's transaction underneath."""
+
+    __slots__ = ("rows", "tx")
+
+    def __init__(self, tx: Tx) -> None:
+        self.tx = tx
+        self.rows = 0
+
+    @property
+    def tally(self) -> Tally:
+        return self.tx.tally
+
+    @tally.setter
+    def tally(self, value: Tally) -> None:
+        self.tx.tally = value
+
+    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+        row = await self.tx.one(sql, args)
+        if row is not None and _writes(sql):
+            self.rows += 1
+        return row
+
+    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        rows = await self.tx.all(sql, args)
+        if _writes(sql):
+            self.rows += len(rows)
+        return rows
+
+    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+        changed = await self.tx.run(sql, args)
+        self.rows += max(changed, 0) if _writes(sql) else 0
+        return changed
+
+    async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+        changed = await self.tx.many(sql, rows)
+        self.rows += max(changed, 0) if _writes(sql) else 0
+        return changed
+
+    def savepoint(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.tx.savepoint()
+
+    async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
+        self.rows += len(rows)
+        return await self.tx.insert_events(rows)
+
+    async def lock_tenant(self, tenant: str) -> bool:
+        return await self.tx.lock_tenant(tenant)
+
+    async def notify_ready(self) -> None:
+        await self.tx.notify_ready()
+
+    def count_status(self, tenant: str, status: Status, delta: int) -> None:
+        self.tx.count_status(tenant, status, delta)
+
+    def bump(self, name: str, labels: str = "", delta: int = 1) -> None:
+        self.tx.bump(name, labels, delta)
+
+
 class BulkOps(Ops):
     """Bulk actions' counts and pages, for :class:`kiln.store.sqlstore.Store`."""
 
@@ -130,21 +208,29 @@ class BulkOps(Ops):
         after: str | None,
         limit: int,
         plan: Callable[[Task], Plan],
+        rows: int,
     ) -> BulkPage:
         """Select up to ``limit`` tasks ``found`` names after ``after`` and act on each as
-        ``plan`` says, all in one transaction (each task in a savepoint of its own)."""
+        ``plan`` says, all in one transaction (each task in a savepoint of its own), until
+        the transaction has changed ``rows`` rows: the tasks after that one are the next
+        page's."""
         where, args = where_of(self.q.dialect, found, after)
         sql = self.q.sql(f"SELECT * FROM tasks WHERE {where} ORDER BY id LIMIT ?")
 
         async def write(tx: Tx) -> BulkPage:
             page = BulkPage()
-            rows = await tx.all(sql, [*args, limit + 1])
-            tasks = [task_from_row(row) for row in rows[:limit]]
-            page.matched = len(tasks)
-            if len(rows) > limit:
-                page.last = tasks[-1].id
+            selected = await tx.all(sql, [*args, limit + 1])
+            tasks = [task_from_row(row) for row in selected[:limit]]
+            counted = RowCount(tx)
             for task in tasks:
-                await self._act(tx, page, task, plan(task))
+                if counted.rows >= rows:  # the budget is spent: the rest is the next page's
+                    break
+                await self._act(counted, page, task, plan(task))
+                page.matched += 1
+                page.last = task.id
+            page.rows = counted.rows
+            if page.matched == len(selected):  # took every task that matched: none after
+                page.last = None
             return page
 
         return await self._write(write)

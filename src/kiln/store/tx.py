@@ -188,15 +188,18 @@ async def alone(tx: Tx, op: Op[T]) -> T | Exception:
     """Run ``op`` in a savepoint of ``tx``: a constraint it breaks, or a refusal it raises
     (a :class:`~kiln.errors.KilnError`: a pipeline purged meanwhile, a conflict), rolls
     back its writes and its counts alone and comes back as the error, as does what it
-    refused. The transaction goes on with the other operations."""
-    tally = Tally(tx.tally)
+    refused. The transaction goes on with the other operations. The counts go back in
+    place: the driver adds up the very tally it gave the transaction (SQLite: the
+    connection's), so a new one would lose every later count and keep the refused ones."""
+    before = Tally(tx.tally)
     try:
         async with tx.savepoint():
             result = await op(tx)
     except (IntegrityViolation, KilnError) as exc:
         if isinstance(exc, StoreUnavailable):  # the database failed: the whole unit does
             raise
-        tx.tally = tally
+        tx.tally.clear()
+        tx.tally.update(before)
         return exc
     return result.error if isinstance(result, Refused) else result
 
