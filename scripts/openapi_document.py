@@ -1,5 +1,6 @@
 """Print the OpenAPI document `kiln serve` answers at /openapi.json with its built-in kinds
-(image.generate on the demo backend, image.transform, image.contact_sheet) and no keys:
+(image.generate on the demo backend, image.transform, image.contact_sheet, comfy.workflow)
+and no keys:
 what clients/typescript/src/schema.d.ts is generated from (docs/typescript.md)."""
 
 from __future__ import annotations
@@ -7,16 +8,14 @@ from __future__ import annotations
 import json
 import sys
 
-from kiln import backends, transform
 from kiln.api import create_app
 from kiln.app import App
+from kiln.cli.base import with_builtin_kinds
 from kiln.config import Settings
 
 
 def document() -> dict[str, object]:
-    app = App(settings=Settings())
-    backends.register(app)
-    transform.register(app)
+    app = with_builtin_kinds(App(settings=Settings()))
     served: dict[str, object] = create_app(app).openapi()
     return served
 

@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 
 import kiln
-from kiln import backends, transform
+from kiln.cli.base import with_builtin_kinds
 from kiln.config import Settings
 
 FORMATS = jsonschema.FormatChecker()
@@ -25,12 +25,9 @@ def _rfc3339(value: object) -> bool:
 
 def served_kiln(settings: Settings) -> kiln.App:
     """A kiln App with the kinds `kiln serve` has: image.generate (on the settings'
-    backend, the demo by default), image.transform and image.contact_sheet (the last two
-    take inputs)."""
-    app = kiln.App(settings=settings)
-    backends.register(app)
-    transform.register(app)
-    return app
+    backend, the demo by default), image.transform and image.contact_sheet (the two take
+    inputs), comfy.workflow."""
+    return with_builtin_kinds(kiln.App(settings=settings))
 
 
 def body_schema(document: dict[str, Any], method: str, path: str, media: str) -> dict[str, Any]:

@@ -1042,7 +1042,7 @@ export interface components {
          * SubmitRequest
          * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
          */
-        SubmitRequest: components["schemas"]["Submit.image.contact_sheet"] | components["schemas"]["Submit.image.generate"] | components["schemas"]["Submit.image.transform"] | components["schemas"]["Submit.pipeline"];
+        SubmitRequest: components["schemas"]["Submit.comfy.workflow"] | components["schemas"]["Submit.image.contact_sheet"] | components["schemas"]["Submit.image.generate"] | components["schemas"]["Submit.image.transform"] | components["schemas"]["Submit.pipeline"];
         /**
          * TimeoutsIn
          * @description Per-state time limits in seconds; each omitted one takes its default.
@@ -1106,6 +1106,107 @@ export interface components {
              * @default false
              */
             paused?: boolean;
+        };
+        /**
+         * ComfyNode
+         * @description One node of an API-format graph.
+         */
+        ComfyNode: {
+            /** Class Type */
+            class_type: string;
+            /** Inputs */
+            inputs: {
+                [key: string]: unknown;
+            };
+            /**
+             * Meta
+             * @default null
+             */
+            _meta?: {
+                [key: string]: unknown;
+            } | null;
+        };
+        /** ComfyWorkflowParams */
+        "comfy.workflow.params": {
+            /** Workflow */
+            workflow: {
+                [key: string]: components["schemas"]["ComfyNode"];
+            };
+            /** Extra Data */
+            extra_data?: {
+                [key: string]: unknown;
+            };
+            /** Assets */
+            assets?: {
+                [key: string]: string;
+            };
+        };
+        /**
+         * Submit comfy.workflow
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "Submit.comfy.workflow": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "comfy.workflow";
+            params: components["schemas"]["comfy.workflow.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /** @description inputs of any name, named by content instead of uploaded */
+            inputs?: {
+                [key: string]: string;
+            };
         };
         /**
          * SheetParams
@@ -1443,6 +1544,25 @@ export interface components {
                 image: string;
             };
         };
+        /** PipelineStep comfy.workflow */
+        "PipelineStep.comfy.workflow": {
+            name: string;
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "comfy.workflow";
+            params?: components["schemas"]["comfy.workflow.params"];
+            repeat?: number;
+            /** @description input name → step:NAME/OUTPUT or step:NAME/* (an earlier step) */
+            inputs?: {
+                [key: string]: string;
+            };
+            /** @description what kiln planned; ignored, planned anew */
+            copies?: unknown;
+            /** @description what kiln planned; ignored, planned anew */
+            timeouts?: unknown;
+        };
         /** PipelineStep image.contact_sheet */
         "PipelineStep.image.contact_sheet": {
             name: string;
@@ -1500,7 +1620,7 @@ export interface components {
          * PipelineStep
          * @description a step: a task of its kind
          */
-        PipelineStep: components["schemas"]["PipelineStep.image.contact_sheet"] | components["schemas"]["PipelineStep.image.generate"] | components["schemas"]["PipelineStep.image.transform"];
+        PipelineStep: components["schemas"]["PipelineStep.comfy.workflow"] | components["schemas"]["PipelineStep.image.contact_sheet"] | components["schemas"]["PipelineStep.image.generate"] | components["schemas"]["PipelineStep.image.transform"];
         /** PipelineParams */
         PipelineParams: {
             steps: components["schemas"]["PipelineStep"][];
@@ -1672,6 +1792,80 @@ export interface components {
          */
         ScheduleTask: components["schemas"]["ScheduleTask.image.generate"] | components["schemas"]["ScheduleTask.pipeline"];
         /**
+         * SubmitUpload comfy.workflow
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "SubmitUpload.comfy.workflow": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "comfy.workflow";
+            params: components["schemas"]["comfy.workflow.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /**
+             * Inputs
+             * @description inputs named by content instead of uploaded: input name → 'sha256:<64 hex>' of an earlier upload or output of this tenant's tasks (docs/uploads.md, 'Inputs by reference'); unknown content is 422
+             * @default null
+             * @example {
+             *       "image": "sha256:9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c9f2c"
+             *     }
+             */
+            inputs?: {
+                [key: string]: string;
+            } | null;
+        };
+        /**
          * SubmitUpload image.contact_sheet
          * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
          */
@@ -1823,7 +2017,7 @@ export interface components {
          * SubmitUploadRequest
          * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
          */
-        SubmitUploadRequest: components["schemas"]["SubmitUpload.image.contact_sheet"] | components["schemas"]["SubmitUpload.image.transform"];
+        SubmitUploadRequest: components["schemas"]["SubmitUpload.comfy.workflow"] | components["schemas"]["SubmitUpload.image.contact_sheet"] | components["schemas"]["SubmitUpload.image.transform"];
         /**
          * ReviewRequest
          * @description ``POST /v1/tasks/{id}/review``: an admin's moderation decision.
@@ -2037,6 +2231,79 @@ export interface components {
             } | {
                 created_before: unknown;
             };
+        };
+        /**
+         * BatchItem comfy.workflow
+         * @description ``POST /v1/tasks``: only ``kind`` and ``params`` are required.
+         */
+        "BatchItem.comfy.workflow": {
+            /**
+             * @description discriminator enum property added by openapi-typescript
+             * @enum {string}
+             */
+            kind: "comfy.workflow";
+            params: components["schemas"]["comfy.workflow.params"];
+            /**
+             * Priority
+             * @description higher first
+             * @default 0
+             */
+            priority?: number;
+            /**
+             * Max Attempts
+             * @default 3
+             */
+            max_attempts?: number;
+            /**
+             * Deadline S
+             * @default 86400
+             */
+            deadline_s?: number;
+            /**
+             * Dedup
+             * @default true
+             */
+            dedup?: boolean;
+            /** @default null */
+            timeouts?: components["schemas"]["TimeoutsIn"] | null;
+            /** Metadata */
+            metadata?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Run At
+             * @description run no earlier than this: unix seconds, or an RFC 3339 time with an offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s
+             */
+            run_at?: number | string | null;
+            /**
+             * Delay S
+             * @description run no earlier than this many seconds from now
+             * @default null
+             */
+            delay_s?: number | null;
+            /**
+             * Webhook Url
+             * @description http(s) URL the task's status changes are POSTed to (docs/webhooks.md); a loopback, private or link-local address is refused unless the server allows it
+             * @default null
+             * @example https://example.com/hooks/kiln
+             */
+            webhook_url?: string | null;
+            /**
+             * Webhook Events
+             * @description event names, 'final' (the event that ends the task) or '*'; default ['final']
+             * @default null
+             */
+            webhook_events?: ("*" | "acquire" | "approve" | "cancel" | "claim" | "deadline" | "expire" | "fail" | "final" | "force_cancel" | "generated" | "lose" | "recover" | "reject" | "release" | "retry" | "run_steps" | "schedule_retry" | "step_failed" | "steps_cancelled" | "steps_done" | "stopped" | "submit" | "uploaded")[] | null;
+            /** @description inputs of any name, named by content instead of uploaded */
+            inputs?: {
+                [key: string]: string;
+            };
+            /**
+             * Idempotency Key
+             * @description as the Idempotency-Key header of POST /v1/tasks
+             * @default null
+             */
+            idempotency_key?: string | null;
         };
         /**
          * BatchItem image.contact_sheet
@@ -2317,7 +2584,7 @@ export interface components {
          * BatchItem
          * @description a submission, plus its own Idempotency-Key
          */
-        BatchItem: components["schemas"]["BatchItem.image.contact_sheet"] | components["schemas"]["BatchItem.image.generate"] | components["schemas"]["BatchItem.image.transform"] | components["schemas"]["BatchItem.pipeline"];
+        BatchItem: components["schemas"]["BatchItem.comfy.workflow"] | components["schemas"]["BatchItem.image.contact_sheet"] | components["schemas"]["BatchItem.image.generate"] | components["schemas"]["BatchItem.image.transform"] | components["schemas"]["BatchItem.pipeline"];
     };
     responses: never;
     parameters: never;
@@ -2535,6 +2802,8 @@ export interface operations {
                      * @description a PNG, JPEG or WebP image
                      */
                     images?: string;
+                } & {
+                    [key: string]: string;
                 };
             };
         };

@@ -53,16 +53,18 @@ _STATUS_HELP = "default: every status the action applies to"
 
 
 def _narrow_or_all(schema: dict[str, Any]) -> None:
-    """The request's schema: a filter that names something, or ``all`` true. Of the
-    times, only a ``created_after`` in unix seconds after the epoch surely leaves a task
-    out: whether a duration before now, an RFC 3339 time or a ``created_before`` does
-    depends on the moment of the request, which the server checks (docs/pipelines.md)."""
-    named = [
+    """The request's schema: a filter that names something, or ``all`` true. Whether a
+    time leaves any task out (``created_after: 0`` does not, nor a ``created_before``
+    after now) depends on the moment of the request: the server checks it (422 with
+    ``loc`` ``["body", "filter"]``, docs/pipelines.md), so the document takes any time."""
+    named: list[dict[str, Any]] = [
         {"required": [name], "properties": {name: {"minItems": 1}}}
         for name in ("status", "kind", "code")
     ]
-    after = {"type": "number", "exclusiveMinimum": 0}
-    named.append({"required": ["created_after"], "properties": {"created_after": after}})
+    named += [
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+        for name in ("created_after", "created_before")
+    ]
     schema["anyOf"] = [
         {"required": ["all"], "properties": {"all": {"const": True}}},
         {"required": ["filter"], "properties": {"filter": {"anyOf": named}}},

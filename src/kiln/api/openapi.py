@@ -35,7 +35,7 @@ from kiln.api.schemas import (
 from kiln.app import App
 from kiln.config import Settings
 from kiln.inputs import REFERENCE_PATTERN
-from kiln.kinds import TaskKind
+from kiln.kinds import ANY_INPUTS, TaskKind
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 #: What the document says of a cron expression: the server's parser decides.
@@ -63,6 +63,12 @@ def _by_reference(names: tuple[str, ...]) -> dict[str, Any]:
         "pattern": REFERENCE_PATTERN,
         "description": "sha256:<64 hex> of an earlier upload or output of this tenant's tasks",
     }
+    if ANY_INPUTS in names:  # inputs of any name, none required
+        return {
+            "type": "object",
+            "additionalProperties": reference,
+            "description": "inputs of any name, named by content instead of uploaded",
+        }
     return {
         "type": "object",
         "properties": {name: reference for name in names},
@@ -85,10 +91,11 @@ def _pipeline_step(name: str, kind: TaskKind) -> dict[str, Any]:
         "repeat": {"type": "integer", "minimum": 1, "maximum": pipelines.MAX_REPEAT},
     }
     if kind.inputs:
+        named = [n for n in kind.inputs if n != ANY_INPUTS]
         properties["inputs"] = {
             "type": "object",
-            "properties": {input_name: reference for input_name in kind.inputs},
-            "additionalProperties": False,
+            "properties": {input_name: reference for input_name in named},
+            "additionalProperties": reference if ANY_INPUTS in kind.inputs else False,
             "description": "input name → step:NAME/OUTPUT or step:NAME/* (an earlier step)",
         }
     for planned in sorted(pipelines.PLANNED_KEYS):  # a pipeline's stored params, sent again
@@ -162,7 +169,7 @@ def submit_schema(app: App, components: dict[str, Any], *, uploads: bool = False
         if kind.inputs:
             uploaded = copy.deepcopy(base["properties"]["inputs"])
             variant["properties"]["inputs"] = uploaded if uploads else _by_reference(kind.inputs)
-            if not uploads:
+            if not uploads and ANY_INPUTS not in kind.inputs:
                 variant["required"] = [*variant.get("required", []), "inputs"]
         if kind.params is not None:
             components[f"{name}.params"] = _model_schema(kind.params, components)
@@ -201,15 +208,14 @@ def upload_body(app: App) -> dict[str, Any] | None:
     names = sorted({name for kind in app.kinds.values() for name in kind.inputs})
     if not names:
         return None
-    files = {
-        name: {"type": "string", "format": "binary", "description": "a PNG, JPEG or WebP image"}
-        for name in names
-    }
+    file = {"type": "string", "format": "binary", "description": "a PNG, JPEG or WebP image"}
+    files = {name: file for name in names if name != ANY_INPUTS}
     return {
         "schema": {
             "type": "object",
             "required": ["request"],
             "properties": {"request": _ref("SubmitUploadRequest"), **files},
+            **({"additionalProperties": file} if ANY_INPUTS in names else {}),
         },
         "encoding": {"request": {"contentType": "application/json"}},
     }

@@ -128,11 +128,16 @@ def kind_names(raw: str | None) -> tuple[str, ...] | None:
     return names or None
 
 
+def with_builtin_kinds(app: kiln.App) -> kiln.App:
+    """``app`` with the kinds every kiln process registers: what `kiln serve` accepts and
+    its OpenAPI document describes."""
+    backends.register(app)  # image.generate on KILN_BACKEND (the demo by default)
+    transform.register(app)  # image.transform, image.contact_sheet
+    comfy_workflow.register(app)  # claimed only by workers that name it (--kinds)
+    return app
+
+
 def app_of(settings: Settings) -> kiln.App:
     """An App with the built-in kinds (nothing opened yet), logging as the settings say."""
     logs.setup(fmt=settings.log_format, level=settings.log_level)
-    app = kiln.App(settings=settings)
-    backends.register(app)  # image.generate on KILN_BACKEND (the demo by default)
-    transform.register(app)
-    comfy_workflow.register(app)  # claimed only by workers that name it (--kinds)
-    return app
+    return with_builtin_kinds(kiln.App(settings=settings))
