@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -219,7 +220,9 @@ class App:
         return find_kind(self.kinds, name)
 
     def _plan_pipeline(self, params: JSON) -> JSON:
-        return pipelines.plan(params, self.kind, transform.outputs_of)
+        limit = self.settings.max_image_pixels
+        fits = functools.partial(transform.check_sheet_size, max_pixels=limit)
+        return pipelines.plan(params, self.kind, transform.outputs_of, fits)
 
     # the engine's parts, as attributes of the App
 

@@ -372,7 +372,7 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_MAX_UPLOAD_BYTES", "max_upload_bytes", COUNT, "largest upload request",
        group=API, unit="bytes"),
     _v("KILN_MAX_IMAGE_PIXELS", "max_image_pixels", COUNT, "most pixels of an uploaded "
-       "image", group=API, unit="pixels"),
+       "image, and of a contact sheet kiln draws", group=API, unit="pixels"),
     _v("KILN_OUTPUT_URLS", "output_urls", values.choice(*OUTPUT_URL_MODES), "`proxy`: the "
        "API sends an output's bytes; `presigned`: a 307 redirect to a presigned URL",
        group=API),

@@ -4,6 +4,7 @@ stream carries its steps' events, and GET shows the steps; cancel and retry."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +14,11 @@ from api_support import ApiUnderTest, assert_error, running_api, sse_events
 from PIL import Image
 
 import kiln
+from images import png
 from kiln import demo, transform
 from kiln.api.schemas import TaskOut
 from kiln.config import Settings
+from kiln.models import Output
 
 FAST = {"width": 64, "height": 64, "steps": 2, "simulate": {"step_ms": 0}}
 
@@ -116,3 +119,63 @@ async def test_cancel_then_retry_a_pipeline_over_http(pipeline_api: ApiUnderTest
     assert retried.status_code == 200 and retried.json()["status"] == "GENERATING"
     done = await pipeline_api.kiln.wait(pipeline_id, timeout_s=30)
     assert str(done.status) == "SUCCESS"
+
+
+def sheet_of(repeat: int, tile: int, columns: int) -> dict[str, Any]:
+    return {
+        "kind": "pipeline",
+        "params": {
+            "steps": [
+                {"name": "generate", "kind": "image.generate", "repeat": repeat,
+                 "params": {"prompt": "a fox", "seed": 1, **FAST}},
+                {"name": "sheet", "kind": "image.contact_sheet",
+                 "params": {"tile": tile, "columns": columns},
+                 "inputs": {"images": "step:generate/*"}},
+            ]
+        },
+    }  # fmt: skip
+
+
+async def test_a_contact_sheet_over_the_pixel_limit_is_a_422_naming_its_size(
+    pipeline_api: ApiUnderTest,
+) -> None:
+    # Given a sheet of 100 pictures in tiles of 1024, 20 a row: 20480×5120 pixels
+    response = await pipeline_api.submit(sheet_of(100, 1024, 20))
+    # Then it is refused at submit (KILN_MAX_IMAGE_PIXELS is 40,000,000), nothing stored
+    error = assert_error(response, 422, "invalid_request")
+    assert error["details"][0]["loc"] == ["params", "steps", 1, "params", "tile"]
+    assert "20480×5120 = 104857600 pixels" in error["message"]
+    assert await pipeline_api.task_count() == 0
+    # And a sheet within the limit is taken
+    fits = await pipeline_api.submit(sheet_of(100, 256, 20))
+    assert fits.status_code == 201, fits.text
+
+
+async def test_a_contact_sheet_too_large_for_inputs_unknown_at_submit_fails_for_good(
+    settings: Settings,
+) -> None:
+    # Given a kind whose number of outputs the submit cannot know (here, three), and a
+    # pixel limit a sheet of its three outputs in tiles of 1024 goes past
+    app = kiln.App(settings=dataclasses.replace(settings, max_image_pixels=3_000_000))
+    transform.register(app)
+
+    @app.task("test.triple")
+    async def triple(ctx: Any, params: Any) -> list[Output]:
+        return [Output(f"{n}.png", png(8, 8), "image/png") for n in ("a", "b", "c")]
+
+    steps = [
+        {"name": "make", "kind": "test.triple", "params": {}},
+        {"name": "sheet", "kind": "image.contact_sheet", "params": {"tile": 1024},
+         "inputs": {"images": "step:make/*"}},
+    ]  # fmt: skip
+    async with running_api(settings, workers=1, kiln_app=app) as api:
+        response = await api.submit({"kind": "pipeline", "params": {"steps": steps}})
+        assert response.status_code == 201, response.text
+        # When it runs
+        ended = await api.kiln.wait(response.json()["id"], timeout_s=30)
+        # Then the sheet's step failed for good, naming the size, before drawing anything
+        assert str(ended.status) == "FAILED"
+        sheet = (await api.kiln.pipeline_steps(ended))["sheet/0"]
+        assert str(sheet.status) == "FAILED" and sheet.attempt == 1
+        assert sheet.error is not None and sheet.error["code"] == "sheet_too_large"
+        assert "3072×1024 = 3145728 pixels" in sheet.error["message"]
