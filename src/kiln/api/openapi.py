@@ -10,7 +10,6 @@ variants are ``SubmitUploadRequest``, the schema of the ``request`` part.
 from __future__ import annotations
 
 import copy
-import zoneinfo
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kiln import timing
 from kiln.api.bulk_actions import CancelRequest, RetryRequest
 from kiln.api.schedules import ScheduleRequest
 from kiln.api.schemas import BatchRequest, RerunRequest, ReviewRequest, SubmitRequest
@@ -89,7 +89,7 @@ def _schedule_schemas(components: dict[str, Any]) -> None:
     components["ScheduleTask"] = task
     properties = components["ScheduleRequest"]["properties"]
     properties["task"] = {"$ref": REF_TEMPLATE.format(model="ScheduleTask")}
-    properties["timezone"]["enum"] = sorted(zoneinfo.available_timezones())
+    properties["timezone"]["enum"] = sorted(timing.zone_names())
 
 
 def _without_security(schema: dict[str, Any]) -> None:

@@ -104,7 +104,7 @@ ApiKey = Annotated[str | None, option("api_key", "--api-key")]
 DataDir = Annotated[Path | None, option("data_dir", "--data-dir")]
 DatabaseUrl = Annotated[str | None, option("database_url", "--database-url")]
 StorageUrl = Annotated[str | None, option("storage_url", "--storage-url")]
-MetricsPort = Annotated[int | None, option("metrics_port", "--metrics-port", min=0, max=65535)]
+MetricsPort = Annotated[str | None, option("metrics_port", "--metrics-port", metavar="PORT")]
 MetricsHost = Annotated[str | None, option("metrics_host", "--metrics-host")]
 Gpus = Annotated[int | None, option("gpus", "--gpus", min=0)]
 
@@ -113,6 +113,20 @@ def settings_of(**overrides: Any) -> Settings:
     """Settings from the environment, then the options that were given (not None)."""
     settings = Settings.from_env()
     return settings.with_(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def port_of(field: str, flag: str, raw: str | None) -> int | None:
+    """A port option's text as its setting reads it (digits only: ``+80`` is refused, as
+    in the variable), None when not given; ConfigError naming the option otherwise."""
+    if raw is None:
+        return None
+    var = config.variable(field)
+    try:
+        value = var.parse(raw)
+    except ValueError:
+        raise var.refusal(flag, raw) from None
+    assert isinstance(value, int)
+    return value
 
 
 def client_of(server: str | None, api_key: str | None) -> Client:

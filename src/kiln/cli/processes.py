@@ -42,6 +42,7 @@ from kiln.cli.base import (
     kind_names,
     log,
     option,
+    port_of,
     settings_of,
 )
 
@@ -170,7 +171,7 @@ def _loopback(host: str) -> bool:
 @handled
 def serve(
     host: Annotated[str | None, option("host", "--host")] = None,
-    port: Annotated[int | None, option("port", "--port", min=0, max=65535)] = None,
+    port: Annotated[str | None, option("port", "--port", metavar="PORT")] = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
@@ -183,7 +184,7 @@ def serve(
     """API + dashboard + workers + supervisor in one process."""
     settings = settings_of(
         host=host,
-        port=port,
+        port=port_of("port", "--port", port),
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
@@ -323,7 +324,7 @@ def worker(
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
-        metrics_port=metrics_port,
+        metrics_port=port_of("metrics_port", "--metrics-port", metrics_port),
         metrics_host=metrics_host,
     )
     app = app_of(settings)
@@ -374,7 +375,7 @@ def supervisor(
         database_url=database_url,
         storage_url=storage_url,
         supervisor_interval_s=interval_s,
-        metrics_port=metrics_port,
+        metrics_port=port_of("metrics_port", "--metrics-port", metrics_port),
         metrics_host=metrics_host,
     )
     asyncio.run(_run_supervisor(opened(app_of(settings))))
