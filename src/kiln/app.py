@@ -434,7 +434,10 @@ class App:
         a new variation is always made."""
         original = await self.get(task_id, tenant)
         webhook = original.webhook or {}
-        merged = {**original.params, **(params or {})}
+        base = original.params
+        if original.kind == pipelines.KIND:  # its own steps planned anew, any change checked
+            base = pipelines.unplanned(base)
+        merged = {**base, **(params or {})}
         await self.check_rate(original.tenant, original.kind, merged)
         return await self.submit(
             original.kind, merged, tenant=original.tenant,

@@ -36,8 +36,9 @@ WILDCARD = "*"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 REF = re.compile(r"^step:([A-Za-z0-9_-]{1,64})/(\*|[A-Za-z0-9._-]{1,128})$")
 STEP_KEYS = {"name", "kind", "params", "inputs", "repeat"}
-#: What :func:`plan` adds to a step; a step given with them (the stored params of a
-#: pipeline, sent again by a rerun) is planned anew, these ignored.
+#: What :func:`plan` adds to a step. A step given with them (the stored params of a
+#: pipeline, sent back) is planned anew; they must then be what planning gives, so that
+#: nothing sent is silently dropped.
 PLANNED_KEYS = {"copies", "timeouts"}
 
 T = TypeVar("T")
@@ -93,9 +94,22 @@ def _unplanned(step: Any) -> Any:
     return {key: value for key, value in step.items() if key not in PLANNED_KEYS}
 
 
+def unplanned(params: JSON) -> JSON:
+    """A pipeline's stored params without what :func:`plan` added to its steps: the
+    params as given, to be planned again (a rerun of it)."""
+    steps = params.get("steps")
+    if not isinstance(steps, list):
+        return dict(params)
+    return {**params, "steps": [_unplanned(step) for step in steps]}
+
+
 def _check_step(step: Any, index: int, seen: Mapping[str, int]) -> None:
-    if not isinstance(step, dict) or set(step) - STEP_KEYS:
+    if not isinstance(step, dict):
         raise _refuse(f"a step takes {', '.join(sorted(STEP_KEYS))}", "steps", index)
+    unknown = sorted(str(key) for key in set(step) - STEP_KEYS)
+    if unknown:
+        takes = ", ".join(sorted(STEP_KEYS))
+        raise _refuse(f"a step takes {takes}, not {unknown[0]}", "steps", index, unknown[0])
     name, kind = step.get("name"), step.get("kind")
     if not isinstance(name, str) or not NAME.match(name):
         raise _refuse("a step's name is 1 to 64 letters, digits, - or _", "steps", index, "name")
@@ -288,7 +302,20 @@ def plan(
                         "batch_key": kind.batch_key_of(p)} for p in runs],
             "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
         })  # fmt: skip
+        _check_planned(params["steps"][index], planned[-1], index)
     return {"steps": planned, "on_failure": params.get("on_failure", "stop")}
+
+
+def _check_planned(given: JSON, planned: JSON, index: int) -> None:
+    """A step sent with ``copies`` or ``timeouts`` (its stored form sent back) must have
+    them as planned: a changed value is refused, never silently replaced."""
+    for key in sorted(PLANNED_KEYS & set(given)):
+        if given[key] != planned[key]:
+            why = (
+                f"{key} is what kiln planned for the step from its params and repeat: "
+                "leave it out, or send it as the stored params show it"
+            )
+            raise _refuse(why, "steps", index, key)
 
 
 def _kind(kind_of: Callable[[str], StepKind], step: JSON, index: int) -> StepKind:

@@ -179,3 +179,67 @@ async def test_a_contact_sheet_too_large_for_inputs_unknown_at_submit_fails_for_
         assert str(sheet.status) == "FAILED" and sheet.attempt == 1
         assert sheet.error is not None and sheet.error["code"] == "sheet_too_large"
         assert "3072×1024 = 3145728 pixels" in sheet.error["message"]
+
+
+@pytest.fixture
+async def idle_pipeline_api(settings: Settings) -> AsyncIterator[ApiUnderTest]:
+    """The pipeline kinds with no worker: nothing made but by the requests."""
+    app = kiln.App(settings=settings)
+    demo.register(app)
+    transform.register(app)
+    async with running_api(settings, kiln_app=app) as under_test:
+        yield under_test
+
+
+@pytest.mark.parametrize(
+    ("change", "loc"),
+    [
+        ({"bogus": 1}, ["params", "steps", 0, "bogus"]),
+        (
+            {"copies": [{"params": {"prompt": "changed", "seed": 7}}]},
+            ["params", "steps", 0, "copies"],
+        ),
+        ({"timeouts": [1, 1, 1]}, ["params", "steps", 0, "timeouts"]),
+    ],
+    ids=["unknown-field", "changed-copies", "changed-timeouts"],
+)
+async def test_a_pipeline_rerun_refuses_what_a_submit_refuses(
+    idle_pipeline_api: ApiUnderTest, change: dict[str, Any], loc: list[Any]
+) -> None:
+    api = idle_pipeline_api
+    # Given a pipeline, and its stored steps with one field changed or added
+    created = (await api.submit(chain())).json()
+    steps = [{**created["params"]["steps"][0], **change}, *created["params"]["steps"][1:]]
+    before = await api.task_count()
+    # When that is submitted, and sent as a rerun of the pipeline
+    submitted = await api.submit({"kind": "pipeline", "params": {"steps": steps}})
+    rerun = await api.client.post(
+        f"/v1/tasks/{created['id']}/rerun", json={"params": {"steps": steps}, "dedup": False}
+    )
+    # Then both are the same 422 naming the field, and nothing is stored
+    for answer in (submitted, rerun):
+        error = assert_error(answer, 422, "invalid_request")
+        assert error["details"][0]["loc"] == loc
+    assert await api.task_count() == before
+
+
+async def test_a_pipeline_rerun_plans_its_stored_steps_sent_back_unchanged(
+    idle_pipeline_api: ApiUnderTest,
+) -> None:
+    api = idle_pipeline_api
+    created = (await api.submit(chain())).json()
+    url = f"/v1/tasks/{created['id']}/rerun"
+    # A rerun with no change, with its stored steps sent back, and with one step changed
+    # (its planned fields left out) each make a pipeline planned from its steps
+    same = await api.client.post(url, json={"dedup": False})
+    sent_back = await api.client.post(url, json={"params": created["params"], "dedup": False})
+    changed = [
+        {"name": "generate", "kind": "image.generate", "params": {"prompt": "other", **FAST}},
+        *chain()["params"]["steps"][1:],
+    ]
+    other = await api.client.post(url, json={"params": {"steps": changed}})
+    for answer in (same, sent_back, other):
+        assert answer.status_code == 201, answer.text
+    assert same.json()["params"] == sent_back.json()["params"] == created["params"]
+    first = other.json()["params"]["steps"][0]
+    assert first["copies"][0]["params"]["prompt"] == "other"
