@@ -43,6 +43,7 @@ from kiln.cli.base import (
     log,
     option,
     port_of,
+    port_text,
     settings_of,
 )
 
@@ -171,7 +172,7 @@ def _loopback(host: str) -> bool:
 @handled
 def serve(
     host: Annotated[str | None, option("host", "--host")] = None,
-    port: Annotated[str | None, option("port", "--port", metavar="PORT")] = None,
+    port: Annotated[int | None, option("port", "--port", metavar="PORT", parser=port_text)] = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
