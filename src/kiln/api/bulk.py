@@ -113,7 +113,7 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
     allowed = await take_tokens(state, principal.tenant, accepted)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
-    done = await submit_in_groups(state, principal, accepted, allowed)
+    done = await submit_windowed(state, principal, accepted, allowed)
     answers.update((answer["index"], answer) for answer in done)
     items = [answers[i] for i in range(len(answers))]
     return await asyncio.to_thread(RenderedJSON, {"items": items})
@@ -137,7 +137,7 @@ def check_batch(state: ApiState, raw: bytes) -> tuple[dict[int, JSON], dict[int,
 IN_FLIGHT = 50
 
 
-async def submit_in_groups(
+async def submit_windowed(
     state: ApiState, principal: Principal, accepted: dict[int, BatchItemIn], allowed: list[int]
 ) -> list[JSON]:
     """Every allowed item submitted, IN_FLIGHT at a time: what a submission takes on the
