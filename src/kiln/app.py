@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -223,7 +224,9 @@ class App:
         return find_kind(self.kinds, name)
 
     def _plan_pipeline(self, params: JSON) -> JSON:
-        return pipelines.plan(params, self.kind, transform.outputs_of)
+        limit = self.settings.max_image_pixels
+        fits = functools.partial(transform.check_sheet_size, max_pixels=limit)
+        return pipelines.plan(params, self.kind, transform.outputs_of, fits)
 
     # the engine's parts, as attributes of the App
 
@@ -436,7 +439,10 @@ class App:
         a new variation is always made."""
         original = await self.get(task_id, tenant)
         webhook = original.webhook or {}
-        merged = {**original.params, **(params or {})}
+        base = original.params
+        if original.kind == pipelines.KIND:  # its own steps planned anew, any change checked
+            base = pipelines.unplanned(base)
+        merged = {**base, **(params or {})}
         await self.check_rate(original.tenant, original.kind, merged)
         return await self.submit(
             original.kind, merged, tenant=original.tenant,

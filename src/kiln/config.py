@@ -286,7 +286,7 @@ SECONDS_OR_OFF = values.number("a number of seconds", least=0, note="0: off")
 SECONDS_OR_ZERO = values.number("a number of seconds", least=0)
 COUNT = values.number("a whole number", least=1, whole=True)
 COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
-PORT = values.number("a port number", least=0, most=65535, whole=True)
+PORT = values.port()
 TEXT = values.text()
 SECRET = values.text()
 WEBHOOK_SECRET = values.webhook_secret()
@@ -385,7 +385,7 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_MAX_UPLOAD_BYTES", "max_upload_bytes", COUNT, "largest upload request",
        group=API, unit="bytes"),
     _v("KILN_MAX_IMAGE_PIXELS", "max_image_pixels", COUNT, "most pixels of an uploaded "
-       "image", group=API, unit="pixels"),
+       "image, and of a contact sheet kiln draws", group=API, unit="pixels"),
     _v("KILN_OUTPUT_URLS", "output_urls", values.choice(*OUTPUT_URL_MODES), "`proxy`: the "
        "API sends an output's bytes; `presigned`: a 307 redirect to a presigned URL",
        group=API),

@@ -86,6 +86,22 @@ def number(
     return Parser(expected, convert)
 
 
+def port() -> Parser:
+    """A TCP port, 0 to 65535, in plain decimal digits: ``+80``, ``80.0`` or ``8e1``,
+    which a number would take, are refused (no server or client writes a port so)."""
+
+    def convert(raw: str) -> int:
+        digits = raw.strip()
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 5:
+            raise ValueError("")
+        value = int(digits)
+        if value > 65535:
+            raise ValueError("")
+        return value
+
+    return Parser("a port number >= 0 and <= 65535", convert)
+
+
 def choice(*options: str, upper: bool = False) -> Parser:
     """One of ``options``, in any case (kept lower, or upper with ``upper``)."""
     expected = f"{', '.join(options[:-1])} or {options[-1]}" if len(options) > 1 else options[0]

@@ -388,6 +388,11 @@ class Engine:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.store.queue_position(task, self.claim_policy)
 
+    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
+        """The queue positions of many tasks by id (those with none left out), as
+        :meth:`queue_position` gives each, counted together (a listing's page)."""
+        return await self.store.queue_positions(tasks, self.claim_policy)
+
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
         if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:

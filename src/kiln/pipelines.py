@@ -11,10 +11,11 @@ ends. The store applies that in the transaction of the step's change
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pydantic
 
@@ -35,9 +36,12 @@ WILDCARD = "*"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 REF = re.compile(r"^step:([A-Za-z0-9_-]{1,64})/(\*|[A-Za-z0-9._-]{1,128})$")
 STEP_KEYS = {"name", "kind", "params", "inputs", "repeat"}
-#: What :func:`plan` adds to a step; a step given with them (the stored params of a
-#: pipeline, sent again by a rerun) is planned anew, these ignored.
+#: What :func:`plan` adds to a step. A step given with them (the stored params of a
+#: pipeline, sent back) is planned anew; they must then be what planning gives, so that
+#: nothing sent is silently dropped.
 PLANNED_KEYS = {"copies", "timeouts"}
+
+T = TypeVar("T")
 
 #: A copy of a step: (step name, copy index).
 Copy = tuple[str, int]
@@ -90,9 +94,22 @@ def _unplanned(step: Any) -> Any:
     return {key: value for key, value in step.items() if key not in PLANNED_KEYS}
 
 
+def unplanned(params: JSON) -> JSON:
+    """A pipeline's stored params without what :func:`plan` added to its steps: the
+    params as given, to be planned again (a rerun of it)."""
+    steps = params.get("steps")
+    if not isinstance(steps, list):
+        return dict(params)
+    return {**params, "steps": [_unplanned(step) for step in steps]}
+
+
 def _check_step(step: Any, index: int, seen: Mapping[str, int]) -> None:
-    if not isinstance(step, dict) or set(step) - STEP_KEYS:
+    if not isinstance(step, dict):
         raise _refuse(f"a step takes {', '.join(sorted(STEP_KEYS))}", "steps", index)
+    unknown = sorted(str(key) for key in set(step) - STEP_KEYS)
+    if unknown:
+        takes = ", ".join(sorted(STEP_KEYS))
+        raise _refuse(f"a step takes {takes}, not {unknown[0]}", "steps", index, unknown[0])
     name, kind = step.get("name"), step.get("kind")
     if not isinstance(name, str) or not NAME.match(name):
         raise _refuse("a step's name is 1 to 64 letters, digits, - or _", "steps", index, "name")
@@ -243,13 +260,23 @@ class StepKind(Protocol):
 #: The output names a step of a kind makes with these params, given the names of the
 #: outputs it reads; None when the kind does not say (any name is taken at submit).
 OutputsOf = Callable[[str, JSON, list[str]], set[str] | None]
+#: ``fits(kind, params, count)``: raises InvalidRequest (``loc`` within the step) when a
+#: copy of a step with these (validated) params cannot take ``count`` inputs.
+Fits = Callable[[str, JSON, int], None]
 
 
-def plan(params: Any, kind_of: Callable[[str], StepKind], outputs_of: OutputsOf) -> JSON:
+def plan(
+    params: Any,
+    kind_of: Callable[[str], StepKind],
+    outputs_of: OutputsOf,
+    fits: Fits | None = None,
+) -> JSON:
     """The pipeline's params as stored: each step checked by its kind (params, inputs,
-    the output names it reads), with its copies (a repeated step's copy ``i`` runs with
+    the output names it reads, and with ``fits`` how many inputs a copy reads, when the
+    steps it reads say), with its copies (a repeated step's copy ``i`` runs with
     ``seed + i``) and what each copy runs with. InvalidRequest names the first problem."""
     steps = parse(params)
+    repeats = {str(s["name"]): int(s.get("repeat", 1)) for s in steps}
     known: dict[str, set[str] | None] = {}
     planned = []
     for index, step in enumerate(steps):
@@ -260,6 +287,9 @@ def plan(params: Any, kind_of: Callable[[str], StepKind], outputs_of: OutputsOf)
             wanted = ", ".join(kind.inputs) or "none"
             raise _refuse(f"{step['kind']} takes the inputs: {wanted}", "steps", index, "inputs")
         read = _read_names(inputs, known, index)
+        count = _read_count(inputs, known, repeats)
+        if fits is not None and count is not None:
+            _in_step(functools.partial(fits, str(step["kind"]), clean, count), index)
         known[step["name"]] = outputs_of(step["kind"], clean, read)
         repeat = int(step.get("repeat", 1))
         mapped = any(_maps(raw, repeat, steps) for raw in inputs.values())
@@ -272,7 +302,20 @@ def plan(params: Any, kind_of: Callable[[str], StepKind], outputs_of: OutputsOf)
                         "batch_key": kind.batch_key_of(p)} for p in runs],
             "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
         })  # fmt: skip
+        _check_planned(params["steps"][index], planned[-1], index)
     return {"steps": planned, "on_failure": params.get("on_failure", "stop")}
+
+
+def _check_planned(given: JSON, planned: JSON, index: int) -> None:
+    """A step sent with ``copies`` or ``timeouts`` (its stored form sent back) must have
+    them as planned: a changed value is refused, never silently replaced."""
+    for key in sorted(PLANNED_KEYS & set(given)):
+        if given[key] != planned[key]:
+            why = (
+                f"{key} is what kiln planned for the step from its params and repeat: "
+                "leave it out, or send it as the stored params show it"
+            )
+            raise _refuse(why, "steps", index, key)
 
 
 def _kind(kind_of: Callable[[str], StepKind], step: JSON, index: int) -> StepKind:
@@ -283,8 +326,13 @@ def _kind(kind_of: Callable[[str], StepKind], step: JSON, index: int) -> StepKin
 
 
 def _validated(kind: StepKind, params: Any, index: int) -> JSON:
+    return _in_step(lambda: kind.validate(params), index)
+
+
+def _in_step(check: Callable[[], T], index: int) -> T:
+    """``check()``, its InvalidRequest's ``loc`` placed within step ``index``."""
     try:
-        return kind.validate(params)
+        return check()
     except InvalidRequest as exc:
         details = [
             {**d, "loc": ["params", "steps", index, *d.get("loc", ["params"])]}
@@ -309,6 +357,26 @@ def _read_names(inputs: JSON, known: Mapping[str, set[str] | None], index: int) 
         else:
             names.append(ref.output)
     return names
+
+
+def _read_count(
+    inputs: JSON, known: Mapping[str, set[str] | None], repeats: Mapping[str, int]
+) -> int | None:
+    """How many input records each copy of a step reads: one per plain reference, every
+    output of every copy per fan-in; None when a fan-in reads a step whose outputs are not
+    known at submit."""
+    count = 0
+    for raw in inputs.values():
+        ref = ref_of(raw)
+        assert ref is not None
+        made = known[ref.step]
+        if not ref.fan_in:
+            count += 1
+        elif made is None:
+            return None
+        else:
+            count += len(made) * repeats[ref.step]
+    return count
 
 
 def _maps(raw: Any, repeat: int, steps: list[JSON]) -> bool:

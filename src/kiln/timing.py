@@ -14,6 +14,7 @@ not exist runs when the clocks have moved on (02:30 on a spring-forward night ru
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import zoneinfo
 from dataclasses import dataclass
@@ -88,9 +89,26 @@ def run_at_of(
     return moment
 
 
+#: Names the system's zone files answer to that are no IANA zone to read a schedule in:
+#: ``localtime`` is whatever zone the host is set to (two servers could read one schedule
+#: differently), ``posixrules`` a template of POSIX TZ rules, ``Factory`` the placeholder
+#: for "no zone set" (abbreviated ``-00``).
+NOT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+
+
+@functools.cache
+def zone_names() -> frozenset[str]:
+    """The IANA zone names this machine knows (``zoneinfo.available_timezones()``, which
+    leaves out the ``posix/`` and ``right/`` copies), less :data:`NOT_ZONES`."""
+    return frozenset(zoneinfo.available_timezones()) - NOT_ZONES
+
+
 def zone_of(name: str) -> zoneinfo.ZoneInfo:
-    """The IANA time zone ``name`` (``Europe/Berlin``, ``UTC``), or InvalidRequest."""
+    """The IANA time zone ``name`` (``Europe/Berlin``, ``UTC``), or InvalidRequest: a name
+    outside :func:`zone_names` is refused even when ``zoneinfo`` would load a file by it."""
     try:
+        if name not in zone_names():
+            raise ValueError(name)
         return zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
         raise InvalidRequest(

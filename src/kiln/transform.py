@@ -31,6 +31,7 @@ __all__ = [
     "SheetParams",
     "TransformParams",
     "apply",
+    "check_sheet_size",
     "outputs_of",
     "register",
     "sheet",
@@ -181,11 +182,41 @@ class SheetParams(BaseModel):
     tile: Annotated[int, Field(ge=16, le=1024)] = 128
 
 
+def sheet_size(params: SheetParams, count: int) -> tuple[int, int]:
+    """The width and height of the sheet of ``count`` pictures."""
+    columns = min(params.columns, count)
+    rows = -(-count // columns)
+    return columns * params.tile, rows * params.tile
+
+
+def sheet_problem(params: SheetParams, count: int, max_pixels: int) -> str | None:
+    """Why a sheet of ``count`` pictures is too large for ``max_pixels``, or None."""
+    width, height = sheet_size(params, max(count, 1))
+    if width * height <= max_pixels:
+        return None
+    return (
+        f"a contact sheet of {count} images in tiles of {params.tile} pixels, "
+        f"{min(params.columns, count)} a row, is {width}×{height} = {width * height} pixels, "
+        f"more than KILN_MAX_IMAGE_PIXELS ({max_pixels}): use a smaller tile or fewer images"
+    )
+
+
+def check_sheet_size(kind: str, params: JSON, count: int, max_pixels: int) -> None:
+    """At submission, when the number of pictures is known (a pipeline step reading the
+    outputs of kiln's own image kinds, or inputs given with the task): a sheet over the
+    pixel limit is refused, with the size it would have."""
+    if kind != SHEET:
+        return
+    problem = sheet_problem(SheetParams.model_validate(params), count, max_pixels)
+    if problem:
+        detail = {"loc": ["params", "tile"], "msg": problem, "type": "sheet_too_large"}
+        raise InvalidRequest(problem, details=[detail])
+
+
 def sheet(pictures: list[Image.Image], params: SheetParams) -> Image.Image:
     """The pictures as thumbnails on a white grid, in order, ``columns`` a row."""
     columns = min(params.columns, len(pictures))
-    rows = -(-len(pictures) // columns)
-    canvas = Image.new("RGB", (columns * params.tile, rows * params.tile), "white")
+    canvas = Image.new("RGB", sheet_size(params, len(pictures)), "white")
     for index, picture in enumerate(pictures):
         tile = upright(picture).convert("RGB")
         tile.thumbnail((params.tile, params.tile), Image.Resampling.LANCZOS)
@@ -201,6 +232,9 @@ def make_sheet_handler(app: Registry) -> Handler:
         items = [item for item in ctx.task.inputs if item.get("name") == SHEET_INPUT]
         if not items:
             raise Permanent("the task has no input 'images'", code="input_missing")
+        problem = sheet_problem(params, len(items), app.settings.max_image_pixels)
+        if problem:  # known only now: a fan-in of outputs whose number the submit did not know
+            raise Permanent(problem, code="sheet_too_large")
         pictures = []
         for index, item in enumerate(items):
             await ctx.progress(index, len(items) + 1, stage="load")
@@ -237,4 +271,12 @@ def register(app: Registry) -> None:
     """Register `image.transform` on ``app`` (one input, ``image``) and
     `image.contact_sheet` (inputs named ``images``, any number); no resource slot."""
     app.task(KIND, params=TransformParams, inputs=(INPUT,), check=check_box)(make_handler(app))
-    app.task(SHEET, params=SheetParams, inputs=(SHEET_INPUT,))(make_sheet_handler(app))
+
+    def check_sheet(params: SheetParams, items: list[JSON]) -> None:
+        count = sum(1 for item in items if item["name"] == SHEET_INPUT)
+        limit = app.settings.max_image_pixels
+        check_sheet_size(SHEET, params.model_dump(), count, limit)
+
+    app.task(SHEET, params=SheetParams, inputs=(SHEET_INPUT,), check=check_sheet)(
+        make_sheet_handler(app)
+    )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import pydantic
 import pytest
 from api_support import (
     ADMIN_KEY,
@@ -16,10 +19,12 @@ from api_support import (
     bearer,
     image_body,
     running_api,
+    threaded_server,
 )
 
 import kiln
 from kiln import canonical, demo
+from kiln.api import create_app
 from kiln.api.schemas import BatchOut
 from kiln.config import Settings
 from kiln.limits import Rate
@@ -356,3 +361,61 @@ async def test_a_batch_refuses_an_idempotency_key_header(store_api: ApiUnderTest
     assert "idempotency_key" in error["message"]
     assert error["details"][0]["loc"] == ["header", "Idempotency-Key"]
     assert await store_api.task_count() == 0
+
+
+class Gate:
+    """Holds the check of one batch item until the test says so, at most ``limit_s``."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        self.opened_in_time: bool | None = None
+
+    def hold(self) -> None:
+        if self.reached.is_set():  # once: the item is checked again when it is submitted
+            return
+        self.reached.set()
+        self.opened_in_time = self.go.wait(self.limit_s)
+
+
+def test_the_loop_answers_a_request_while_a_large_batch_is_checked(settings: Settings) -> None:
+    # Given a kind whose check of the batch's last item waits until /healthz is answered
+    gate = Gate(limit_s=10)
+
+    class Gated(pydantic.BaseModel):
+        n: int
+
+        @pydantic.field_validator("n")
+        @classmethod
+        def _gated(cls, n: int) -> int:
+            if n == 999:
+                gate.hold()
+            return n
+
+    app = kiln.App(settings=settings)
+
+    @app.task("test.gated", params=Gated)
+    async def gated(ctx: Any, params: Gated) -> None:
+        return None
+
+    answered: list[str] = []
+    items = [{"kind": "test.gated", "params": {"n": n}} for n in range(1000)]
+    with threaded_server(create_app(app, workers=0, supervisor=False)) as url:
+
+        def post_batch() -> None:
+            response = httpx.post(f"{url}/v1/tasks/batch", json={"tasks": items}, timeout=60)
+            assert response.status_code == 200, response.text
+            answered.append("batch")
+
+        batch = threading.Thread(target=post_batch)
+        batch.start()
+        # When /healthz is asked while the batch is being checked
+        assert gate.reached.wait(30)
+        assert httpx.get(f"{url}/healthz", timeout=60).status_code == 200
+        answered.append("healthz")
+        gate.go.set()
+        batch.join(timeout=60)
+    # Then it was answered then, before the batch's answer (the loop was free)
+    assert gate.opened_in_time is True
+    assert answered == ["healthz", "batch"]

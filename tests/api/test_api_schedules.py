@@ -102,6 +102,8 @@ async def test_schedules_are_paged_by_cursor(keyed_api: ApiUnderTest) -> None:
         (schedule_body("not a cron"), "invalid_request"),
         (schedule_body("0 0 30 2 *"), "invalid_request"),
         (schedule_body(timezone="Mars/Olympus"), "invalid_request"),
+        (schedule_body(timezone="localtime"), "invalid_request"),
+        (schedule_body(timezone="posixrules"), "invalid_request"),
         ({**schedule_body(), "task": {"kind": "nope", "params": {}}}, "unknown_kind"),
         ({**schedule_body(), "task": image_body("")}, "invalid_request"),
         ({**schedule_body(), "task": image_body("x", delay_s=5)}, "invalid_request"),

@@ -74,6 +74,42 @@ async def test_list_is_newest_first_and_pages_with_the_cursor(api: ApiUnderTest)
     assert first.json()["items"][0]["queue_position"] == 5
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def each_store(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    if request.param == "sqlite":
+        return settings
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    return settings.with_(database_url=server.new_database())
+
+
+async def test_positions_in_a_listing_equal_each_tasks_own(each_store: Settings) -> None:
+    async with running_api(each_store) as api:
+        # Given queued tasks of mixed priorities, a delayed one and a cancelled one, listed
+        # in pages of 7 and in one page
+        for n in range(24):
+            await _submit(api, f"task {n}", priority=[0, 5, -2, 0][n % 4])
+        await _submit(api, "later", delay_s=3600)
+        cancelled = await _submit(api, "cancelled")
+        await api.client.post(f"/v1/tasks/{cancelled['id']}/cancel")
+        listed: dict[str, Any] = {}
+        cursor = None
+        while True:
+            params = {"limit": 7, **({"cursor": cursor} if cursor else {})}
+            page = (await api.client.get("/v1/tasks", params=params)).json()
+            listed.update((t["id"], t["queue_position"]) for t in page["items"])
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        whole = (await api.client.get("/v1/tasks", params={"limit": 200})).json()["items"]
+        # Then every task's position is the one its own GET gives
+        own = {
+            t["id"]: (await api.client.get(f"/v1/tasks/{t['id']}")).json()["queue_position"]
+            for t in whole
+        }
+        assert listed == own == {t["id"]: t["queue_position"] for t in whole}
+        assert sorted(p for p in own.values() if p is not None) == list(range(1, 25))
+
+
 async def test_list_filters_by_status_and_kind(api: ApiUnderTest) -> None:
     kept = await _submit(api, "kept")
     cancelled = await _submit(api, "cancelled")

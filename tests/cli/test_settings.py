@@ -53,7 +53,11 @@ def test_a_bad_log_level_is_refused_before_logging_is_set_up() -> None:
 
 @pytest.mark.parametrize(
     ("command", "env"),
-    [("serve", {"KILN_PORT": "eighty"}), ("worker", {"KILN_CONCURRENCY": "0"})],
+    [
+        ("serve", {"KILN_PORT": "eighty"}),
+        ("serve", {"KILN_PORT": "+0"}),
+        ("worker", {"KILN_CONCURRENCY": "0"}),
+    ],
 )
 def test_a_real_process_with_a_bad_value_exits_2_printing_one_line(
     processes: Processes, command: str, env: dict[str, str]
@@ -133,3 +137,16 @@ def test_settings_markdown_is_the_documented_table() -> None:
 
     assert result.exit_code == 0
     assert result.stdout == config.markdown()
+
+
+@pytest.mark.parametrize(("command", "flag"), [("serve", "--port"), ("worker", "--metrics-port")])
+def test_a_signed_port_option_exits_2_printing_one_line(
+    processes: Processes, command: str, flag: str
+) -> None:
+    # Given a real process asked for a port written with a sign (`int()` would take it)
+    process = processes.start(command, [command, flag, "+0"], clean_env())
+
+    # Then it exits 2 with one line naming the option, as a variable would be named
+    assert process.popen.wait(timeout=60) == 2
+    [line] = process.output().splitlines()
+    assert line == f"kiln: {flag}='+0': expected a port number >= 0 and <= 65535"

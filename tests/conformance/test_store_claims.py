@@ -13,7 +13,7 @@ from kiln.store import Store
 from kiln.store.claims import MAX_TENANTS, ClaimPolicy
 
 from .backends import Backend
-from .factories import KIND, SettableClock, make_new_task, step_change
+from .factories import KIND, SettableClock, drive, make_new_task, step_change
 
 
 async def submit(
@@ -153,3 +153,34 @@ async def test_every_tenant_gets_a_turn_when_there_are_more_than_one_claim_reads
         first_round |= {t.tenant for t in await claim(store, 1, fair)}
     # One claim reads at most MAX_TENANTS lines; turns move on, so nobody is left out
     assert first_round == set(tenants)
+
+
+async def test_a_pages_positions_equal_each_tasks_own(store: Store, clock: SettableClock) -> None:
+    # Given ready tasks of two kinds, of mixed priorities, tenants and ready times, plus a
+    # retry not yet due and a claimed task (neither has a position)
+    rng = random.Random(5)
+    tasks = []
+    for i in range(30):
+        new = make_new_task(
+            {"n": f"p{i}"},
+            kind=rng.choice([KIND, "other.kind"]),
+            tenant=rng.choice(["acme", "umbrella"]),
+            priority=rng.choice([-3, 0, 0, 7]),
+        )
+        tasks.append((await store.submit(new)).task)
+        clock.advance(rng.uniform(0.1, 3))
+    lone = make_new_task({"n": "claimed"}, kind="third.kind")
+    claimed = await drive(store, lone, Status.WAITING_FOR_RESOURCE)
+    due = clock() + 60
+    retry = {"ready_at": due, "next_retry_at": due}
+    waiting, _ = await store.apply(
+        step_change(claimed, Event.FAIL, Event.SCHEDULE_RETRY, fields=retry)
+    )
+    page = [*rng.sample(tasks, 20), waiting]
+    for policy in (None, ClaimPolicy(aging_s=2.5), ClaimPolicy(fair=True)):
+        # When the page's positions are read together, and each task's alone
+        together = await store.queue_positions(page, policy)
+        alone = {t.id: await store.queue_position(t, policy) for t in page}
+        # Then they are the same, and a task with no position is left out
+        assert together == {i: p for i, p in alone.items() if p is not None}
+        assert waiting.id not in together and len(together) == 20

@@ -193,6 +193,10 @@ HOT = {
     "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),
     "priority levels": (Q.levels_of_tenant, ("k1", "t1", "k1", "t1")),
     "queue position": (Q.queue_ahead, ("k1", 2, 1e9, 1e9, "k1", 2, 500.0, "tsk_x", 1e9, 1e9)),
+    "a page's queue positions": (
+        Q.queue_places_of_level,
+        ("k1", 2, 500.0, "tsk_x", 600.0, "tsk_y", 1e9, 1e9, ["tsk_x"]),
+    ),
     "autoscaling: ready by kind": (Q.ready_by_kind, (1e9,)),
     "autoscaling: claimed tasks": (Q.claimed_tasks, ()),
     "due": (Q.due, (100.0, 100)),

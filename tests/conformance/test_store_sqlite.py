@@ -104,6 +104,11 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
         ("tasks_claim",),
     ),
+    "queue_positions_of_level": (
+        Q.queue_places_of_level,
+        ("kind.1", 1, NOW - 500, "tsk_00000500", NOW - 400, "tsk_00000600", NOW, NOW, "[]"),
+        ("tasks_claim",),
+    ),
     "record_usage": (Q.record_usage, USAGE_ARGS, ("events_task",)),
     "queue_position": (
         Q.queue_ahead,

@@ -105,6 +105,10 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(var: Variable) -> Non
         ({"KILN_LEASE_TTL_S": "abc"}, "KILN_LEASE_TTL_S='abc': expected a number of seconds > 0"),
         ({"KILN_LEASE_TTL": "0"}, "KILN_LEASE_TTL='0': expected a number of seconds > 0"),
         ({"KILN_PORT": "80.5"}, "KILN_PORT='80.5': expected a port number >= 0 and <= 65535"),
+        ({"KILN_PORT": "+80"}, "KILN_PORT='+80': expected a port number >= 0 and <= 65535"),
+        ({"KILN_PORT": "80.0"}, "KILN_PORT='80.0': expected a port number >= 0 and <= 65535"),
+        ({"KILN_METRICS_PORT": "8e1"}, "KILN_METRICS_PORT='8e1': expected a port number >= 0 "
+         "and <= 65535"),
         ({"KILN_OUTPUT_URLS": "redirect"}, "KILN_OUTPUT_URLS='redirect': expected proxy or "
          "presigned"),
         ({"KILN_PRESIGN_TTL_S": "604801"}, "KILN_PRESIGN_TTL_S='604801': expected a number of "

@@ -13,6 +13,7 @@ from kiln.timing import MAX_DELAY_S, Cron, parse_moment, run_at_of
 
 NOW = 1_800_000_000.0
 BERLIN = zoneinfo.ZoneInfo("Europe/Berlin")
+NOT_IANA = ["localtime", "posixrules", "Factory", "posix/Europe/Berlin", "right/UTC"]
 
 
 def local(ts: float) -> dt.datetime:
@@ -68,7 +69,14 @@ def test_cron_with_seconds_ticks_every_second() -> None:
 
 @pytest.mark.parametrize(
     ("expression", "zone"),
-    [("bad", "UTC"), ("61 * * * *", "UTC"), ("0 0 30 2 *", "UTC"), ("* * * * *", "Mars/Base")],
+    [
+        ("bad", "UTC"),
+        ("61 * * * *", "UTC"),
+        ("0 0 30 2 *", "UTC"),
+        ("* * * * *", "Mars/Base"),
+        # names zoneinfo loads a file by (from /usr/share/zoneinfo) that are no IANA zone
+        *[("* * * * *", zone) for zone in NOT_IANA],
+    ],
 )
 def test_bad_expressions_and_zones_are_refused(expression: str, zone: str) -> None:
     with pytest.raises(InvalidRequest):

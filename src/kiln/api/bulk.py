@@ -2,9 +2,11 @@
 run again with changes (``POST /v1/tasks/{id}/rerun``).
 
 Each item is a submission as ``POST /v1/tasks`` takes it and is answered on its own: a
-refused item stores nothing and does not stop the others. The accepted items are
-submitted concurrently, so the store commits them together (the SQLite writer thread and
-PostgreSQL's batcher each take the writes waiting at once into one transaction).
+refused item stores nothing and does not stop the others. The body is parsed and checked,
+and the answer rendered, in a thread; the accepted items are submitted concurrently, a
+window of them at a time, so the store commits them together (the SQLite writer thread
+and PostgreSQL's batcher each take the writes waiting at once into one transaction) while
+the loop stays free for other requests.
 """
 
 from __future__ import annotations
@@ -140,16 +142,48 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
             details=[{"loc": ["header", wire.IDEMPOTENCY_HEADER], "msg": "use each item's "
                       "idempotency_key", "type": "value_error"}],
         )  # fmt: skip
-    body = tasks.validated(
-        BatchRequest, await tasks.json_body(request, state.settings.max_body_bytes)
-    )
-    answers, accepted, counts = checked_items(state, body.tasks)
+    if not tasks._is_json(tasks.media_type(request)):
+        raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
+    raw = await tasks.read_body(request, state.settings.max_body_bytes)
+    # The CPU a batch takes (parsing and checking up to 1,000 items, rendering the answer)
+    # runs in a thread, so that the loop serves other requests meanwhile.
+    answers, accepted, counts = await asyncio.to_thread(check_batch, state, raw)
     allowed = await take_tokens(state, principal.tenant, counts)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
-    done = await asyncio.gather(*(submitted(state, principal, i, accepted[i]) for i in allowed))
+    done = await submit_windowed(state, principal, accepted, allowed)
     answers.update((answer["index"], answer) for answer in done)
-    return RenderedJSON({"items": [answers[i] for i in range(len(body.tasks))]})
+    items = [answers[i] for i in range(len(answers))]
+    return await asyncio.to_thread(RenderedJSON, {"items": items})
+
+
+def check_batch(
+    state: ApiState, raw: bytes
+) -> tuple[dict[int, JSON], dict[int, BatchItemIn], dict[int, int]]:
+    """The batch body's items checked (:func:`checked_items`)."""
+    body = tasks.validated(BatchRequest, parse_json(raw))
+    return checked_items(state, body.tasks)
+
+
+#: Submissions in flight at once: the store commits those waiting together, and no more
+#: than these resume on the loop at once when a commit returns.
+IN_FLIGHT = 50
+
+
+async def submit_windowed(
+    state: ApiState, principal: Principal, accepted: dict[int, BatchItemIn], allowed: list[int]
+) -> list[JSON]:
+    """Every allowed item submitted, IN_FLIGHT at a time: what a submission takes on the
+    loop before and after its write (validation, fingerprints, its answer) then comes in
+    small turns, never for the whole batch at once, and other requests are served between
+    them."""
+    window = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(index: int) -> JSON:
+        async with window:
+            return await submitted(state, principal, index, accepted[index])
+
+    return list(await asyncio.gather(*(one(i) for i in allowed)))
 
 
 def rate_limited(state: ApiState, tenant: str) -> RateLimited:

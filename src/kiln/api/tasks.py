@@ -400,11 +400,11 @@ async def list_tasks(
     tasks, next_cursor = await state.app.list_tasks(
         tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
     )
-    positions = await asyncio.gather(*(state.app.queue_position(t) for t in tasks))
+    positions = await state.app.engine.queue_positions(tasks)  # one count per level, not per row
     waits = await asyncio.gather(*(state.app.pool_wait(t) for t in tasks))
     items = [
-        task_json(t, queue_position=p, resource_wait=w)
-        for t, p, w in zip(tasks, positions, waits, strict=True)
+        task_json(t, queue_position=positions.get(t.id), resource_wait=w)
+        for t, w in zip(tasks, waits, strict=True)
     ]
     return RenderedJSON({"items": items, "next_cursor": next_cursor})
 

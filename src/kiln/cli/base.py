@@ -100,12 +100,26 @@ def option(field: str, *flags: str, **extra: Any) -> Any:
     return typer.Option(*flags, help=shown, show_default=False, **extra)
 
 
+def port_text(raw: str) -> int | str:
+    """A port option's text: the port when it is one, else the text as given, refused by
+    :func:`port_of` in the command with one line (a parse error here would be a usage
+    block)."""
+    try:
+        port = config.PORT(raw)
+    except ValueError:
+        return raw
+    assert isinstance(port, int)
+    return port
+
+
 Server = Annotated[str | None, option("server", "--server")]
 ApiKey = Annotated[str | None, option("api_key", "--api-key")]
 DataDir = Annotated[Path | None, option("data_dir", "--data-dir")]
 DatabaseUrl = Annotated[str | None, option("database_url", "--database-url")]
 StorageUrl = Annotated[str | None, option("storage_url", "--storage-url")]
-MetricsPort = Annotated[int | None, option("metrics_port", "--metrics-port", min=0, max=65535)]
+MetricsPort = Annotated[
+    int | None, option("metrics_port", "--metrics-port", metavar="PORT", parser=port_text)
+]
 MetricsHost = Annotated[str | None, option("metrics_host", "--metrics-host")]
 Gpus = Annotated[int | None, option("gpus", "--gpus", min=0)]
 
@@ -114,6 +128,20 @@ def settings_of(**overrides: Any) -> Settings:
     """Settings from the environment, then the options that were given (not None)."""
     settings = Settings.from_env()
     return settings.with_(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def port_of(field: str, flag: str, raw: int | str | None) -> int | None:
+    """A port option as its setting reads it (digits only: ``+80`` is refused, as in the
+    variable), None when not given; ConfigError naming the option otherwise."""
+    if raw is None or isinstance(raw, int):
+        return raw
+    var = config.variable(field)
+    try:
+        value = var.parse(raw)
+    except ValueError:
+        raise var.refusal(flag, raw) from None
+    assert isinstance(value, int)
+    return value
 
 
 def client_of(server: str | None, api_key: str | None) -> Client:

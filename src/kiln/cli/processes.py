@@ -45,6 +45,8 @@ from kiln.cli.base import (
     kind_names,
     log,
     option,
+    port_of,
+    port_text,
     settings_of,
 )
 
@@ -173,7 +175,7 @@ def _loopback(host: str) -> bool:
 @handled
 def serve(
     host: Annotated[str | None, option("host", "--host")] = None,
-    port: Annotated[int | None, option("port", "--port", min=0, max=65535)] = None,
+    port: Annotated[int | None, option("port", "--port", metavar="PORT", parser=port_text)] = None,
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
@@ -186,7 +188,7 @@ def serve(
     """API + dashboard + workers + supervisor in one process."""
     settings = settings_of(
         host=host,
-        port=port,
+        port=port_of("port", "--port", port),
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
@@ -326,7 +328,7 @@ def worker(
         data_dir=data_dir,
         database_url=database_url,
         storage_url=storage_url,
-        metrics_port=metrics_port,
+        metrics_port=port_of("metrics_port", "--metrics-port", metrics_port),
         metrics_host=metrics_host,
     )
     if comfy_workflow.KIND in (settings.kinds or ()) and concurrency is None:
@@ -393,7 +395,7 @@ def supervisor(
         database_url=database_url,
         storage_url=storage_url,
         supervisor_interval_s=interval_s,
-        metrics_port=metrics_port,
+        metrics_port=port_of("metrics_port", "--metrics-port", metrics_port),
         metrics_host=metrics_host,
     )
     asyncio.run(_run_supervisor(opened(app_of(settings))))

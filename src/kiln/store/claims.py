@@ -23,7 +23,7 @@ tenants there are); tenants with ready work come from the per-status counts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -455,6 +455,38 @@ class ClaimOps(Ops):
             return None
         return await self._read(lambda tx: self._position(tx, task, policy, now))
 
+    async def queue_positions(
+        self, tasks: Sequence[Task], policy: ClaimPolicy | None = None
+    ) -> dict[str, int]:
+        """The queue positions of many tasks (a listing's page) by id, as
+        :meth:`queue_position` gives each; a task with none is left out. In the default
+        order, per kind and priority level of those tasks, one count of the line ahead of
+        the level's first one and one pass over the level from it to its last; under aging
+        or fair turns, task by task."""
+        now = self.clock()
+        ready = [t for t in tasks if t.status in CLAIMABLE and t.ready_at <= now < t.deadline_at]
+        if not ready:
+            return {}
+        if policy is not None and (policy.fair or policy.aging_s is not None):
+            return await self._read(
+                lambda tx: _each(ready, lambda t: self._position(tx, t, policy, now))
+            )
+        return await self._read(lambda tx: self._places(tx, ready, now))
+
+    async def _places(self, tx: Tx, ready: Sequence[Task], now: float) -> dict[str, int]:
+        levels: dict[tuple[str, int], list[Task]] = {}
+        for task in ready:
+            levels.setdefault((task.kind, task.priority), []).append(task)
+        found: dict[str, int] = {}
+        for (kind, priority), level in levels.items():
+            level.sort(key=lambda t: (t.ready_at, t.id))
+            first, last = level[0], level[-1]
+            ahead = await self._ahead(tx, first, None, None, now)
+            args = (kind, priority, first.ready_at, first.id, last.ready_at, last.id, now, now)
+            rows = await tx.all(self.q.queue_places_of_level, (*args, [t.id for t in level]))
+            found.update({str(row[0]): ahead + int(row[1]) for row in rows})
+        return found
+
     async def _position(self, tx: Tx, task: Task, policy: ClaimPolicy | None, now: float) -> int:
         aging_s = None if policy is None else policy.aging_s
         if policy is None or not policy.fair:
@@ -487,6 +519,12 @@ class ClaimOps(Ops):
         for (level,) in levels:
             found += await count(sql, ahead_args(task.kind, tenant, level, task, now, aging_s))
         return found
+
+
+async def _each(
+    tasks: Sequence[Task], position: Callable[[Task], Awaitable[int]]
+) -> dict[str, int]:
+    return {task.id: await position(task) for task in tasks}
 
 
 def log_claim(

@@ -351,6 +351,17 @@ SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND 
     + (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
         AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?)
 
+-- queue_places_of_level --
+-- Places, counted from 1, in one priority level of a kind's line from a given task on, of
+-- the tasks among some ids: one pass over the index range from that task to the last of
+-- them: (kind, priority, first ready_at, first id, last ready_at, last id, now, now, [ids]).
+SELECT id, place FROM (
+    SELECT id, ROW_NUMBER() OVER (ORDER BY ready_at, id) AS place
+    FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
+        AND (ready_at, id) >= (?, ?) AND (ready_at, id) <= (?, ?)
+        AND ready_at <= ? AND deadline_at > ?
+) AS level WHERE id {IN_LIST}
+
 -- queue_ahead_of_tenant --
 -- (kind, tenant, priority, now, now, kind, tenant, priority, ready_at, id, now, now).
 SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
