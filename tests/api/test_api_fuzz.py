@@ -50,11 +50,12 @@ def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
 
 #: The fields the document leaves to the server's own judgment (docs: docs/schedules.md,
 #: docs/webhooks.md): a cron expression is read by the scheduler's parser (one that never
-#: fires is refused), a moment must be within a year and not before 1970, a webhook's
+#: fires is refused), a time zone must be in the server's tz database, a moment must be
+#: within a year and not before 1970, a webhook's
 #: address must pass the private-address policy; a bulk filter's times must leave some task
 #: out (relative to the request's moment); a pipeline's steps are checked by their kinds and
 #: the graph's rules (docs/pipelines.md). The schema takes their every form.
-SERVER_JUDGED = {"cron", "run_at", "webhook_url", "filter"}
+SERVER_JUDGED = {"cron", "timezone", "run_at", "webhook_url", "filter"}
 
 
 def _judged_by_the_server(detail: dict[str, Any]) -> bool:
