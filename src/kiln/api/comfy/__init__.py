@@ -6,9 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from kiln.api.comfy import assets, jobs, streams
+from kiln.api.comfy.errors import install as install_errors
 
 router = APIRouter()
 router.include_router(jobs.router)  # streams.py adds the events route to it
 router.include_router(assets.router)
 
-__all__ = ["router", "streams"]
+__all__ = ["install_errors", "router", "streams"]
