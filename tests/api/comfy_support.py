@@ -117,14 +117,25 @@ async def comfy_server(
     settings: Settings, *, workers: int = 1
 ) -> AsyncIterator[tuple[str, ApiUnderTest]]:
     """A real uvicorn server of kiln (keys for alice and bob) with the stand-in handler and
-    ``workers`` in-process workers: its base URL, and an in-process client as alice."""
+    a worker of ``workers`` slots in the process: its base URL, and an in-process client
+    as alice. The worker names ``comfy.workflow``, as a ComfyUI instance's worker does
+    (a worker claims that kind only when it names it)."""
     import httpx
 
     app = make_kiln(with_keys(settings))
     register_stand_in(app)
-    http = create_app(app, workers=workers)
+    http = create_app(app)
     async with (
         live_server(http) as base,
         httpx.AsyncClient(base_url=base, headers=bearer(ALICE_KEY), timeout=30) as client,
     ):
-        yield base, ApiUnderTest(app, http, client, ALICE_KEY)
+        worker = app.worker(concurrency=workers, kinds=[KIND]) if workers else None
+        running = None if worker is None else asyncio.create_task(worker.run())
+        try:
+            yield base, ApiUnderTest(app, http, client, ALICE_KEY)
+        finally:
+            if worker is not None and running is not None:
+                await worker.stop()
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running

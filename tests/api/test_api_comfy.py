@@ -8,6 +8,7 @@ with a ComfyUI stand-in come with the worker driver.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -402,6 +403,82 @@ async def test_cancel_a_queued_a_running_and_a_finished_job(
         assert running_handle.status == "canceled"
         again = await running_handle.cancel()
         assert again.status == "canceled"
+
+
+@pytest.mark.usefixtures("served")
+async def test_a_stream_open_on_a_running_job_sees_canceling_then_canceled() -> None:
+    # Given a running job, and its stream open in the official client
+    waiting = graph(13, extra={"5": {"class_type": "WaitNode", "inputs": {}}})
+    async with alice() as comfy:
+        job = await comfy.submit(comfy.workflows.from_json(waiting))
+        events = job.events()
+        seen = []
+        async for event in events:  # until the stream says it runs
+            seen.append(event)
+            if isinstance(event, StatusChange) and event.status == "running":
+                break
+        # When its cancel is asked
+        await job.cancel()
+        seen += [event async for event in events]
+    # Then the stream says canceling, then canceled, and nothing runs after that
+    statuses = [e.status for e in seen if isinstance(e, StatusChange)]
+    assert statuses[-2:] == ["canceling", "canceled"], statuses
+    assert statuses.count("canceling") == 1
+
+
+async def test_a_cancel_asked_through_another_api_node_reaches_an_open_stream(
+    queued_only: tuple[str, ApiUnderTest],
+) -> None:
+    # Given a job a worker elsewhere runs (claimed on the shared store), its stream open
+    _, api = queued_only
+    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": graph(14)})).json()["id"]
+    [claimed] = await api.kiln.store.claim(
+        worker_id="gpu-node-2", kinds=["comfy.workflow"], limit=1, lease_ttl_s=600
+    )
+    assert claimed.id == job_id
+    async with alice() as comfy:
+        job = await comfy.jobs.get(job_id)
+        events = job.events()
+        seen = [await anext(events)]
+        # When another API node asks the cancel (written to the store: this process's
+        # engine hears nothing of it)
+        await api.kiln.store.request_cancel(job_id)
+        async with asyncio.timeout(30):
+            async for event in events:
+                seen.append(event)
+                if isinstance(event, StatusChange) and event.status == "canceling":
+                    break
+        await events.aclose()
+    # Then the stream says canceling (the worker elsewhere has yet to stop)
+    assert [e.status for e in seen if isinstance(e, StatusChange)][-1] == "canceling"
+    # And a new connection says it too, its id derived from the last status change
+    history = await _sse_until(api.client, job_id, "canceling")
+    seq, dot, n = history[-1]["id"].partition(".")
+    last_seq = max(e.seq for e in await api.kiln.store.events(task_id=job_id))
+    assert (int(seq), dot) == (last_seq, ".") and n.isdigit()
+
+
+async def _sse_until(client: httpx.AsyncClient, job_id: str, status: str) -> list[dict[str, Any]]:
+    """A new connection's events up to the status event ``status``: event, id, data."""
+    found: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    headers = {"Accept": "text/event-stream"}
+    async with client.stream("GET", f"/api/v2/jobs/{job_id}/events", headers=headers) as response:
+        async for line in response.aiter_lines():
+            if line.startswith(":"):
+                continue
+            if line:
+                field, _, value = line.partition(":")
+                current[field] = value.removeprefix(" ")
+                continue
+            if "data" in current:
+                found.append(current)
+                if current["event"] == "status" and json.loads(current["data"]) == {
+                    "status": status
+                }:
+                    return found
+            current = {}
+    raise AssertionError(f"the stream ended before {status}: {found}")
 
 
 async def test_other_tenants_jobs_are_not_found(served: tuple[str, ApiUnderTest]) -> None:

@@ -342,3 +342,43 @@ def test_deployment_guide_documents_every_setting_and_no_unknown_one() -> None:
     assert not read - named, f"docs/deployment.md misses {sorted(read - named)}"
     assert not named - read - PENDING, f"unknown settings {sorted(named - read - PENDING)}"
     assert set(re.findall(r"\bAWS_[A-Z_]+\b", guide)) >= AWS_VARS
+
+
+def test_compose_comfy_profile_pairs_each_comfyui_gpu_with_its_worker() -> None:
+    # Given the services of the comfy profile
+    services = {
+        name: s for name, s in _compose()["services"].items() if "comfy" in s.get("profiles", [])
+    }
+    comfyuis = {n: s for n, s in services.items() if n not in _kiln_services()}
+    workers = {n: s for n, s in services.items() if n in _kiln_services()}
+    api_env = _environment(_kiln_services()["kiln-api-1"])
+    assert len(comfyuis) >= 2 and len(workers) == len(comfyuis)
+
+    # Then each ComfyUI instance reserves a GPU of its own
+    devices = [s["deploy"]["resources"]["reservations"]["devices"] for s in comfyuis.values()]
+    assert all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for [d] in devices)
+    gpus = [tuple(d["device_ids"]) for [d] in devices]
+    assert len(set(gpus)) == len(gpus) and all(len(ids) == 1 for ids in gpus)
+    # And it runs your ComfyUI image, named when you start it
+    assert all("${COMFYUI_IMAGE" in s["image"] for s in comfyuis.values())
+
+    # And each worker claims comfy.workflow jobs one at a time from its own instance
+    driven = []
+    for name, worker in workers.items():
+        command, options = _parse(_compose_command(worker))
+        assert command == "worker", name
+        assert (options["kinds"], options["concurrency"]) == ("comfy.workflow", 1), name
+        env = _environment(worker)
+        _check_vars(f"compose service {name}", set(env), command)
+        url = urlparse(Settings.from_env(env).comfyui_url)
+        assert url.hostname in comfyuis and url.port == 8188, name
+        assert url.hostname in worker["depends_on"], name
+        driven.append(url.hostname)
+        # on the same database and bucket as the API nodes
+        for setting in ("KILN_DATABASE_URL", "KILN_STORAGE_URL"):
+            assert env[setting] == api_env[setting], name
+    assert sorted(driven) == sorted(comfyuis)
+
+    # And the default worker leaves those jobs to them
+    _, options = _parse(_compose_command(_kiln_services()["kiln-worker"]))
+    assert options["kinds"] is None

@@ -20,6 +20,7 @@ import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import kubernetes_validate
 import pytest
@@ -33,7 +34,7 @@ from kiln.demo import KIND as IMAGE_GENERATE
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("sqlite", "postgres-s3")
+OVERLAYS = ("sqlite", "postgres-s3", "comfy")
 #: The oldest Kubernetes the manifests are written for (policy/v1, autoscaling/v2).
 KUBERNETES_VERSION = "1.30.0"
 #: Strategic merge: lists merged item by item on this key; any other list is replaced.
@@ -315,9 +316,10 @@ def test_worker_and_supervisor_probes_use_their_metrics_port() -> None:
         assert "readinessProbe" not in container, f"{name} takes no traffic"
 
 
-def test_disruption_budgets_cover_every_deployment() -> None:
-    objects = rendered("postgres-s3")
-    deployments = _deployments("postgres-s3")
+@pytest.mark.parametrize("overlay", ["postgres-s3", "comfy"])
+def test_disruption_budgets_cover_every_deployment(overlay: str) -> None:
+    objects = rendered(overlay)
+    deployments = _deployments(overlay)
     budgets = [obj for (kind, _), obj in objects.items() if kind == "PodDisruptionBudget"]
     covered = {
         name
@@ -351,3 +353,50 @@ def test_keda_scales_the_workers_on_kiln_metrics() -> None:
     _, options = _command(_container(_deployments("postgres-s3")["kiln-worker"]))
     assert float(meta["threshold"]) == options["concurrency"]
     assert meta["metricType"] == "AverageValue"
+
+
+def test_comfy_pods_pair_one_comfyui_on_a_gpu_with_the_worker_that_drives_it() -> None:
+    # Given the comfy overlay's ComfyUI pods
+    objects = rendered("comfy")
+    pod = _deployments("comfy")["kiln-comfy-worker"]
+    spec = pod["spec"]["template"]["spec"]
+    [comfyui] = spec["initContainers"]
+    kiln = _container(pod)
+    command, options = _command(kiln)
+    env = _environment("comfy", kiln)
+    # Then N of them run (a rolling update frees a GPU before it takes one)
+    assert pod["spec"]["replicas"] >= 2
+    assert pod["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    # And ComfyUI is a sidecar that starts first and stops last, with the pod's one GPU
+    assert comfyui["restartPolicy"] == "Always" and "startupProbe" in comfyui
+    resources = comfyui["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in str(kiln["resources"])
+    # And the kiln worker claims comfy.workflow jobs one at a time from that instance
+    assert command == "worker"
+    assert (options["kinds"], options["concurrency"]) == ("comfy.workflow", 1)
+    url = urlparse(Settings.from_env(env).comfyui_url)
+    argv = comfyui["args"]
+    assert url.hostname == argv[argv.index("--listen") + 1] == "127.0.0.1"
+    assert url.port == int(argv[argv.index("--port") + 1]) == comfyui["ports"][0]["containerPort"]
+    assert _probe(comfyui, "startupProbe")[1] == url.port
+    # And it drains before its pod is killed, on the same database and bucket as the API
+    assert spec["terminationGracePeriodSeconds"] >= _grace_s(env) + DRAIN_MARGIN_S
+    api_env = _environment("comfy", _container(_deployments("comfy")["kiln-api"]))
+    for name in ("KILN_DATABASE_URL", "KILN_STORAGE_URL"):
+        assert env[name] == api_env[name]
+    # And the models volume is a claim the overlay makes
+    volumes = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes]
+    assert claims and all(("PersistentVolumeClaim", c) in objects for c in claims)
+
+
+def test_the_other_workers_leave_comfy_workflow_jobs_to_the_comfyui_pods() -> None:
+    # Given the comfy overlay's kiln workers
+    kinds = {
+        name: _command(_container(d))[1]["kinds"]
+        for name, d in _deployments("comfy").items()
+        if _command(_container(d))[0] == "worker"
+    }
+    # Then only the ComfyUI pods name the kind (a worker without --kinds never claims it)
+    assert kinds == {"kiln-worker": None, "kiln-comfy-worker": "comfy.workflow"}

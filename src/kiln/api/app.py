@@ -373,6 +373,7 @@ def create_app(
     api.state.kiln = state
     api.state.kiln_shutdown = Shutdown(grace_s=settings.shutdown_grace_s)
     errors.install(api)
+    comfy_routes.install_errors(api)  # /api/v2 paths answer in the v2 envelope
     api.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     if app.engine.tracing is not None:  # KILN_TRACING: outermost, so it spans the rest

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, WebSocket
@@ -111,22 +111,24 @@ class _Ended:
 
 #: The most messages a stream hands over at once: what piled up while it was sending.
 BATCH = 64
+#: What a stream carries: kiln's messages, or a face's own beside them.
+M = TypeVar("M")
 
 
-class _Handover:
+class _Handover(Generic[M]):
     """Between a stream and its messages: one task reads them into a bounded queue, and
     one per event waits for it and then ends the queue. A message costs a put and a get
     (no task per message), and a slow client still holds the subscription back."""
 
     def __init__(
-        self, messages: AsyncIterator[Message], events: list[anyio.Event | asyncio.Event]
+        self, messages: AsyncIterator[M], events: list[anyio.Event | asyncio.Event]
     ) -> None:
-        self.queue: asyncio.Queue[Message | _Ended] = asyncio.Queue(maxsize=BATCH)
+        self.queue: asyncio.Queue[M | _Ended] = asyncio.Queue(maxsize=BATCH)
         self.ended: _Ended | None = None
         self.reader = asyncio.ensure_future(self._read(messages))
         self.waiters = [asyncio.ensure_future(self._end_on(event)) for event in events]
 
-    async def _read(self, messages: AsyncIterator[Message]) -> None:
+    async def _read(self, messages: AsyncIterator[M]) -> None:
         try:
             async for message in messages:
                 await self.queue.put(message)
@@ -140,7 +142,7 @@ class _Handover:
         self.reader.cancel()
         await self.queue.put(_Ended())
 
-    async def next_batch(self) -> list[Message] | _Ended:
+    async def next_batch(self) -> list[M] | _Ended:
         """The next message and every one already waiting behind it; or how it ended."""
         item = self.ended or await self.queue.get()
         if isinstance(item, _Ended):
@@ -160,8 +162,8 @@ class _Handover:
 
 
 async def until_stopped(
-    messages: AsyncIterator[Message], stop: anyio.Event, closing: asyncio.Event | None = None
-) -> AsyncIterator[list[Message]]:
+    messages: AsyncIterator[M], stop: anyio.Event, closing: asyncio.Event | None = None
+) -> AsyncIterator[list[M]]:
     """The messages in batches, until ``stop`` or ``closing`` is set (the server is
     shutting down). A batch is what arrived while the previous one was being sent (one
     message when the client keeps up), so a stream that falls behind sends fewer, larger

@@ -3,17 +3,23 @@ object or null (v2's shape), and kiln's codes translated to v2's where they diff
 
 Every route of the v2 router uses :class:`V2Route`, which answers a kiln error (auth,
 validation, not found, the store down) raised anywhere in the route, its dependencies
-included, in this envelope; the rest of kiln keeps API.md's.
+included, in this envelope; the rest of kiln keeps API.md's. What the application answers
+outside a route (no such path under ``/api/v2/``, a method a path does not take, a crash)
+is in this envelope too on ``/api/v2`` paths (:func:`install`).
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,6 +27,9 @@ from kiln.api.errors import status_of, validation_details
 from kiln.errors import KilnError, RateLimited, Unauthorized
 
 log = logging.getLogger("kiln.api")
+
+#: The paths of the v2 face.
+PREFIX = "/api/v2"
 
 #: kiln code → (v2 code, HTTP status), where the two differ.
 V2_CODES: dict[str, tuple[str, int]] = {
@@ -89,6 +98,8 @@ def error_of(exc: KilnError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     elif isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
+    elif status == 408:  # the rest of a slow body is never read: the connection must end
+        headers["Connection"] = "close"
     elif status == 503:
         headers["Retry-After"] = "1"
         if exc.code != "unknown_kind":
@@ -116,3 +127,51 @@ class V2Route(APIRoute):
                 return v2_response("invalid_request", message, 400, _listed(details))
 
         return answer
+
+
+Handler = Callable[[Request, Any], Response | Awaitable[Response]]
+
+
+def is_v2(request: Request) -> bool:
+    path = request.url.path
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def _in_v2_shape(answer: Response) -> Response:
+    """kiln's envelope (``details`` a list) as v2's (an object or null), headers kept."""
+    if not isinstance(answer, JSONResponse):
+        return answer
+    error = json.loads(bytes(answer.body))["error"]
+    headers = {
+        k: v for k, v in answer.headers.items() if k not in ("content-length", "content-type")
+    }
+    details = error.get("details") or []
+    return v2_response(
+        error["code"],
+        error["message"],
+        answer.status_code,
+        _listed(details) if isinstance(details, list) else details,
+        headers,
+    )
+
+
+def _answering_v2_paths(v1: Handler) -> Handler:
+    async def answer(request: Request, exc: Exception) -> Response:
+        if is_v2(request) and isinstance(exc, KilnError):
+            return error_of(exc)
+        answered = v1(request, exc)
+        if inspect.isawaitable(answered):
+            answered = await answered
+        return _in_v2_shape(answered) if is_v2(request) else answered
+
+    return answer
+
+
+def install(api: FastAPI) -> None:
+    """Answer in the v2 envelope, on ``/api/v2`` paths, what kiln's application-wide
+    handlers (:func:`kiln.api.errors.install`, called first) answer outside a v2 route:
+    the router's 404 and 405, a kiln error raised by a middleware, a crash (500). Other
+    paths keep API.md's envelope. (The HTTP server's own refusals, written before a
+    request is routed, keep it: see docs/comfy.md.)"""
+    for kind in (KilnError, HTTPException, Exception):
+        api.add_exception_handler(kind, _answering_v2_paths(api.exception_handlers[kind]))

@@ -6,6 +6,10 @@ event log, then live, until the final event) told in v2's words, from ``Last-Eve
 ``log`` (the failure, before ``failed``/``expired``). A status change's ``id`` is its event
 seq; an event derived from one is ``<seq>.<n>``, ``<seq>`` being the status change before
 it, so ``Last-Event-ID`` of either resumes after that status change.
+
+A cancel asked of a running job changes no status in kiln's log (only
+``cancel_requested``), so the stream learns of it beside the log (:func:`with_cancel_asks`)
+and says ``canceling`` as an event derived from the status change before it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
@@ -31,8 +37,14 @@ from kiln.api.schemas import MAX_SEQ
 from kiln.api.state import ApiState, api_state
 from kiln.bus import Message, ProgressEvent
 from kiln.models import JSON, TaskEvent
+from kiln.states import RUNNING
+
+log = logging.getLogger("kiln.api")
 
 PREVIEW_PREFIX = "data:"
+#: How often a stream of a running job reads whether its cancel was asked on another API
+#: node (a cancel asked of this node's is heard at once).
+CANCEL_POLL_S = 1.0
 
 
 def resume_after(last_event_id: str | None) -> int | None:
@@ -71,18 +83,31 @@ class JobEvents:
         self.seq = 0
         self.n = 0
         self.status: str | None = None
+        self.running = False  # the last status change seen is a running kiln status
+        self.asked = False  # the job's cancel was asked
 
     def _derived_id(self) -> str:
         self.n += 1
         return f"{self.seq}.{self.n}"
 
-    async def of(self, message: Message) -> list[ServerSentEvent]:
+    async def of(self, message: Message | CancelAsked) -> list[ServerSentEvent]:
+        if isinstance(message, CancelAsked):
+            return self._cancel_asked()
         if isinstance(message, TaskEvent):
             return await self._status(message)
         return self._progress(message)
 
+    def _cancel_asked(self) -> list[ServerSentEvent]:
+        """``canceling``, once, when the job runs; a later running status says it then."""
+        self.asked = True
+        if not self.running or self.status == "canceling":
+            return []
+        self.status = "canceling"
+        return [_event("status", self._derived_id(), {"status": "canceling"})]
+
     async def _status(self, event: TaskEvent) -> list[ServerSentEvent]:
-        status = shapes.job_status(event.status)
+        status = shapes.job_status(event.status, self.asked)
+        self.running = event.status in RUNNING
         if event.seq <= self.after:  # the client has it: only where the job stood
             self.seq, self.status = event.seq, status
             return []
@@ -123,8 +148,105 @@ class JobEvents:
         return found
 
 
+@dataclass(frozen=True, slots=True)
+class CancelAsked:
+    """The job's cancel was asked while it ran (kiln logs no event for that)."""
+
+    task_id: str
+
+
+class _Poke:
+    """Wakes the reader of a stream's queue when a cancel ask comes while nothing else does."""
+
+
+class _End:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class _CancelAsks:
+    """A job's messages in one queue, and whether its cancel was asked."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.queue: asyncio.Queue[Message | _Poke | _End] = asyncio.Queue(maxsize=64)
+        self.asked = False
+
+    def hear(self, task_id: str) -> None:
+        """A cancel listener of this process's engine: called as the cancel is asked."""
+        if task_id == self.task_id:
+            self.ask()
+
+    def ask(self) -> None:
+        if not self.asked:
+            self.asked = True
+            with contextlib.suppress(asyncio.QueueFull):  # a full queue wakes its reader
+                self.queue.put_nowait(_Poke())
+
+    async def pump(self, messages: AsyncIterator[Message]) -> None:
+        try:
+            async for message in messages:
+                await self.queue.put(message)
+        except Exception as exc:  # handed to the stream, which raises it
+            await self.queue.put(_End(exc))
+            return
+        finally:  # cancelled or not: the subscription behind ``messages`` is released
+            with contextlib.suppress(Exception):
+                await messages.aclose()  # type: ignore[attr-defined]
+        await self.queue.put(_End())
+
+    async def poll(self, state: ApiState, running: Callable[[], bool]) -> None:
+        """Read the job while it runs: a cancel asked through another API node."""
+        while not self.asked:
+            await asyncio.sleep(CANCEL_POLL_S)
+            if not running():
+                continue
+            try:
+                task = await state.app.get(self.task_id)
+            except Exception:  # one read: the next one may answer
+                log.warning("comfy_cancel_poll_failed", extra={"task_id": self.task_id})
+                continue
+            if task.cancel_requested and task.status in RUNNING:
+                self.ask()
+
+
+async def with_cancel_asks(
+    state: ApiState, task_id: str, messages: AsyncIterator[Message], running: Callable[[], bool]
+) -> AsyncIterator[Message | CancelAsked]:
+    """``messages``, with :class:`CancelAsked` before the first message that follows the
+    ask (the ``canceled`` status included), or alone when none follows yet. The ask is
+    heard at once from this process's engine, else read every :data:`CANCEL_POLL_S`."""
+    asks = _CancelAsks(task_id)
+    listeners = state.app.cancel_listeners
+    listeners.append(asks.hear)
+    jobs = [
+        asyncio.ensure_future(asks.pump(messages)),
+        asyncio.ensure_future(asks.poll(state, running)),
+    ]
+    told = False
+    try:
+        while True:
+            item = await asks.queue.get()
+            if asks.asked and not told:
+                told = True
+                yield CancelAsked(task_id)
+            if isinstance(item, _End):
+                if item.error is not None:
+                    raise item.error
+                return
+            if not isinstance(item, _Poke):
+                yield item
+    finally:
+        listeners.remove(asks.hear)
+        for job in jobs:
+            job.cancel()
+
+
 async def _stream(
-    request: Request, events: JobEvents, messages: AsyncIterator[Message], stop: anyio.Event
+    request: Request,
+    events: JobEvents,
+    messages: AsyncIterator[Message | CancelAsked],
+    stop: anyio.Event,
 ) -> AsyncIterator[ServerSentEvent]:
     state = events.state
     closing = getattr(request.app.state, "kiln_closing", None)
@@ -161,8 +283,9 @@ async def job_events(
     graph = task.params.get("workflow")
     events = JobEvents(request, state, len(graph) if isinstance(graph, dict) else 0, after)
     stop = anyio.Event()
+    messages = with_cancel_asks(state, task.id, state.app.watch(task.id), lambda: events.running)
     return EventStream(
-        _stream(request, events, state.app.watch(task.id), stop),
+        _stream(request, events, messages, stop),
         ping=state.ping_interval_s,
         ping_message_factory=lambda: ServerSentEvent(comment="ping"),
         sep="\n",
