@@ -437,6 +437,22 @@ async def test_a_node_failure_names_the_node(
     assert [e["event"] for e in events[-2:]] == ["log", "status"]
 
 
+async def test_a_workflow_comfyui_refuses_names_the_node(served: tuple[str, ApiUnderTest]) -> None:
+    _, api = served
+    nodes = graph(next(SEEDS))
+    nodes["4"]["inputs"]["ckpt_name"] = "missing.safetensors"  # not on the instance
+    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": nodes})).json()["id"]
+    await wait_until(lambda: _is(api, job_id, "failed"), 30)
+    job = Job.model_validate((await api.client.get(f"/api/v2/jobs/{job_id}")).json())
+    assert job.error is not None
+    assert (job.error.code, job.error.node_id, job.error.class_type) == (
+        "invalid_prompt",
+        "4",
+        "CheckpointLoaderSimple",
+    )
+    assert job.error.message and "ckpt_name: 'missing.safetensors' not in" in job.error.message
+
+
 async def test_cancel_a_queued_a_running_and_a_finished_job(
     served: tuple[str, ApiUnderTest],
 ) -> None:
