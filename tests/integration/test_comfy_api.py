@@ -352,7 +352,8 @@ async def events_resume(
     for events in (first, resumed):
         ids = [_order(e["id"]) for e in events]
         assert ids == sorted(set(ids)), ids  # unique and increasing within a connection
-    assert _order(resumed[0]["id"])[0] == _order(last)[0]  # on from the one resumed after
+    after = _order(last)[0]  # on from the status change resumed after, nothing before it
+    assert all(_order(e["id"])[0] >= after for e in resumed), (last, resumed)
     statuses = [e["data"]["status"] for e in first + resumed if e["event"] == "status"]
     assert statuses == ["queued", "running", "succeeded"]  # nothing sent twice
     assert any(e["event"] == "output" for e in resumed)
@@ -486,6 +487,8 @@ async def test_a_cancel_interrupts_the_running_prompt(sqlite_cluster: Cluster) -
     await wait_until(interrupted, timeout_s=10, what="the instance's interrupt")
     history = httpx.get(f"{cluster.instances[index].url}/history/{prompt_id}").json()
     assert history[prompt_id]["status"]["status_str"] == "error"
+    events, ended = await sse(cluster, job.id)
+    assert ended and events[-1]["data"] == {"status": "canceled"}
 
 
 async def test_a_failing_node_fails_the_job_with_the_node(sqlite_cluster: Cluster) -> None:
