@@ -2,16 +2,18 @@
 real kiln server (uvicorn on a loopback port), every answer validated against the client's
 own generated models (`comfy_low.models`).
 
-Jobs run on the TEST-ONLY stand-in handler of comfy_support.py (no ComfyUI): the tests
-with a ComfyUI stand-in come with the worker driver.
+Jobs run through the real `comfy.workflow` worker driver on a stand-in ComfyUI process
+(tests/services/comfyui_standin.py, shared by the module): see comfy_support.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -40,13 +42,25 @@ from comfy_sdk import (
 )
 from comfy_sdk import Progress as ProgressEvent
 from comfy_sdk.events import OutputReady
-from comfy_support import OUTPUT_FILE, OUTPUT_NODE, STEPS, comfy_server, gate_of, graph, png
+from comfy_support import (
+    CKPT,
+    IMAGE_NODE,
+    OUTPUT_NODE,
+    STEPS,
+    comfy_server,
+    gate_of,
+    graph,
+    png,
+    scaled,
+)
+from tests.services.comfyui_standin import Process
 
 from kiln import inputs
 from kiln.config import Settings
 from kiln.limits import Rate
 
 pytestmark = pytest.mark.timeout(120)
+SEEDS = itertools.count(1000)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -57,12 +71,30 @@ def each_store(request: pytest.FixtureRequest, settings: Settings) -> Settings:
     return settings
 
 
+@pytest.fixture(scope="module")
+def comfyui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    """A stand-in ComfyUI process for the module's jobs."""
+    instance = Process(tmp_path_factory.mktemp("comfyui"), "--step-s", "0.02", "--load-s", "0")
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+@pytest.fixture
+def comfyui_url(comfyui: Process) -> str:
+    """The stand-in's URL, its faults cleared."""
+    assert comfyui.alive(), comfyui.output()
+    httpx.post(f"{comfyui.url}/standin/faults", json={}).raise_for_status()
+    return comfyui.url
+
+
 @pytest.fixture
 async def served(
-    each_store: Settings, monkeypatch: pytest.MonkeyPatch
+    each_store: Settings, comfyui_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[str, ApiUnderTest]]:
-    """The server with one in-process worker, on each store."""
-    async with comfy_server(each_store) as found:
+    """The server with one in-process worker driving the stand-in ComfyUI, on each store."""
+    async with comfy_server(each_store, comfyui=comfyui_url) as found:
         monkeypatch.setenv("COMFY_BASE_URL", found[0])
         yield found
 
@@ -72,7 +104,7 @@ async def queued_only(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[str, ApiUnderTest]]:
     """The server with no worker: jobs stay queued."""
-    async with comfy_server(settings, workers=0) as found:
+    async with comfy_server(settings) as found:
         monkeypatch.setenv("COMFY_BASE_URL", found[0])
         yield found
 
@@ -282,18 +314,47 @@ async def _sse(
 
 
 async def test_a_job_runs_to_succeeded_with_outputs_as_assets(
-    served: tuple[str, ApiUnderTest],
+    each_store: Settings, comfyui: Process, comfyui_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base, api = served
     photo = png((9, 9, 9))
+    async with comfy_server(each_store, comfyui=comfyui_url, gated=True) as (base, api):
+        monkeypatch.setenv("COMFY_BASE_URL", base)
+        job, done, data = await _run_with_the_client(api, photo)
+        [output] = done.outputs
+        raw = (await api.client.get(f"/api/v2/jobs/{job.id}")).json()
+        model = Job.model_validate(raw)
+        [out] = raw["outputs"]
+        assert out["hash"] == "blake3:" + blake3(data).hexdigest()
+        assert out["sha256"] == hashlib.sha256(data).hexdigest()
+        assert str(model.outputs[0].url) == f"{base}/api/v2/assets/{out['id']}/content"
+        assert model.urls.self == f"{base}/api/v2/jobs/{job.id}"
+        assert model.progress is not None and model.progress.value == 1.0
+        Asset.model_validate((await api.client.get(f"/api/v2/assets/{out['id']}")).json())
+        error_of(await api.client.delete(f"/api/v2/assets/{out['id']}"), 422, "invalid_request")
+        JobWorkflowResponse.model_validate(
+            (await api.client.get(f"/api/v2/jobs/{job.id}/workflow")).json()
+        )
+        task = await api.kiln.get(job.id)
+    assert task.kind == "comfy.workflow" and task.model == CKPT
+    sha = hashlib.sha256(photo).hexdigest()
+    assert [i["sha256"] for i in task.inputs] == [sha]
+    # the stand-in ComfyUI got the asset's bytes and saved the very image served
+    assert (comfyui.root / "input" / f"kiln-{sha}.png").read_bytes() == photo
+    assert (comfyui.root / "output" / output.name).read_bytes() == data
+
+
+async def _run_with_the_client(api: ApiUnderTest, photo: bytes) -> tuple[Any, Any, bytes]:
+    """Upload ``photo``, submit a graph that loads it, follow the job's events from before
+    it runs to its end, and check what the client reads: (job, result, output bytes)."""
     async with alice() as comfy:
         asset = comfy.assets.from_bytes(photo, filename="photo.png", content_type="image/png")
-        gated = graph(5, extra={"2": {"class_type": "GateNode", "inputs": {}}})
-        workflow = comfy.workflows.from_json(gated)
-        workflow.set_input("10", "image", asset)
+        # a seed of its own: ComfyUI (and the stand-in) would serve a graph it just ran from
+        # its cache, without steps or previews
+        workflow = comfy.workflows.from_json(graph(next(SEEDS), image="placeholder.png"))
+        workflow.set_input(IMAGE_NODE, "image", asset)
         job = await comfy.submit(workflow, metadata={"project": "fox"})
         events = job.events()
-        seen = [await anext(events)]  # the stream is open: let the job take its steps
+        seen = [await anext(events)]  # the stream is open: let the worker take the job
         gate_of(api.kiln).set()
         seen += [event async for event in events]
         done = await job.result()
@@ -307,27 +368,13 @@ async def test_a_job_runs_to_succeeded_with_outputs_as_assets(
         assert previews[0].content_type == "image/jpeg" and previews[0].data[:2] == b"\xff\xd8"
         [output] = done.get_outputs(OUTPUT_NODE)
         data = await output.to_bytes()
-        assert output.name == OUTPUT_FILE and output.size_bytes == len(data)
+        assert re.fullmatch(r"kiln_\d{5}_\.png", output.name), output.name
+        assert output.size_bytes == len(data)
         assert data.startswith(b"\x89PNG") and await output.to_bytes(range=(0, 3)) == data[:4]
         wf = await job.get_workflow()
         assert wf.format == "api"
-        assert wf.graph["10"]["inputs"]["image"]["info"]["id"] == asset.id
-    raw = (await api.client.get(f"/api/v2/jobs/{job.id}")).json()
-    model = Job.model_validate(raw)
-    [out] = raw["outputs"]
-    assert out["hash"] == "blake3:" + blake3(data).hexdigest()
-    assert out["sha256"] == hashlib.sha256(data).hexdigest()
-    assert str(model.outputs[0].url) == f"{base}/api/v2/assets/{out['id']}/content"
-    assert model.urls.self == f"{base}/api/v2/jobs/{job.id}"
-    assert model.progress is not None and model.progress.value == 1.0
-    Asset.model_validate((await api.client.get(f"/api/v2/assets/{out['id']}")).json())
-    error_of(await api.client.delete(f"/api/v2/assets/{out['id']}"), 422, "invalid_request")
-    JobWorkflowResponse.model_validate(
-        (await api.client.get(f"/api/v2/jobs/{job.id}/workflow")).json()
-    )
-    task = await api.kiln.get(job.id)
-    assert task.kind == "comfy.workflow" and task.model == "sd15.safetensors"
-    assert [i["sha256"] for i in task.inputs] == [hashlib.sha256(photo).hexdigest()]
+        assert wf.graph[IMAGE_NODE]["inputs"]["image"]["info"]["id"] == asset.id
+    return job, done, data
 
 
 async def test_events_replay_the_history_and_resume_after_last_event_id(
@@ -367,27 +414,51 @@ async def _is(api: ApiUnderTest, job_id: str, status: str) -> bool:
     return (await api.client.get(f"/api/v2/jobs/{job_id}")).json()["status"] == status
 
 
-async def test_a_node_failure_names_the_node(served: tuple[str, ApiUnderTest]) -> None:
+async def test_a_node_failure_names_the_node(
+    served: tuple[str, ApiUnderTest], comfyui_url: str
+) -> None:
     _, api = served
-    failing = graph(4, extra={"12": {"class_type": "FailNode", "inputs": {}}})
-    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": failing})).json()["id"]
+    fault = {
+        "class_type": "ImageScale",
+        "exception_type": "ValueError",
+        "exception_message": "width must be positive",
+    }
+    httpx.post(f"{comfyui_url}/standin/faults", json={"raise": fault}).raise_for_status()
+    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": scaled(4)})).json()["id"]
     await wait_until(lambda: _is(api, job_id, "failed"), 30)
     job = Job.model_validate((await api.client.get(f"/api/v2/jobs/{job_id}")).json())
     assert job.error is not None
     assert (job.error.code, job.error.node_id, job.error.class_type) == (
         "node_execution_error",
         "12",
-        "FailNode",
+        "ImageScale",
     )
+    assert job.error.message and "width must be positive" in job.error.message
     events = await _sse(api.client, job_id)
     assert [e["event"] for e in events[-2:]] == ["log", "status"]
+
+
+async def test_a_workflow_comfyui_refuses_names_the_node(served: tuple[str, ApiUnderTest]) -> None:
+    _, api = served
+    nodes = graph(next(SEEDS))
+    nodes["4"]["inputs"]["ckpt_name"] = "missing.safetensors"  # not on the instance
+    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": nodes})).json()["id"]
+    await wait_until(lambda: _is(api, job_id, "failed"), 30)
+    job = Job.model_validate((await api.client.get(f"/api/v2/jobs/{job_id}")).json())
+    assert job.error is not None
+    assert (job.error.code, job.error.node_id, job.error.class_type) == (
+        "invalid_prompt",
+        "4",
+        "CheckpointLoaderSimple",
+    )
+    assert job.error.message and "ckpt_name: 'missing.safetensors' not in" in job.error.message
 
 
 async def test_cancel_a_queued_a_running_and_a_finished_job(
     served: tuple[str, ApiUnderTest],
 ) -> None:
     _, api = served
-    waiting = graph(11, extra={"5": {"class_type": "WaitNode", "inputs": {}}})
+    waiting = graph(11, steps=5000)  # runs until the cancel interrupts it
     running = (await api.client.post("/api/v2/jobs", json={"workflow": waiting})).json()["id"]
     await wait_until(lambda: _is(api, running, "running"), 30)
     queued = (await api.client.post("/api/v2/jobs", json={"workflow": waiting})).json()["id"]
@@ -538,7 +609,7 @@ async def test_a_full_queue_is_429_queue_full_with_retry_after(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     limited = settings.with_(tenant_rate=Rate(per_s=0.01, burst=1))
-    async with comfy_server(limited, workers=0) as (_, api):
+    async with comfy_server(limited) as (_, api):
         first = await api.client.post("/api/v2/jobs", json={"workflow": graph(1)})
         assert first.status_code == 201
         refused = await api.client.post("/api/v2/jobs", json={"workflow": graph(2)})

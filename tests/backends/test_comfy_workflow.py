@@ -214,6 +214,10 @@ async def test_a_workflow_comfyui_refuses_fails_with_its_node_errors(
     [details] = task.error["details"]
     assert details["error"]["type"] == "prompt_outputs_failed_validation"
     assert details["node_errors"]["4"]["errors"][0]["type"] == "value_not_in_list"
+    # the node refused is named, as a node's failure is
+    assert (details["node_id"], details["node_type"]) == ("4", "CheckpointLoaderSimple")
+    assert "node 4 (CheckpointLoaderSimple): Value not in list" in task.error["message"]
+    assert "'missing.safetensors' not in" in task.error["message"]
 
 
 async def test_an_instance_that_cannot_be_reached_is_retryable_and_stops_claims(

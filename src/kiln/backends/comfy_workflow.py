@@ -413,8 +413,25 @@ def _refused(response: httpx.Response) -> Permanent:
     error = error if isinstance(error, dict) else {"message": response.text[:500]}
     node_errors = body.get("node_errors") if isinstance(body, dict) else None
     message = f"ComfyUI refused the workflow: {error.get('message')} {error.get('details') or ''}"
-    details = [{"error": error, "node_errors": node_errors or {}}]
-    return Permanent(message.strip()[:500], code=INVALID_PROMPT, details=details)
+    details: JSON = {"error": error, "node_errors": node_errors or {}}
+    refused = _first_refused(node_errors)
+    if refused is not None:  # name the node, as a node's failure does
+        node_id, node_type, why = refused
+        details.update(node_id=node_id, node_type=node_type)
+        message = f"{message.strip()}: node {node_id} ({node_type}): {why}"
+    return Permanent(message.strip()[:500], code=INVALID_PROMPT, details=[details])
+
+
+def _first_refused(node_errors: Any) -> tuple[str, str, str] | None:
+    """(node id, class type, what is wrong) of the first node ComfyUI refused, or None."""
+    if not isinstance(node_errors, dict) or not node_errors:
+        return None
+    node_id, entry = next(iter(node_errors.items()))
+    entry = entry if isinstance(entry, dict) else {}
+    errors = entry.get("errors")
+    first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
+    why = ": ".join(str(first[k]) for k in ("message", "details") if first.get(k))
+    return str(node_id), str(entry.get("class_type") or ""), why or "refused"
 
 
 def _execution_failed(kind: str, data: JSON) -> Retryable | Permanent:
