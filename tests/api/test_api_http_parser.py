@@ -106,3 +106,24 @@ def test_a_head_over_the_limit_after_a_body_is_431(served: tuple[str, int]) -> N
         answer = read_all(sock)
     assert "KILN_MAX_HEADER_BYTES" in assert_envelope(answer, 431, "headers_too_large")
     still_serving(url)
+
+
+def head_of(size: int) -> bytes:
+    """A ``GET /healthz`` request head of exactly ``size`` bytes, blank line included."""
+    start = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("piece", [1, 7])
+@pytest.mark.parametrize(("size", "status"), [(HEADER_LIMIT, 200), (HEADER_LIMIT + 1, 431)])
+def test_a_head_in_pieces_is_measured_to_the_byte(
+    served: tuple[str, int], piece: int, size: int, status: int
+) -> None:
+    url, port = served
+    head = head_of(size)
+    with connect(port) as sock:
+        with contextlib.suppress(ConnectionError):
+            for start in range(0, len(head), piece):
+                sock.sendall(head[start : start + piece])
+        assert parse(read_all(sock))[0] == status
+    still_serving(url)
