@@ -2,11 +2,13 @@
 
 It serves the routes the benchmark drives (``GET /healthz``, ``GET /v1/tasks/{task_id}``,
 ``POST /v1/tasks``) on the uvicorn settings of ``kiln serve`` (``kiln.cli.processes``):
-the same event loop (uvloop when installed), uvicorn's h11 protocol with the same head
-limit, the same graceful-shutdown timeout, uvicorn's access log on. It reads nothing of
-the request: no auth, no body parsing, no store::
+the same event loop (uvloop when installed), uvicorn's httptools protocol (``--http h11``:
+uvicorn's h11 protocol, with the same head limit), the same graceful-shutdown timeout,
+uvicorn's access log on. It reads nothing of the request: no auth, no body parsing, no
+store::
 
     python benchmarks/http_bare.py --port 8001
+    python benchmarks/http_bare.py --port 8001 --http h11
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-header-bytes", type=int, default=32 * 1024)
+    parser.add_argument("--http", choices=("httptools", "h11"), default="httptools")
     args = parser.parse_args()
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=5,
-        http="h11",
+        http=args.http,
         h11_max_incomplete_event_size=args.max_header_bytes,
     )
     uvicorn.Server(config).run()

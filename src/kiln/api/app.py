@@ -387,10 +387,16 @@ def create_app(
     api.include_router(schedules.router)
     api.include_router(usage_routes.router)
     api.include_router(comfy_routes.router)  # the Comfy API v2, /api/v2 (docs/comfy.md)
+    included = len(api.router.routes)
     api.include_router(ops)
+    operations = api.router.routes[included:]
     docs.install(api)
     if DASHBOARD_DIR.is_dir():
         api.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR), name="dashboard")
-    api.openapi = openapi_builder(api, app, settings)  # type: ignore[method-assign]
+    document = list(api.router.routes)  # the order the OpenAPI document lists them in
+    api.openapi = openapi_builder(api, app, settings, document)  # type: ignore[method-assign]
+    # A request is matched against the routes one by one, in order: the operations routes
+    # (probes every few seconds; exact paths no other route takes) are tried first.
+    api.router.routes[:] = operations + [r for r in document if r not in operations]
     install_log_redaction()
     return api

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from starlette.routing import BaseRoute
 
 from kiln import pipelines
 from kiln.api.bulk_actions import CancelRequest, RetryRequest
@@ -254,14 +255,20 @@ def _without_security(schema: dict[str, Any]) -> None:
             operation.pop("security", None)
 
 
-def openapi_builder(api: FastAPI, app: App, settings: Settings) -> Callable[[], dict[str, Any]]:
-    """OpenAPI with the JSON bodies the routes read themselves (size limit, strict JSON)."""
+def openapi_builder(
+    api: FastAPI, app: App, settings: Settings, routes: list[BaseRoute] | None = None
+) -> Callable[[], dict[str, Any]]:
+    """OpenAPI with the JSON bodies the routes read themselves (size limit, strict JSON),
+    listing ``routes`` (default: the app's) in their order."""
 
     def build() -> dict[str, Any]:
         if api.openapi_schema:
             return api.openapi_schema
         schema = get_openapi(
-            title=api.title, version=api.version, description=api.description, routes=api.routes
+            title=api.title,
+            version=api.version,
+            description=api.description,
+            routes=api.routes if routes is None else routes,
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         # First: its task's plain SubmitRequest is then replaced by the one with variants.

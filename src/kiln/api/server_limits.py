@@ -3,7 +3,8 @@ client may take to send a request's head and its body.
 
 A client that sends a 40 MB header, opens thousands of connections or trickles a request
 in one byte at a time must not hold the server's memory or sockets. ``kiln serve`` runs
-uvicorn with :func:`uvicorn_options`: its HTTP/1.1 protocol is :class:`GuardedH11`, which
+uvicorn with :func:`uvicorn_options`: its HTTP/1.1 protocol is :class:`GuardedHttpTools`
+(uvicorn's httptools protocol, the C parser llhttp), which
 
 - refuses a connection past ``KILN_MAX_CONNECTIONS`` at once (503 ``server_busy``);
 - refuses a request head (request line and headers) over ``KILN_MAX_HEADER_BYTES``,
@@ -33,9 +34,9 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-import h11
+import httptools
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.datastructures import Headers
 from websockets.http11 import Response
@@ -75,41 +76,26 @@ def envelope_bytes(status: int, code: str, message: str, headers: dict[str, str]
 
 # The protocol ---------------------------------------------------------------------------
 
-#: Where h11 ends a request head: at its first empty line.
+#: Where a request head ends: at its first empty line.
 _HEAD_END = re.compile(rb"\n\r?\n")
 
 
-class HeadLimitedConnection(h11.Connection):
-    """h11's server side, refusing a request head over ``max_head_bytes`` however it came.
-
-    h11 itself limits only a head still incomplete (``max_incomplete_event_size``): a
-    larger one that arrives whole in one read is parsed. Here the head is measured before
-    h11 parses it, and one over the limit raises :class:`h11.RemoteProtocolError` with
-    ``error_status_hint`` 431 (``head_too_large`` is then true)."""
-
-    def __init__(self, max_head_bytes: int) -> None:
-        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
-        self.max_head_bytes = max_head_bytes
-        self.head_too_large = False
-
-    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        if self.their_state is h11.IDLE:
-            buffered, _ = self.trailing_data
-            end = _HEAD_END.search(buffered)
-            if (end.end() if end else len(buffered)) > self.max_head_bytes:
-                self.head_too_large = True
-                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
-        try:
-            return super().next_event()
-        except h11.RemoteProtocolError as exc:
-            self.head_too_large = exc.error_status_hint == 431
-            raise
+#: The versions served: llhttp parses a request line of "HTTP/2.0" too.
+_VERSIONS = frozenset({"1.0", "1.1"})
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a connection cap, a head size limit, a head deadline
-    and a deadline for a body the app does not read, refusing in the error envelope.
-    :func:`guarded_protocol` sets the limits."""
+class HeadTooLarge(Exception):
+    """Raised from a parser callback: the head being parsed is over the limit."""
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a connection cap, a head size limit, a head
+    deadline and a deadline for a body the app does not read, refusing in the error
+    envelope. :func:`guarded_protocol` sets the limits.
+
+    A request head is measured before it is parsed: the bytes up to its end (or all of
+    them while it has not ended) count, however many reads bring them. A head that begins
+    after another request in the same read is measured by its parsed parts as well."""
 
     max_connections = 1000
     max_header_bytes = 32 * 1024
@@ -118,10 +104,15 @@ class GuardedH11(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = self.limited = HeadLimitedConnection(self.max_header_bytes)
+        self._head_bytes = 0  # of the head now coming, measured before parsing
+        self._head_parsed = 0  # of the head being parsed, by its parts
+        self._head_end_carry = b""  # the last bytes of the previous read, for _HEAD_END
+        self._in_head = False  # a head is being parsed
+        self._in_body = False  # a body is due (its head parsed, the message not complete)
+        self._head_too_large = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
-        self._timed_cycle: object = None  # the request whose body _body_timer times
+        self._body_timed = False  # the body now due has its deadline
         self._body_overdue = False
         self._upgraded = False
 
@@ -140,33 +131,41 @@ class GuardedH11(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if not self._in_body and not self._measure_head(data):
+            self._head_too_large = True
+            self.send_400_response("request head too large")
+            return
         if self._draining():
             # Bytes of a body the app did not read are not activity: unlike uvicorn, leave
             # the keep-alive timer started at the response's end running.
-            self.conn.receive_data(data)
-            self.handle_events()
+            self._feed(data)
         else:
             super().data_received(data)
-        if self.transport.is_closing():
+        if self._in_body and not self._body_timed and not self._upgraded:
+            self._arm_body_timer()
+        if self.transport.is_closing() or self._upgraded:
             self._disarm_head_timer()
-        elif self.conn.their_state is h11.IDLE:
+        elif self._awaiting_head():
             self._arm_head_timer()  # a head began (or will): it has its deadline
         else:
             self._disarm_head_timer()
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.send_400_response("Invalid HTTP request received.")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         self._disarm_body_timer()
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        self._watch_body()
-
-    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+    def handle_websocket_upgrade(self) -> None:
         self._upgraded = True  # the connection is the WebSocket protocol's from now on
         self._disarm_head_timer()
-        super().handle_websocket_upgrade(event)
+        self._disarm_body_timer()
+        super().handle_websocket_upgrade()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -174,7 +173,7 @@ class GuardedH11(H11Protocol):
             self._body_timeout()  # answered after the body's deadline, the body still due
 
     def send_400_response(self, msg: str) -> None:
-        if self.limited.head_too_large:
+        if self._head_too_large:
             log.warning("request_head_too_large", extra={"limit": self.max_header_bytes})
             self._refuse(
                 431,
@@ -185,7 +184,65 @@ class GuardedH11(H11Protocol):
             return
         self._refuse(400, "invalid_request", "the request is not valid HTTP/1.1")
 
+    # parser callbacks: where a head and a body begin and end
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_parsed = 12  # the method and " HTTP/1.1\r\n" around the target, at least
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)  # in pieces when the target came in pieces
+        self._count_parsed(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._count_parsed(len(name) + len(value) + 3)  # with ":" and "\r\n", at least
+
+    def on_headers_complete(self) -> None:
+        if self.parser.get_http_version() not in _VERSIONS:
+            raise httptools.HttpParserError("not HTTP/1.0 or HTTP/1.1")  # answered 400
+        self._in_head = False
+        self._in_body = True
+        self._head_bytes = 0
+        self._head_end_carry = b""
+        self._disarm_head_timer()
+        self._disarm_body_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._disarm_body_timer()
+        super().on_message_complete()
+
+    # the head's size
+
+    def _measure_head(self, data: bytes) -> bool:
+        """Count ``data`` into the head now coming; False when that is over the limit."""
+        carried = len(self._head_end_carry)
+        end = _HEAD_END.search(self._head_end_carry + data)
+        size = self._head_bytes + (end.end() - carried if end else len(data))
+        if size > self.max_header_bytes:
+            return False
+        if not end:
+            self._head_bytes = size
+            self._head_end_carry = data[-3:]
+        return True
+
+    def _count_parsed(self, size: int) -> None:
+        self._head_parsed += size
+        if self._head_parsed > self.max_header_bytes:
+            self._head_too_large = True
+            raise HeadTooLarge  # httptools stops: HttpParserCallbackError, answered 431
+
     # the head's deadline
+
+    def _awaiting_head(self) -> bool:
+        """A head is coming, or may: no request is being read or answered."""
+        if self._in_head:
+            return True
+        answered = self.cycle is None or self.cycle.response_complete
+        return answered and not self._in_body and not self.pipeline
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -198,10 +255,9 @@ class GuardedH11(H11Protocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or not self._awaiting_head():
             return
-        buffered, _ = self.conn.trailing_data
-        if not buffered:  # nothing sent: an idle connection just goes
+        if not self._in_head and not self._head_bytes:  # nothing sent: an idle connection goes
             self.transport.close()
             return
         log.warning("request_head_timeout", extra={"timeout_s": self.header_timeout_s})
@@ -216,28 +272,23 @@ class GuardedH11(H11Protocol):
 
     def _draining(self) -> bool:
         """The response is complete and the request's body is still coming."""
-        complete = self.cycle is not None and self.cycle.response_complete
-        return complete and self.conn.their_state is h11.SEND_BODY
+        return self._in_body and self.cycle is not None and self.cycle.response_complete
 
-    def _watch_body(self) -> None:
+    def _arm_body_timer(self) -> None:
         """Time the body of the current request from the end of its head."""
-        if self._upgraded or self.conn.their_state is not h11.SEND_BODY:
-            self._disarm_body_timer()
-        elif self._timed_cycle is not self.cycle:
-            self._disarm_body_timer()
-            self._timed_cycle = self.cycle
-            self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timeout)
+        self._body_timed = True
+        self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timeout)
 
     def _disarm_body_timer(self) -> None:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
-        self._timed_cycle = None
+        self._body_timed = False
         self._body_overdue = False
 
     def _body_timeout(self) -> None:
         self._body_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+        if self.transport.is_closing() or not self._in_body:
             return
         self._body_overdue = True
         if not self.cycle.response_started:
@@ -256,15 +307,15 @@ class GuardedH11(H11Protocol):
             self.transport.close()
 
 
-def guarded_protocol(settings: Settings) -> type[GuardedH11]:
-    """:class:`GuardedH11` with the limits of ``settings``."""
+def guarded_protocol(settings: Settings) -> type[GuardedHttpTools]:
+    """:class:`GuardedHttpTools` with the limits of ``settings``."""
     limits = {
         "max_connections": settings.max_connections,
         "max_header_bytes": settings.max_header_bytes,
         "header_timeout_s": settings.header_timeout_s,
         "body_timeout_s": settings.body_timeout_s,
     }
-    return type("GuardedH11", (GuardedH11,), limits)
+    return type("GuardedHttpTools", (GuardedHttpTools,), limits)
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
