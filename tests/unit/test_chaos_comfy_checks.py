@@ -111,3 +111,27 @@ async def test_a_graph_run_more_often_than_attempted_fails_cf3(jobs: Jobs) -> No
     assert await jobs.failed() == set()
     jobs.save(0, 1, IMAGE, n=1)  # the failing job's graph ran to its end
     assert await jobs.failed() == {"CF3"}
+
+
+def test_a_run_whose_instances_were_never_killed_fails_ch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    chaos = importlib.import_module("chaos")
+    figures: dict[str, Any] = {
+        "worker_kills": 3,
+        "storage_faults": 9,
+        "cancelled_pending": 2,
+        "cancelled_running": 1,
+        "tasks_retried": 5,
+        "permanent": 2,
+        "supervisor_restarts": 1,
+        "finished_in_time": True,
+        "exited_by_themselves": [],
+        "batched_calls": 4,
+        "comfy_jobs": 10,
+        "comfy_failing": 2,
+        "comfy_instance_kills": 3,
+        "comfy_exited_by_themselves": [],
+    }
+    assert chaos.chaos_happened(figures).ok
+    assert not chaos.chaos_happened({**figures, "comfy_instance_kills": 0}).ok
+    assert not chaos.chaos_happened({**figures, "comfy_exited_by_themselves": ["pid 1"]}).ok
