@@ -375,7 +375,11 @@ async def run_until_final(
             chaos.pause_workers(),
             chaos.restart_supervisor(app, args.tasks),
             chaos.watch_processes(),
-            comfy_jobs.submit_all(chaos.done, args.comfy_submit_every_s),
+            comfy_jobs.submit_all(
+                chaos.done,
+                args.comfy_submit_every_s,
+                lambda: 1.0 if submitter.finished else len(submitter.created) / args.tasks,
+            ),
             comfy_fleet.chaos(comfy_rng, chaos.done, args.comfy_kill_every_s),
             comfy_fleet.watch(chaos.done),
         )
@@ -622,7 +626,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--comfy-submit-every-s",
         type=float,
         default=0.2,
-        help="a comfy job is submitted every S seconds (0.2)",
+        help="the least time between two comfy jobs (0.2)",
     )
     args = parser.parse_args(argv)
     if args.tasks < 20 or args.workers < 1 or not 0 <= args.fault_rate < 1:

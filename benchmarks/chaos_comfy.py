@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,8 +282,15 @@ class ComfySubmitter:
     made: dict[str, tuple[int, bool]] = field(default_factory=dict)
     finished: bool = False
 
-    async def submit_all(self, done: asyncio.Event, every_s: float) -> None:
+    async def submit_all(
+        self, done: asyncio.Event, every_s: float, progress: Callable[[], float]
+    ) -> None:
+        """Submit the jobs in step with the rest of the mix (``progress``: the share of it
+        submitted so far, 0 to 1), at most one every ``every_s`` seconds, so that the
+        instance kills meet running jobs over the whole run."""
         for n in range(self.jobs):
+            while n >= self.jobs * progress() and await nap(done, every_s):
+                pass
             if done.is_set():
                 break
             # evenly spread: floor(jobs * share) failing jobs in all
