@@ -361,10 +361,11 @@ async def run_until_final(
     """Start the processes, submit, and break things until every task is final; whether
     that happened before the timeout. A failure of the run's own loops is raised."""
     comfy_jobs, comfy_fleet = comfy
+    comfy_fleet.start()
+    await comfy_fleet.ready(app)
     for _ in range(args.workers):
         fleet.start_worker()
     fleet.start_supervisor()
-    comfy_fleet.start()
     comfy_rng = random.Random(chaos.rng.random())
     loops = [
         asyncio.ensure_future(coro)

@@ -158,6 +158,16 @@ class ComfyFleet:
             wait_listening(instance, deadline)
             self.start_worker(instance)
 
+    async def ready(self, app: kiln.App) -> None:
+        """Wait until every worker has registered (its start-up, CPU-bound on a small
+        machine, then lies behind the run, not in its first seconds)."""
+        pids = {i.worker.pid for i in self.instances if i.worker is not None}
+        deadline = time.monotonic() + READY_S
+        while not pids <= {w.pid for w in await app.store.workers()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the comfy.workflow workers did not register")
+            await asyncio.sleep(0.1)
+
     def start_instance(self, instance: Instance) -> None:
         instance.proc = self._popen(
             f"comfy-{instance.n}",
@@ -198,7 +208,7 @@ class ComfyFleet:
     ) -> None:
         """Every MIN..MAX seconds SIGKILL a random instance and start it again on its port
         after a moment (each fourth time, its worker instead, started again at once)."""
-        while await nap(done, rng.uniform(*every_s)):
+        while self.instances and await nap(done, rng.uniform(*every_s)):
             instance = rng.choice(self.instances)
             if (self.instance_kills + self.worker_kills) % 4 == 3:
                 assert instance.worker is not None
