@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -365,6 +366,7 @@ async def one_system(
             found = await measure(system)
         finally:
             system.stop()
+            shutil.rmtree(root, ignore_errors=True)
         figures.update({f"{phase}_{k}": v for k, v in found.items()})
     return figures
 
