@@ -43,10 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from chaos_checks import Check, Expected, Snapshot, check_all, load, step_map
+from chaos_comfy import ComfyFleet, ComfySubmitter, check_comfy
+from chaos_comfy import figures as comfy_figures
 from chaos_submit import Submitter
 
 import kiln
 from kiln import backends, transform
+from kiln.backends import comfy_workflow
 from kiln.config import Settings
 from kiln.states import ACTIVE, Event, Status
 
@@ -214,7 +217,11 @@ class Chaos:
 
 
 async def until_all_final(
-    app: kiln.App, submitter: Submitter, loops: Sequence[asyncio.Future[None]], timeout_s: float
+    app: kiln.App,
+    submitter: Submitter,
+    loops: Sequence[asyncio.Future[None]],
+    timeout_s: float,
+    comfy: ComfySubmitter,
 ) -> bool:
     """Poll the store until the submissions are done and no task is active; stop early
     when one of the run's own loops failed."""
@@ -222,7 +229,7 @@ async def until_all_final(
     while time.monotonic() < deadline:
         if any(loop.done() and loop.exception() for loop in loops):
             return False
-        if submitter.settled:
+        if submitter.settled and comfy.finished:
             counts = (await app.store.stats(tenant=None, ghost_after_s=60)).counts
             if not any(counts.get(str(status), 0) for status in ACTIVE):
                 return True
@@ -271,17 +278,31 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
     app = kiln.App(settings=settings_of(env))
     backends.register(app)  # the kinds the workers serve, to validate what is submitted
     transform.register(app)
+    comfy_workflow.register(app, url="http://127.0.0.1:9")  # it validates, never runs a job
     rng = random.Random(args.seed)
     async with app:
         await app.store.stats(tenant=None, ghost_after_s=60)  # the schema exists before they start
         fleet = Fleet(run_dir, env, args)
         chaos = Chaos(fleet, random.Random(rng.random()), args)
         submitter = Submitter(app, random.Random(rng.random()), args.tasks, args.backlog)
+        comfy = ComfySubmitter(
+            app,
+            random.Random(rng.random()),
+            args.comfy_jobs,
+            args.comfy_failing_share,
+            args.comfy_steps,
+        )
+        comfy_fleet = ComfyFleet(run_dir, env, args.comfy_instances, args.comfy_step_s)
         started = time.monotonic()
         try:
-            finished = await run_until_final(app, args, fleet, chaos, submitter)
+            finished = await run_until_final(
+                app, args, fleet, chaos, submitter, (comfy, comfy_fleet)
+            )
         finally:
             fleet.stop_all()
+            comfy_fleet.stop_all()
+        submitter.created |= comfy.made.keys()
+        submitter.permanent |= comfy.failing
         run_s = time.monotonic() - started
         checks_started = time.monotonic()
         expected = Expected(
@@ -292,6 +313,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         integrity = sqlite_integrity(database_url)
         deadlocks = postgres_deadlocks(database_url)
         checks = await check_all(app, expected, integrity=integrity)
+        checks += await check_comfy(snap, app.storage, comfy, comfy_fleet)
         check_s = time.monotonic() - checks_started
     faults = count_faults(run_dir / "faults")
     figures = {
@@ -322,19 +344,29 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
         "run_s": round(run_s, 1),
         "check_s": round(check_s, 1),
         "tasks_per_s": round(len(snap.tasks) / run_s, 1) if run_s else 0.0,
+        **comfy_figures(snap, comfy, comfy_fleet),
     }
     checks.append(chaos_happened(figures))
     return {"figures": figures, "checks": checks}
 
 
 async def run_until_final(
-    app: kiln.App, args: argparse.Namespace, fleet: Fleet, chaos: Chaos, submitter: Submitter
+    app: kiln.App,
+    args: argparse.Namespace,
+    fleet: Fleet,
+    chaos: Chaos,
+    submitter: Submitter,
+    comfy: tuple[ComfySubmitter, ComfyFleet],
 ) -> bool:
     """Start the processes, submit, and break things until every task is final; whether
     that happened before the timeout. A failure of the run's own loops is raised."""
+    comfy_jobs, comfy_fleet = comfy
+    comfy_fleet.start()
+    await comfy_fleet.ready(app)
     for _ in range(args.workers):
         fleet.start_worker()
     fleet.start_supervisor()
+    comfy_rng = random.Random(chaos.rng.random())
     loops = [
         asyncio.ensure_future(coro)
         for coro in (
@@ -344,10 +376,17 @@ async def run_until_final(
             chaos.pause_workers(),
             chaos.restart_supervisor(app, args.tasks),
             chaos.watch_processes(),
+            comfy_jobs.submit_all(
+                chaos.done,
+                args.comfy_submit_every_s,
+                lambda: 1.0 if submitter.finished else len(submitter.created) / args.tasks,
+            ),
+            comfy_fleet.chaos(comfy_rng, chaos.done, args.comfy_kill_every_s),
+            comfy_fleet.watch(chaos.done),
         )
     ]
     try:
-        return await until_all_final(app, submitter, loops, args.timeout_s)
+        return await until_all_final(app, submitter, loops, args.timeout_s, comfy_jobs)
     finally:
         chaos.done.set()
         submitter.stop()
@@ -391,6 +430,7 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
     if figures.get("tasks", 0) >= SHARES_FROM:  # too few tasks may draw none of these
         wanted["pipelines"] = figures["pipelines"]
         wanted["inputs_by_reference"] = figures["by_reference"]
+    wanted.update(comfy_wanted(figures))
     for name, n in wanted.items():
         if n <= 0:
             check.fail(f"no {name.replace('_', ' ')}")
@@ -398,10 +438,22 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         check.fail(f"{figures['supervisor_restarts']} supervisor restarts, not 1")
     if not figures["finished_in_time"]:
         check.fail("the tasks were not all final before the timeout")
-    if figures["exited_by_themselves"]:
-        check.fail(f"processes exited by themselves: {figures['exited_by_themselves']}")
+    exited = [*figures["exited_by_themselves"], *figures.get("comfy_exited_by_themselves", [])]
+    if exited:
+        check.fail(f"processes exited by themselves: {exited}")
     check.note = ", ".join(f"{k} {v}" for k, v in wanted.items())
     return check
+
+
+def comfy_wanted(figures: dict[str, Any]) -> dict[str, int]:
+    """When comfy jobs ran: instances were killed, and (from SHARES_FROM tasks) some jobs
+    had a failing node."""
+    if not figures.get("comfy_jobs"):
+        return {}
+    wanted = {"comfy_instance_kills": figures["comfy_instance_kills"]}
+    if figures.get("tasks", 0) >= SHARES_FROM:
+        wanted["comfy_failing_jobs"] = figures["comfy_failing"]
+    return wanted
 
 
 def pipeline_figures(snap: Snapshot) -> dict[str, Any]:
@@ -485,6 +537,13 @@ def report_lines(result: dict[str, Any], args: argparse.Namespace) -> Iterator[s
     )
     yield f"inputs by reference: {figures['by_reference']} transforms of earlier outputs"
     yield (
+        f"comfy jobs {figures['comfy_jobs']} ({figures['comfy_failing']} with a failing node) "
+        f"{figures['comfy_outcomes']} on {figures['comfy_instances']} instances: "
+        f"{figures['comfy_instance_kills']} instance SIGKILLs, "
+        f"{figures['comfy_worker_kills']} of their workers; "
+        f"{figures['comfy_attempts']} attempts"
+    )
+    yield (
         f"cancelled {figures['cancelled_pending']} while pending, "
         f"{figures['cancelled_running']} while running ({figures['cancel_missed']} ended first)"
     )
@@ -536,11 +595,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--keep", type=Path, default=None, metavar="DIR",
         help="keep the database, results and logs in DIR (kept anyway on a failure)")  # fmt: skip
     add("--log-level", default="INFO", help="the processes' KILN_LOG_LEVEL (default INFO)")
+    add(
+        "--comfy-instances",
+        type=int,
+        default=2,
+        help="stand-in ComfyUI instances, each with a comfy.workflow worker (2; 0: none)",
+    )
+    add(
+        "--comfy-share",
+        type=float,
+        default=0.05,
+        help="comfy.workflow jobs, as a share of --tasks (0.05)",
+    )
+    add(
+        "--comfy-failing-share",
+        type=float,
+        default=0.2,
+        help="share of the comfy jobs with a node that raises (0.2)",
+    )
+    add(
+        "--comfy-kill-every-s",
+        type=float,
+        nargs=2,
+        default=(2.0, 5.0),
+        metavar=("MIN", "MAX"),
+        help="an instance (each 4th time its worker) is SIGKILLed every MIN..MAX s (2 5)",
+    )
+    add("--comfy-steps", type=int, default=4, help="KSampler steps of a comfy job (4)")
+    add("--comfy-step-s", type=float, default=0.02, help="an instance's cost per step (0.02)")
+    add(
+        "--comfy-submit-every-s",
+        type=float,
+        default=0.2,
+        help="the least time between two comfy jobs (0.2)",
+    )
     args = parser.parse_args(argv)
     if args.tasks < 20 or args.workers < 1 or not 0 <= args.fault_rate < 1:
         parser.error("--tasks must be at least 20, --workers at least 1, --fault-rate in [0, 1)")
     args.timeout_s = args.timeout_s or args.tasks / 4 + 120
     args.database_kind = "postgresql" if args.postgres else "sqlite"
+    args.comfy_jobs = round(args.tasks * args.comfy_share) if args.comfy_instances > 0 else 0
     return args
 
 

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 INVARIANTS = {
     "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "EO", "RC", "IT", "PL1", "PL2", "PL3", "RF",
-    "CH",
+    "CF1", "CF2", "CF3", "CH",
 }  # fmt: skip
 
 
@@ -81,5 +81,10 @@ def test_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert summary["checks"]["PL3"]["checked"] > 0
     assert summary["pipelines_cancelled_pending"] + summary["pipelines_cancelled_running"] > 0
     assert summary["by_reference"] > 0 and summary["checks"]["RF"]["checked"] > 0
+    # And comfy.workflow jobs ran on stand-in ComfyUI instances that were killed: some
+    # succeeded (their images checked in storage), those with a failing node failed
+    assert summary["comfy_jobs"] >= 10 and summary["comfy_instance_kills"] > 0
+    assert summary["checks"]["CF2"]["checked"] > 0
+    assert summary["comfy_outcomes"].get("FAILED", 0) >= summary["comfy_failing"] > 0
     # And the table came before the JSON line
     assert "PASS" in stdout and re.search(r"\bFAIL\b", stdout) is None
