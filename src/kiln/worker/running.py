@@ -113,7 +113,8 @@ class Runner:
                 batch = attempt.batch
                 if batch is not None and batch.leader is attempt and not attempt.past_pools:
                     await batch.done.wait()  # the pools' units it holds are the batch's
-                await self.leases.transition(attempt, Event.STOPPED)
+                if await self._still_running(attempt):
+                    await self.leases.transition(attempt, Event.STOPPED)
             elif attempt.stop_reason == "release":  # a drain's grace ended
                 await self._release(attempt)
             elif attempt.stop_reason is None:
@@ -160,6 +161,19 @@ class Runner:
             log.warning("release_failed", extra={**who, "error": str(exc) or type(exc).__name__})
             return
         log.info("attempt_released", extra={**who, "event": str(event), "status": str(task.status)})
+
+    async def _still_running(self, attempt: Attempt) -> bool:
+        """Whether the attempt's task is still running at its epoch: a cancel heard as the
+        attempt's last change committed (``uploaded``, its await cut short) finds the task
+        already final, and must leave it so."""
+        task = attempt.task
+        if task.status not in RUNNING:
+            return False
+        try:
+            fresh = await self.engine.store.get(task.id)
+        except StoreUnavailable:
+            return True  # the fenced change decides
+        return fresh is not None and fresh.epoch == task.epoch and fresh.status in RUNNING
 
     async def _cancel_asked(self, task: Task) -> bool:
         """Whether a cancel was asked since the last heartbeat (from another process): a
