@@ -39,13 +39,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Batch, Shapes, Write
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
-from kiln.store.sqlstore import NOT_LIVE, Store, insert_args, update_sql
+from kiln.store.sqlstore import Store, insert_args, update_sql
 from kiln.store.tx import Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
@@ -510,7 +510,7 @@ def _is_plain(change: Change) -> bool:
         and not change.bump_epoch
         and not change.counters
         and target not in CLAIMABLE
-        and change.expect_status not in NOT_LIVE
+        and change.expect_status not in ENDED_UNSUCCESSFULLY
         and change.loading_s is None  # rare (a model was loaded): the transaction writes it
         and (change.pipeline_id is None or target not in FINAL)  # a step's end goes on
     )
