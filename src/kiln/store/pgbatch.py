@@ -1,7 +1,7 @@
 """The batch of one-statement writes of a PostgreSQL store's process.
 
 Submissions without a key and workers' plain steps that arrive while a batch commits go
-together into the next one: one transaction and one round trip (pipeline mode). Writes of
+together into the next one: one transaction and one round trip (psycopg's pipeline mode). Writes of
 one shape (submissions; steps that set the same columns) go as one statement over typed
 arrays (``submit_many``, ``step_many``); each row is still its own compare-and-set with
 its own event row, and a write whose row did not match gets no row back.
@@ -134,10 +134,10 @@ class Write:
     values: list[Any] = field(default_factory=list)
 
 
-class Batch:
+class WriteBatch:
     """The one-statement writes of a process (submissions, workers' plain steps) that
     arrive while a batch commits go together into the next one: one transaction and one
-    round trip for them all (pipeline mode), each still its own compare-and-set. Rows are
+    round trip for them all (psycopg's pipeline mode), each still its own compare-and-set. Rows are
     locked in task id order and counts added once, sorted, at the end, so two batches never
     wait on each other in a circle. A write alone runs as its own counted statement."""
 
@@ -214,9 +214,9 @@ class Batch:
         async with self.store._connection() as conn:
             if any(len(steps) > 1 for steps in statements):
                 await self.store.shapes.read_types(conn)
-            async with conn.pipeline() as pipeline, conn.transaction():
+            async with conn.pipeline() as round_trip, conn.transaction():
                 sent = [(steps, await conn.execute(*self._sql(steps))) for steps in statements]
-                await pipeline.sync()
+                await round_trip.sync()
                 tx = PostgresTx(conn)
                 for steps, cursor in sent:
                     for step, row in rows_of(steps, await cursor.fetchall()):
