@@ -50,7 +50,7 @@ from kiln.kinds import (
 )
 from kiln.models import JSON, NewTask, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
-from kiln.states import RUNNING, Event, Status
+from kiln.states import BEFORE_GENERATING, ENDED_UNSUCCESSFULLY, RUNNING, Event, Status
 from kiln.storage import Storage, verify
 from kiln.store import BreakerRecord, LeaderToken, Stats, Store
 from kiln.store.outbox import WebhookDelivery
@@ -84,9 +84,6 @@ HISTORY_PAGE = 500
 MAX_DELIVERIES_SHOWN = 1000
 #: How many tasks' latest status a stream remembers to keep progress behind its status.
 STATUS_MEMORY = 10_000
-#: The statuses a task reaches GENERATING from: progress seen while a stream still knows
-#: the task in one of them waits for that event.
-BEFORE_GENERATING = frozenset({Status.PENDING, Status.RETRYING, Status.WAITING_FOR_RESOURCE})
 #: A list cursor is the id of the last task of the page before (kiln.canonical.new_task_id).
 CURSOR_PATTERN = re.compile(r"tsk_[0-9a-hjkmnp-tv-z]{26}")
 
@@ -630,7 +627,7 @@ class App:
         succeed run again, the pipeline goes on from them); alone it would lead nowhere."""
         for _ in range(20):
             task = await self.get(task_id, tenant)
-            if task.status not in (Status.FAILED, Status.TIMEOUT, Status.CANCELLED):
+            if task.status not in ENDED_UNSUCCESSFULLY:
                 raise NotRetryable(f"task {task_id} is {task.status}; only final FAILED, "
                                    "TIMEOUT or CANCELLED tasks can be retried")  # fmt: skip
             fields = rerun_fields(task, self.now())
@@ -639,7 +636,7 @@ class App:
                     return await self.store.retry_pipeline(task.id, {})
                 if task.pipeline_id is not None:
                     pipeline = await self.store.get(task.pipeline_id)
-                    if pipeline is not None and pipeline.status in pipelines.ENDED:
+                    if pipeline is not None and pipeline.status in ENDED_UNSUCCESSFULLY:
                         await self.store.retry_pipeline(pipeline.id, {})
                         return await self.get(task_id, tenant)
                 return await self.engine.apply(task, Event.RETRY, fields=fields)

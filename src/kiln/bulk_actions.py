@@ -23,7 +23,7 @@ from kiln.engine import Engine, rerun_fields
 from kiln.errors import InvalidCursor, InvalidRequest
 from kiln.models import JSON, Task
 from kiln.pipelines import KIND as PIPELINE
-from kiln.states import ACTIVE, RUNNING, Event, IllegalTransition, Status
+from kiln.states import ACTIVE, ENDED_UNSUCCESSFULLY, RUNNING, Event, IllegalTransition, Status
 from kiln.store.bulk import (
     ASK_TO_STOP,
     CANCEL_PIPELINE,
@@ -37,7 +37,7 @@ from kiln.timing import parse_moment
 #: The statuses each action applies to, as the single action's rules say.
 STATUSES: dict[str, frozenset[Status]] = {
     "cancel": ACTIVE,
-    "retry": frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED}),
+    "retry": ENDED_UNSUCCESSFULLY,
 }
 #: The count of changed tasks in the answer, by action.
 DONE_FIELD = {"cancel": "cancelled", "retry": "retried"}

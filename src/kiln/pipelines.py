@@ -21,7 +21,7 @@ import pydantic
 
 from kiln.errors import InvalidRequest, KilnError
 from kiln.models import JSON, Timeouts
-from kiln.states import FINAL, Status
+from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Status
 
 KIND = "pipeline"
 #: Steps one pipeline may have, copies one step may have (``repeat``), tasks in all.
@@ -189,9 +189,6 @@ def input_records(
     return records
 
 
-ENDED = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
-
-
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """What the steps' statuses call for: copies to create, and the pipeline's end
@@ -208,7 +205,7 @@ def verdict(steps: list[JSON], policy: str, statuses: Mapping[Copy, Status]) -> 
     cancelled steps ended it) once a copy ended without success and, under ``continue``,
     nothing else can run."""
     repeats = {str(s["name"]): int(s.get("repeat", 1)) for s in steps}
-    failed = [copy for copy, status in statuses.items() if status in ENDED]
+    failed = [copy for copy, status in statuses.items() if status in ENDED_UNSUCCESSFULLY]
     create: list[tuple[JSON, int]] = []
     if not failed or policy == "continue":
         for step in steps:

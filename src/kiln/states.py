@@ -71,7 +71,23 @@ CLAIMABLE: frozenset[Status] = frozenset({S.PENDING, S.RETRYING})
 #: TIMEOUT are final "when not retried": a scheduled retry moves them on to RETRYING in the
 #: same transaction, so a task never rests in them while a retry is planned.
 FINAL: frozenset[Status] = frozenset({S.SUCCESS, S.FAILED, S.TIMEOUT, S.CANCELLED})
+#: Statuses that are not FINAL: the task still has somewhere to go (the bulk ``cancel`` set).
 ACTIVE: frozenset[Status] = frozenset(set(Status) - FINAL)
+#: FINAL without SUCCESS: the task ended without a result. The one set for every rule that
+#: asks "did it end badly": a manual retry (``retry``, single or bulk) applies to exactly
+#: these; a task in one of them no longer holds its dedup key (the store's dedup index and
+#: its SQL token ``{ENDED_UNSUCCESSFULLY}`` leave them out); a pipeline step in one of them
+#: ends its pipeline under its ``on_failure`` policy (kiln.pipelines).
+ENDED_UNSUCCESSFULLY: frozenset[Status] = frozenset({S.FAILED, S.TIMEOUT, S.CANCELLED})
+#: Statuses in which a task holds a slot of its resource pool: a ``pool_slots`` row counts
+#: only while its task is in one of them (SQL token ``{HOLDS_SLOT}``).
+HOLDS_SLOT: frozenset[Status] = frozenset({S.WAITING_FOR_RESOURCE, S.GENERATING})
+#: Statuses a task reaches GENERATING from: a live stream holds a task's progress back
+#: while it still knows the task in one of them.
+BEFORE_GENERATING: frozenset[Status] = CLAIMABLE | {S.WAITING_FOR_RESOURCE}
+#: Statuses in which a worker may already have written outputs: the sources of ``recover``
+#: (the supervisor looks for a complete manifest before it expires such a task).
+MAY_HAVE_OUTPUTS: frozenset[Status] = frozenset({S.GENERATING, S.UPLOADING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +133,7 @@ TRANSITIONS: tuple[Rule, ...] = (
           "same transaction; retryable, attempts left, deadline allows"),
     _rule(Event.EXPIRE, RUNNING, (S.TIMEOUT,), Actor.SUPERVISOR,
           "lease lost or state timeout; epoch+1"),
-    _rule(Event.RECOVER, (S.GENERATING, S.UPLOADING), (S.SUCCESS,), Actor.SUPERVISOR,
+    _rule(Event.RECOVER, MAY_HAVE_OUTPUTS, (S.SUCCESS,), Actor.SUPERVISOR,
           "complete verified outputs found at the attempt's location; epoch+1"),
     _rule(Event.CANCEL, (S.PENDING, S.RETRYING, S.NEEDS_REVIEW), (S.CANCELLED,), Actor.API,
           "a running task only gets cancel_requested"),
@@ -125,7 +141,7 @@ TRANSITIONS: tuple[Rule, ...] = (
           "the worker saw cancel_requested", fenced=True),
     _rule(Event.FORCE_CANCEL, RUNNING, (S.CANCELLED,), Actor.SUPERVISOR,
           "cancel_requested older than the grace period; epoch+1"),
-    _rule(Event.RETRY, (S.FAILED, S.TIMEOUT, S.CANCELLED), (S.RETRYING,), Actor.API,
+    _rule(Event.RETRY, ENDED_UNSUCCESSFULLY, (S.RETRYING,), Actor.API,
           "manual retry; max_attempts+1, due now"),
     _rule(Event.DEADLINE, CLAIMABLE, (S.TIMEOUT,), Actor.SUPERVISOR,
           "the task's overall deadline passed"),

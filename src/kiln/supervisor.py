@@ -23,7 +23,7 @@ from kiln import canonical, counters, reconcile, retention, scheduler, webhooks
 from kiln.engine import Engine, SupportsEngine, engine_of, failure, ghost_after_s
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
-from kiln.states import CLAIMABLE, Event, Status
+from kiln.states import CLAIMABLE, MAY_HAVE_OUTPUTS, Event
 from kiln.storage import read_complete_manifest
 from kiln.store import LeaderToken
 
@@ -289,7 +289,7 @@ class Supervisor:
         await self._recover_or_expire(task, report, error)
 
     async def _recover_or_expire(self, task: Task, report: SweepReport, error: JSON) -> None:
-        if task.status in (Status.GENERATING, Status.UPLOADING) and task.result_prefix:
+        if task.status in MAY_HAVE_OUTPUTS and task.result_prefix:
             outputs = await read_complete_manifest(self.engine.storage, task.result_prefix)
             if outputs is not None:
                 await self.engine.apply(

@@ -33,10 +33,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kiln import pipelines as graph
 from kiln.errors import Conflict
 from kiln.models import Task, TaskEvent
-from kiln.states import Status
+from kiln.states import ENDED_UNSUCCESSFULLY, Status
 from kiln.store import pipelines
 from kiln.store.records import Change
 from kiln.store.rows import task_from_row
@@ -272,7 +271,7 @@ class BulkOps(Ops):
         async def op(tx: Tx) -> Any:
             assert task.pipeline_id is not None
             pipeline = await pipelines._locked(self, tx, task.pipeline_id)  # type: ignore[arg-type]
-            if pipeline.status in graph.ENDED:  # alone the step would lead nowhere
+            if pipeline.status in ENDED_UNSUCCESSFULLY:  # alone the step would lead nowhere
                 return await pipelines.retry(self, tx, pipeline.id, {})  # type: ignore[arg-type]
             return await self._apply(tx, change)
 

@@ -337,7 +337,8 @@ class ClaimOps(Ops):
         by_id = {row[0]: task_from_row(row) for row in await tx.all(self.q.claim_tasks, args)}
         claimed: list[Task] = []
         events: list[EventRow] = []
-        waiting, generating = Status.WAITING_FOR_RESOURCE, Status.GENERATING
+        waiting = Status.WAITING_FOR_RESOURCE
+        generating = Status.GENERATING
         for cand in chosen:  # in claim order
             task = by_id.get(cand.id)
             if task is None:

@@ -1,7 +1,7 @@
 """The batch of one-statement writes of a PostgreSQL store's process.
 
 Submissions without a key and workers' plain steps that arrive while a batch commits go
-together into the next one: one transaction and one round trip (pipeline mode). Writes of
+together into the next one: one transaction and one round trip (psycopg's pipeline mode). Writes of
 one shape (submissions; steps that set the same columns) go as one statement over typed
 arrays (``submit_many``, ``step_many``); each row is still its own compare-and-set with
 its own event row, and a write whose row did not match gets no row back.
@@ -134,10 +134,10 @@ class Write:
     values: list[Any] = field(default_factory=list)
 
 
-class Batch:
+class WriteBatch:
     """The one-statement writes of a process (submissions, workers' plain steps) that
     arrive while a batch commits go together into the next one: one transaction and one
-    round trip for them all (pipeline mode), each still its own compare-and-set. Rows are
+    round trip for them all (psycopg's pipeline mode), each still its own compare-and-set. Rows are
     locked in task id order and counts added once, sorted, at the end, so two batches never
     wait on each other in a circle. A write alone runs as its own counted statement."""
 
@@ -149,38 +149,38 @@ class Batch:
         self.writes = 0
         self.statements = 0
 
-    async def run(self, step: Write) -> Row | None:
-        self.waiting.append(step)
+    async def run(self, write: Write) -> Row | None:
+        self.waiting.append(write)
         if self.draining is None or self.draining.done():
             self.draining = asyncio.create_task(self._drain(), name="kiln-pg-batch")
-        return await step.future
+        return await write.future
 
     async def _drain(self) -> None:
         while self.waiting:
             batch, self.waiting = self.waiting[:BATCH_MAX], self.waiting[BATCH_MAX:]
-            batch = [step for step in batch if not step.future.done()]  # a caller gave up
+            batch = [write for write in batch if not write.future.done()]  # a caller gave up
             if not batch:
                 continue
             try:
                 rows = await self._commit(sorted(batch, key=lambda s: s.order))
             except BaseException as exc:  # every waiter gets the failure
-                for step in batch:
-                    if not step.future.done():
-                        step.future.set_exception(exc)
+                for write in batch:
+                    if not write.future.done():
+                        write.future.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            for step in batch:
-                if not step.future.done():
-                    step.future.set_result(rows[id(step)])
+            for write in batch:
+                if not write.future.done():
+                    write.future.set_result(rows[id(write)])
 
     async def _commit(self, batch: list[Write]) -> dict[int, Row | None]:
         self.batches += 1
         self.writes += len(batch)
         if len(batch) == 1:
-            (step,) = batch
-            sql, args = step.counted
-            return {id(step): await self.store._statement(sql, args, notify=step.notify)}
+            (write,) = batch
+            sql, args = write.counted
+            return {id(write): await self.store._statement(sql, args, notify=write.notify)}
         for attempt in range(4):
             try:
                 return await self._together(batch)
@@ -199,12 +199,12 @@ class Batch:
 
     async def _each(self, batch: list[Write]) -> dict[int, Row | None]:
         rows: dict[int, Row | None] = {}
-        for step in batch:
-            rows[id(step)] = None
+        for write in batch:
+            rows[id(write)] = None
             try:
-                rows[id(step)] = await self.store._statement(*step.counted, notify=step.notify)
+                rows[id(write)] = await self.store._statement(*write.counted, notify=write.notify)
             except Exception as exc:
-                step.future.set_exception(exc)
+                write.future.set_exception(exc)
         return rows
 
     async def _together(self, batch: list[Write]) -> dict[int, Row | None]:
@@ -212,58 +212,58 @@ class Batch:
         statements = statements_of(batch)
         self.statements += len(statements)
         async with self.store._connection() as conn:
-            if any(len(steps) > 1 for steps in statements):
+            if any(len(writes) > 1 for writes in statements):
                 await self.store.shapes.read_types(conn)
-            async with conn.pipeline() as pipeline, conn.transaction():
-                sent = [(steps, await conn.execute(*self._sql(steps))) for steps in statements]
-                await pipeline.sync()
+            async with conn.pipeline() as round_trip, conn.transaction():
+                sent = [(writes, await conn.execute(*self._sql(writes))) for writes in statements]
+                await round_trip.sync()
                 tx = PostgresTx(conn)
-                for steps, cursor in sent:
-                    for step, row in rows_of(steps, await cursor.fetchall()):
-                        rows[id(step)] = row
+                for writes, cursor in sent:
+                    for write, row in rows_of(writes, await cursor.fetchall()):
+                        rows[id(write)] = row
                         if row is not None:
-                            step.counts(row, tx.tally)
+                            write.counts(row, tx.tally)
                 await tx.flush()
-                if any(step.notify and rows[id(step)] is not None for step in batch):
+                if any(write.notify and rows[id(write)] is not None for write in batch):
                     await conn.execute(f"NOTIFY {READY_CHANNEL}")
         return rows
 
-    def _sql(self, steps: list[Write]) -> tuple[str, list[Any]]:
-        """One step's own statement, or the one statement over arrays of many."""
-        if len(steps) == 1:
-            return steps[0].bare
-        assert steps[0].shape is not None
-        columns = zip(*(step.values for step in steps), strict=True)
-        return self.store.shapes.sql(steps[0].shape), [[as_text(v) for v in c] for c in columns]
+    def _sql(self, writes: list[Write]) -> tuple[str, list[Any]]:
+        """One write's own statement, or the one statement over arrays of many."""
+        if len(writes) == 1:
+            return writes[0].bare
+        assert writes[0].shape is not None
+        columns = zip(*(write.values for write in writes), strict=True)
+        return self.store.shapes.sql(writes[0].shape), [[as_text(v) for v in c] for c in columns]
 
 
 def statements_of(batch: list[Write]) -> list[list[Write]]:
-    """The batch's statements: the steps of one shape together (one task each: a task
-    stepped twice in a batch keeps its second step to itself), the others alone."""
+    """The batch's statements: the writes of one shape together (one task each: a task
+    written twice in a batch keeps its second write to itself), the others alone."""
     shaped: dict[str, list[Write]] = {}
     taken: dict[str, set[str]] = {}
     statements: list[list[Write]] = []
-    for step in batch:
-        if step.shape is None or step.order in taken.setdefault(step.shape, set()):
-            statements.append([step])
+    for write in batch:
+        if write.shape is None or write.order in taken.setdefault(write.shape, set()):
+            statements.append([write])
             continue
-        taken[step.shape].add(step.order)
-        together = shaped.get(step.shape)
+        taken[write.shape].add(write.order)
+        together = shaped.get(write.shape)
         if together is None:
-            together = shaped[step.shape] = []
+            together = shaped[write.shape] = []
             statements.append(together)
-        together.append(step)
+        together.append(write)
     return statements
 
 
-def rows_of(steps: list[Write], rows: list[Row]) -> list[tuple[Write, Row | None]]:
+def rows_of(writes: list[Write], rows: list[Row]) -> list[tuple[Write, Row | None]]:
     """Each write with its row (None: it wrote nothing). A row of a statement over arrays
     is the one the write's own statement returns with the write's place in the arrays
     (from 1) before its last column (the event's seq)."""
-    if len(steps) == 1:
-        return [(steps[0], rows[0] if rows else None)]
+    if len(writes) == 1:
+        return [(writes[0], rows[0] if rows else None)]
     by_place = {row[-2]: (*row[:-2], row[-1]) for row in rows}
-    return [(step, by_place.get(n)) for n, step in enumerate(steps, 1)]
+    return [(write, by_place.get(n)) for n, write in enumerate(writes, 1)]
 
 
 def as_text(value: Any) -> str | None:

@@ -27,7 +27,7 @@ from kiln import counters as names
 from kiln import pipelines as graph
 from kiln.errors import Conflict, NotFound
 from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, Timeouts
-from kiln.states import FINAL, RUNNING, Event, Status
+from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, RUNNING, Event, Status
 from kiln.store.queries import Queries
 from kiln.store.records import Change
 from kiln.store.rows import dumps, task_from_row
@@ -336,7 +336,7 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
     did not succeed is retried (due now, one more attempt), the steps that did keep their
     outputs, and it runs again (RETRYING, then GENERATING) in one transaction."""
     pipeline = await _locked(ops, tx, pipeline_id)
-    if pipeline.status not in graph.ENDED:
+    if pipeline.status not in ENDED_UNSUCCESSFULLY:
         return Refused(Conflict(f"pipeline {pipeline_id} is {pipeline.status}"))
     now = ops.clock()
     for step in await _locked_steps(ops, tx, list(step_map(pipeline).values())):
@@ -346,7 +346,7 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
         # that stop would end the retried pipeline CANCELLED.
         if step.pipeline_id == pipeline.id and step.status not in FINAL and step.cancel_requested:
             await tx.run(ops.q.keep_running, (now, step.id))
-        if step.pipeline_id == pipeline.id and step.status in graph.ENDED:
+        if step.pipeline_id == pipeline.id and step.status in ENDED_UNSUCCESSFULLY:
             await _retry_step(ops, tx, step)
     events = (Event.RETRY, Event.RUN_STEPS)
     return await start(ops, tx, pipeline, events, {**fields, "finished_at": None})

@@ -15,8 +15,8 @@ they are kept under real concurrency:
 - idle workers are woken by ``LISTEN kiln_ready`` / ``NOTIFY`` (coalesced per process);
 - a submission without a key and a worker's plain step are one statement each, and the
   ones that arrive while a batch commits go together into the next: one transaction and
-  one round trip (pipeline mode) for them all, each still its own compare-and-set
-  (:class:`kiln.store.pgbatch.Batch`).
+  one round trip (psycopg's pipeline mode) for them all, each still its own compare-and-set
+  (:class:`kiln.store.pgbatch.WriteBatch`).
 
 A connection that broke (a database restart, a network cut) is replaced and the call
 retried when nothing can have been committed; otherwise the call raises
@@ -39,13 +39,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import CLAIMABLE, FINAL, Event, Status
-from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Batch, Shapes, Write
+from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
+from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Shapes, Write, WriteBatch
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
-from kiln.store.sqlstore import NOT_LIVE, Store, insert_args, update_sql
+from kiln.store.sqlstore import Store, insert_args, update_sql
 from kiln.store.tx import Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
@@ -135,7 +135,7 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self.ready_listeners: list[Callable[[], None]] = []
         self._closed = False
-        self._batches: dict[asyncio.AbstractEventLoop, Batch] = {}
+        self._batches: dict[asyncio.AbstractEventLoop, WriteBatch] = {}
         self.shapes = Shapes()
 
     @classmethod
@@ -372,12 +372,12 @@ class PostgresStore(Store):
         shape: str | None = None,
         values: list[Any] | None = None,
     ) -> Row | None:
-        """One write through this loop's batch (``pgbatch.Batch``); one of a ``shape`` may
+        """One write through this loop's batch (``pgbatch.WriteBatch``); one of a ``shape`` may
         share a statement with others of it, ``values`` its row of the arrays."""
         loop = asyncio.get_running_loop()
         batch = self._batches.get(loop)
         if batch is None:
-            batch = self._batches[loop] = Batch(self)
+            batch = self._batches[loop] = WriteBatch(self)
         future = loop.create_future()
         return await batch.run(
             Write(order, counted, bare, counts, notify, future, shape, values or [])
@@ -510,7 +510,7 @@ def _is_plain(change: Change) -> bool:
         and not change.bump_epoch
         and not change.counters
         and target not in CLAIMABLE
-        and change.expect_status not in NOT_LIVE
+        and change.expect_status not in ENDED_UNSUCCESSFULLY
         and change.loading_s is None  # rare (a model was loaded): the transaction writes it
         and (change.pipeline_id is None or target not in FINAL)  # a step's end goes on
     )

@@ -23,7 +23,14 @@ import functools
 import re
 from importlib import resources
 
-from kiln.states import CLAIMABLE, FINAL, RUNNING, Status
+from kiln.states import (
+    CLAIMABLE,
+    ENDED_UNSUCCESSFULLY,
+    FINAL,
+    HOLDS_SLOT,
+    RUNNING,
+    Status,
+)
 
 _BLOCK = re.compile(r"^-- ([a-z_][a-z0-9_]*) --$", re.MULTILINE)
 _TOKEN = re.compile(r"\{([A-Z_]+)\}")
@@ -38,10 +45,8 @@ _STATUS_SETS = {
     "CLAIMABLE": status_set(CLAIMABLE),
     "RUNNING": status_set(RUNNING),
     "FINAL": status_set(FINAL),
-    #: Ended without a result: such a task no longer holds its dedup key.
-    "NOT_LIVE": status_set({Status.FAILED, Status.TIMEOUT, Status.CANCELLED}),
-    #: Where a resource pool slot row counts.
-    "SLOT_STATUSES": status_set({Status.WAITING_FOR_RESOURCE, Status.GENERATING}),
+    "ENDED_UNSUCCESSFULLY": status_set(ENDED_UNSUCCESSFULLY),
+    "HOLDS_SLOT": status_set(HOLDS_SLOT),
     "DEADLINE": status_set(CLAIMABLE | RUNNING),
 }
 

@@ -28,7 +28,7 @@ from kiln.errors import (
 )
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.pipelines import KIND as PIPELINE
-from kiln.states import CLAIMABLE, FINAL, Event, Status
+from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store import pipelines
 from kiln.store.bulk import BulkOps
 from kiln.store.claims import ClaimOps
@@ -59,7 +59,6 @@ T = TypeVar("T")
 
 #: The steps of pipelines a purge selected, locked in id order: ([pipeline ids]).
 LOCK_PIPELINE_STEPS = "SELECT * FROM tasks WHERE pipeline_id {IN_LIST} ORDER BY id {FOR_UPDATE}"
-NOT_LIVE = frozenset({Status.FAILED, Status.TIMEOUT, Status.CANCELLED})
 #: Transitions read for the dwell percentiles of ``stats``.
 DWELL_WINDOW = 10_000
 
@@ -338,7 +337,7 @@ class TaskOps(Ops):
             return refused
         assert current is not None
         sql, args = update_sql(change, target, now)
-        if change.expect_status in NOT_LIVE and target not in NOT_LIVE:
+        if change.expect_status in ENDED_UNSUCCESSFULLY and target not in ENDED_UNSUCCESSFULLY:
             row = await self._revive(tx, self.q.sql(sql), args)
         else:
             row = await tx.one(self.q.sql(sql), args)

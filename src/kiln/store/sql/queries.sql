@@ -29,7 +29,7 @@ INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadat
     timeouts, created_at, updated_at, status_since, webhook, model, batch_key, rerun_of,
     pipeline_id, step, step_copy)
 VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {NOT_LIVE}
+ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL AND status NOT IN {ENDED_UNSUCCESSFULLY}
 DO NOTHING RETURNING *
 
 -- pipeline_progress --
@@ -47,7 +47,7 @@ WHERE id = ? AND status NOT IN {FINAL}
 
 -- dedup_lookup --
 -- The live or successful task holding a dedup key: (tenant, dedup_key).
-SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ? AND status NOT IN {NOT_LIVE}
+SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ? AND status NOT IN {ENDED_UNSUCCESSFULLY}
 
 -- claim_key --
 -- Take an idempotency key for a new task; no row when the key exists:
@@ -423,14 +423,14 @@ ON CONFLICT (pool, task_id) DO UPDATE SET epoch = excluded.epoch, units = exclud
 -- Every row of some pools, with whether its attempt is alive: (now, [names]).
 SELECT pool, task_id, units, held, since, EXISTS (SELECT 1 FROM tasks t
     WHERE t.id = pool_slots.task_id AND t.epoch = pool_slots.epoch
-    AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+    AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?)
 FROM pool_slots WHERE pool {IN_LIST}
 
 -- live_slot_rows --
 -- The live rows of some pools: ([names], now).
 SELECT pool, task_id, units, held, since FROM pool_slots WHERE pool {IN_LIST}
     AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
-    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+    AND t.epoch = pool_slots.epoch AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?)
 
 -- drop_slot --
 -- (pool, task_id).
@@ -445,7 +445,7 @@ UPDATE pool_slots SET held = {TRUE} WHERE task_id = ? AND held = {FALSE}
 SELECT pool_slots.pool, pools.capacity FROM pool_slots JOIN pools
     ON pools.name = pool_slots.pool WHERE task_id = ? AND held = {FALSE}
     AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
-    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+    AND t.epoch = pool_slots.epoch AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?)
 ORDER BY pool_slots.pool
 
 -- pool_usage --
@@ -455,7 +455,7 @@ SELECT pools.name, pools.capacity,
     count(pool_slots.task_id) - count(CASE WHEN pool_slots.held THEN 1 END)
 FROM pools LEFT JOIN pool_slots ON pool_slots.pool = pools.name
     AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
-    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+    AND t.epoch = pool_slots.epoch AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?)
 GROUP BY pools.name, pools.capacity ORDER BY pools.name
 
 -- preempt_pools --
@@ -463,7 +463,7 @@ GROUP BY pools.name, pools.capacity ORDER BY pools.name
 -- kiln/store/preempt.py): (joined before, now).
 SELECT DISTINCT pool FROM pool_slots WHERE held = {FALSE} AND since < ?
     AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = pool_slots.task_id
-    AND t.epoch = pool_slots.epoch AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?)
+    AND t.epoch = pool_slots.epoch AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?)
 ORDER BY pool
 
 -- preempt_rows --
@@ -472,7 +472,7 @@ SELECT s.pool, s.task_id, s.units, s.held, s.since, t.priority, t.status, t.stat
     t.epoch, t.yield_requested_at, p.capacity
 FROM pool_slots s JOIN tasks t ON t.id = s.task_id AND t.epoch = s.epoch
     JOIN pools p ON p.name = s.pool
-WHERE s.pool {IN_LIST} AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?
+WHERE s.pool {IN_LIST} AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?
 
 -- request_yield --
 -- Ask a generating attempt to yield its slots at its next step, once: (now, now, id, epoch).
@@ -709,7 +709,7 @@ SELECT kind, status, ready_at FROM tasks WHERE status IN {RUNNING} AND kind <> '
 -- The live rows of every pool's line (as pool_usage counts them): (pool, held, since); (now).
 SELECT pool_slots.pool, pool_slots.held, pool_slots.since FROM pool_slots
 JOIN tasks t ON t.id = pool_slots.task_id AND t.epoch = pool_slots.epoch
-    AND t.status IN {SLOT_STATUSES} AND t.lease_expires_at > ?
+    AND t.status IN {HOLDS_SLOT} AND t.lease_expires_at > ?
 
 -- schedules (kiln/store/schedules.py) ---------------------------------------------------
 

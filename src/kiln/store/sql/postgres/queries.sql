@@ -50,7 +50,7 @@ WITH t AS (
         batch_key, rerun_of, pipeline_id, step, step_copy)
     VALUES (?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
-        AND status NOT IN {NOT_LIVE} DO NOTHING
+        AND status NOT IN {ENDED_UNSUCCESSFULLY} DO NOTHING
     RETURNING *),
 e AS (
     INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
@@ -185,7 +185,7 @@ t AS (
         k_step_copy
     FROM d ORDER BY k_n
     ON CONFLICT (tenant, dedup_key) WHERE dedup_key IS NOT NULL
-        AND status NOT IN {NOT_LIVE} DO NOTHING
+        AND status NOT IN {ENDED_UNSUCCESSFULLY} DO NOTHING
     RETURNING *),
 e AS (
     INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
