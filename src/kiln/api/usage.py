@@ -20,9 +20,10 @@ from kiln.api.errors import error_responses
 from kiln.api.schemas import UsageOut
 from kiln.api.state import api_state
 from kiln.api.tasks import Caller
+from kiln.app_parts import MAX_USAGE_GROUPS as MAX_GROUPS
+from kiln.app_parts import USAGE_GROUPS as GROUPS
 from kiln.errors import Forbidden, InvalidRequest
 from kiln.models import iso
-from kiln.store.usage import GROUPS, MAX_GROUPS
 
 router = APIRouter(prefix="/v1")
 
