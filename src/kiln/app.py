@@ -15,13 +15,13 @@ import logging
 import random
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import pydantic
 
 from kiln import pipelines, transform
-from kiln.app_parts import Schedules
+from kiln.app_parts import Operations, Schedules
 from kiln.backends.comfy_workflow_params import KIND as COMFY_WORKFLOW
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
@@ -35,6 +35,7 @@ from kiln.errors import (
     NotFound,
     NotInReview,
     NotRetryable,
+    RateLimited,
 )
 from kiln.kinds import (
     AmountsOf,
@@ -290,6 +291,11 @@ class App:
         """The recurring schedules (:class:`kiln.app_parts.Schedules`)."""
         return Schedules(self.engine)
 
+    @functools.cached_property
+    def operations(self) -> Operations:
+        """What an operator reads (:class:`kiln.app_parts.Operations`)."""
+        return Operations(self.engine)
+
     async def connect(self) -> None:
         """Reach the store now (PostgreSQL: connect and apply pending migrations)."""
         await self.engine.store.last_seq()
@@ -388,6 +394,20 @@ class App:
         (RateLimited, 429, counted)."""
         if self.settings.tenant_limit(submission.tenant).rate is not None:
             await self.engine.check_rate(submission.tenant, submission.tasks)
+
+    async def admit_all(self, submissions: Mapping[int, Submission]) -> list[int]:
+        """Tokens for a batch, in order: the indexes the tenant's rate lets through. Once
+        one is refused the rest are (the limit holds for the whole batch), each counted in
+        kiln_rate_limited."""
+        allowed: list[int] = []
+        for index, submission in submissions.items():
+            try:
+                await self.admit(submission)
+            except RateLimited:
+                await self.engine.count_rate_limited(len(submissions) - len(allowed) - 1)
+                break
+            allowed.append(index)
+        return allowed
 
     def holding(
         self, submission: Submission, files: Sequence[tuple[str, bytes]] = (), *, drop: bool = True
@@ -521,6 +541,10 @@ class App:
             extra={"task_id": task.id, "event_id": found.event_id, "attempts": found.attempts},
         )
         return found
+
+    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
+        """The positions of many tasks by id (one count per priority level, not per task)."""
+        return await self.engine.queue_positions(tasks)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""

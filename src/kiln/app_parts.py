@@ -1,12 +1,17 @@
 """What the App gives the faces besides tasks, grouped by concern, and the records they
 name: the faces (``kiln.api``, ``kiln.cli``) never reach the store themselves.
 
-``app.schedules`` is the recurring schedules' book (docs/schedules.md); the records and
+``app.schedules`` is the recurring schedules' book (docs/schedules.md), ``app.operations``
+what an operator reads of the deployment (the worker registry, the autoscaling signals,
+the GPU-second ledger); the records and
 names below are the store's, re-exported so that a face imports none of ``kiln.store``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kiln.autoscaling import Autoscaling
 from kiln.engine import Engine
 from kiln.errors import NotFound
 from kiln.store import ScheduleRecord, WorkerRecord
@@ -14,12 +19,14 @@ from kiln.store.pools import PoolUsage, PoolWait
 from kiln.store.schedules import OUTCOMES as SCHEDULE_OUTCOMES
 from kiln.store.usage import GROUPS as USAGE_GROUPS
 from kiln.store.usage import MAX_GROUPS as MAX_USAGE_GROUPS
+from kiln.store.usage import UsageSum
 from kiln.timing import Cron
 
 __all__ = [
     "MAX_USAGE_GROUPS",
     "SCHEDULE_OUTCOMES",
     "USAGE_GROUPS",
+    "Operations",
     "PoolUsage",
     "PoolWait",
     "ScheduleRecord",
@@ -73,3 +80,29 @@ class Schedules:
         await self.get(schedule_id, scope)
         if not await self.engine.store.delete_schedule(schedule_id):
             raise NotFound(f"no schedule {schedule_id!r}")
+
+
+class Operations:
+    """What an operator reads of the whole deployment."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def workers(self) -> list[WorkerRecord]:
+        """The worker processes whose beat has not lapsed (the worker registry)."""
+        return await self.engine.workers()
+
+    async def autoscaling(
+        self,
+        *,
+        workers: Sequence[WorkerRecord] | None = None,
+        pools: Sequence[PoolUsage] | None = None,
+    ) -> Autoscaling:
+        """The autoscaling signals of every kind and pool (docs/autoscaling.md)."""
+        return await self.engine.autoscaling(workers=workers, pools=pools)
+
+    async def usage(
+        self, *, since: float, until: float, group_by: Sequence[str] = (), tenant: str | None
+    ) -> list[UsageSum]:
+        """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
+        return await self.engine.usage(since=since, until=until, group_by=group_by, tenant=tenant)

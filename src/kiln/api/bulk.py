@@ -56,16 +56,15 @@ def checked(state: ApiState, principal: Principal, index: int, raw: Any) -> Subm
 
 def checked_items(
     state: ApiState, principal: Principal, items: list[JSON]
-) -> tuple[dict[int, JSON], dict[int, Submission], dict[int, int]]:
-    """Each item checked as a submission: the refused items' answers, the valid items, and
-    the tasks each valid item creates (a pipeline: itself and every copy of its steps).
+) -> tuple[dict[int, JSON], dict[int, Submission]]:
+    """Each item checked as a submission: the refused items' answers and the valid items
+    (each knows the tasks it creates: a pipeline, itself and every copy of its steps).
     Once the valid items pass KILN_MAX_TASKS_PER_REQUEST the batch is refused whole
     (TooManyTasks, 413), before the rest are checked: the count given adds the tasks the
     rest ask for."""
     most = state.settings.max_tasks_per_request
     answers: dict[int, JSON] = {}
     accepted: dict[int, Submission] = {}
-    counts: dict[int, int] = {}
     total = 0
     for index, raw in enumerate(items):
         try:
@@ -73,30 +72,12 @@ def checked_items(
         except KilnError as exc:
             answers[index] = refused(index, exc)
             continue
-        counts[index] = item.tasks
-        total += counts[index]
+        total += item.tasks
         if total > most:
             rest = items[index + 1 :]
             asked = sum(limits.tasks_in(str(r.get("kind")), r.get("params")) for r in rest)
             limits.check_tasks_per_request(total + asked, most)
-    return answers, accepted, counts
-
-
-async def take_tokens(state: ApiState, tenant: str, counts: dict[int, int]) -> list[int]:
-    """The indexes, in order, that the tenant's rate limit lets through: each item takes a
-    token per task it creates; once one is refused, the rest are (the limit holds for the
-    whole batch), and each refused item is counted in kiln_rate_limited."""
-    if state.app.settings.tenant_limit(tenant).rate is None:
-        return list(counts)
-    allowed: list[int] = []
-    for index, count in counts.items():
-        try:
-            await state.app.engine.check_rate(tenant, count)
-        except RateLimited:
-            await state.app.engine.count_rate_limited(len(counts) - len(allowed) - 1)
-            break
-        allowed.append(index)
-    return allowed
+    return answers, accepted
 
 
 async def submitted(state: ApiState, index: int, item: Submission) -> JSON:
@@ -138,8 +119,8 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
     raw = await tasks.read_body(request, state.settings.max_body_bytes)
     # The CPU a batch takes (parsing and checking up to 1,000 items, rendering the answer)
     # runs in a thread, so that the loop serves other requests meanwhile.
-    answers, accepted, counts = await asyncio.to_thread(check_batch, state, principal, raw)
-    allowed = await take_tokens(state, principal.tenant, counts)
+    answers, accepted = await asyncio.to_thread(check_batch, state, principal, raw)
+    allowed = await state.app.admit_all(accepted)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
     done = await submit_windowed(state, accepted, allowed)
@@ -150,7 +131,7 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
 
 def check_batch(
     state: ApiState, principal: Principal, raw: bytes
-) -> tuple[dict[int, JSON], dict[int, Submission], dict[int, int]]:
+) -> tuple[dict[int, JSON], dict[int, Submission]]:
     """The batch body's items checked (:func:`checked_items`)."""
     body = tasks.validated(BatchRequest, parse_json(raw))
     return checked_items(state, principal, body.tasks)

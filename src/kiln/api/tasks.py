@@ -345,7 +345,7 @@ async def list_tasks(
     tasks, next_cursor = await state.app.list_tasks(
         tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
     )
-    positions = await state.app.engine.queue_positions(tasks)  # one count per level, not per row
+    positions = await state.app.queue_positions(tasks)  # one count per level, not per row
     waits = await asyncio.gather(*(state.app.pool_wait(t) for t in tasks))
     items = [
         task_json(t, queue_position=positions.get(t.id), resource_wait=w)
@@ -374,9 +374,9 @@ async def stats(request: Request, principal: Caller) -> Response:
         "breakers": breakers_json(await app.shared_breakers(), app.now()),
     }
     if principal.may_review:  # the admin (or anyone, auth off): GET /v1/workers's list too
-        workers = await app.engine.workers()
+        workers = await app.operations.workers()
         body["workers"] = [worker.to_json() for worker in workers]
-        load = await app.engine.autoscaling(workers=workers, pools=pools)
+        load = await app.operations.autoscaling(workers=workers, pools=pools)
         body["autoscaling"] = load.to_json()
     return JSONResponse(body)
 

@@ -116,7 +116,7 @@ async def usage(
         if scope is not None and tenant != scope:
             raise Forbidden("a tenant's key sees its own usage only")
         scope = tenant
-    found = await app.engine.usage(since=start, until=end, group_by=groups, tenant=scope)
+    found = await app.operations.usage(since=start, until=end, group_by=groups, tenant=scope)
     body = {
         "from": iso(start), "to": iso(end), "group_by": groups,
         "items": [item.to_json() for item in found], "truncated": len(found) >= MAX_GROUPS,
