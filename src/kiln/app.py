@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from kiln import pipelines, transform
+from kiln import bulk_actions, pipelines, transform
 from kiln.app_parts import Operations, Schedules
 from kiln.backends.comfy_workflow_params import KIND as COMFY_WORKFLOW
 from kiln.breakers import Breakers
@@ -54,6 +54,7 @@ from kiln.retry import RetryPolicy
 from kiln.states import RUNNING, Event, Status
 from kiln.storage import Storage, verify
 from kiln.store import BreakerRecord, LeaderToken, Stats, Store
+from kiln.store.bulk import BulkFilter
 from kiln.store.outbox import WebhookDelivery
 from kiln.store.pools import PoolUsage, PoolWait
 from kiln.submission import (
@@ -633,6 +634,14 @@ class App:
             except Conflict:
                 continue
         raise Conflict(f"task {task_id} keeps changing; try again")
+
+    async def bulk_action(
+        self, action: str, found: BulkFilter, *, dry_run: bool, limit: int, cursor: str | None
+    ) -> JSON:
+        """One page of a bulk cancel or retry by filter (:mod:`kiln.bulk_actions`)."""
+        return await bulk_actions.bulk_action(
+            self.engine, action, found, dry_run=dry_run, limit=limit, cursor=cursor
+        )
 
     async def review(self, task_id: str, decision: str, reason: str | None = None) -> Task:
         """An admin's moderation decision on a task in NEEDS_REVIEW."""
