@@ -11,17 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import random
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import pydantic
 
-from kiln import canonical, limits, logs, pipelines, timing, transform, webhooks
+from kiln import bulk_actions, pipelines, transform
+from kiln.app_parts import Operations, Schedules
 from kiln.backends.comfy_workflow_params import KIND as COMFY_WORKFLOW
 from kiln.breakers import Breakers
 from kiln.bus import EventHub, Message, ProgressEvent, Subscription
@@ -35,6 +35,7 @@ from kiln.errors import (
     NotFound,
     NotInReview,
     NotRetryable,
+    RateLimited,
 )
 from kiln.kinds import (
     AmountsOf,
@@ -48,13 +49,21 @@ from kiln.kinds import (
     call_review,
     find_kind,
 )
-from kiln.models import JSON, NewTask, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
+from kiln.models import JSON, StoredOutput, SubmitResult, Task, TaskEvent, Timeouts
 from kiln.retry import RetryPolicy
 from kiln.states import BEFORE_GENERATING, ENDED_UNSUCCESSFULLY, RUNNING, Event, Status
 from kiln.storage import Storage, verify
 from kiln.store import BreakerRecord, LeaderToken, Stats, Store
+from kiln.store.bulk import BulkFilter
 from kiln.store.outbox import WebhookDelivery
 from kiln.store.pools import PoolUsage, PoolWait
+from kiln.submission import (
+    DEFAULT_TENANT,
+    Submission,
+    holding,
+    pinned,
+    submission_of,
+)
 from kiln.supervisor import Supervisor
 from kiln.worker import Worker
 
@@ -78,7 +87,6 @@ __all__ = [
 
 log = logging.getLogger("kiln")
 
-DEFAULT_TENANT = "default"
 HISTORY_PAGE = 500
 #: The most webhook deliveries one task's listing shows (a task has one per event it sent).
 MAX_DELIVERIES_SHOWN = 1000
@@ -95,18 +103,6 @@ def check_cursor(cursor: str | None) -> None:
             "the cursor is not one a page gave: pass next_cursor of the previous page as is",
             details=[{"loc": ["query", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
         )
-
-
-def check_metadata(metadata: JSON | None) -> None:
-    """Refuse (InvalidRequest) metadata that is not plain, finite JSON: what is stored
-    must always render."""
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        raise InvalidRequest(
-            "metadata must be plain JSON with finite numbers",
-            details=[{"loc": ["metadata"], "msg": "not plain JSON", "type": "json_invalid"}],
-        ) from None
 
 
 class StreamOrder:
@@ -288,6 +284,20 @@ class App:
     def now(self) -> float:
         return self.engine.now()
 
+    @functools.cached_property
+    def schedules(self) -> Schedules:
+        """The recurring schedules (:class:`kiln.app_parts.Schedules`)."""
+        return Schedules(self.engine)
+
+    @functools.cached_property
+    def operations(self) -> Operations:
+        """What an operator reads (:class:`kiln.app_parts.Operations`)."""
+        return Operations(self.engine)
+
+    async def connect(self) -> None:
+        """Reach the store now (PostgreSQL: connect and apply pending migrations)."""
+        await self.engine.store.last_seq()
+
     # lifecycle
 
     async def open(self) -> App:
@@ -328,6 +338,11 @@ class App:
 
     # submission
 
+    def submission(self, kind: str, params: Any, **fields: Any) -> Submission:
+        """A request as one checked value (:func:`kiln.submission.submission_of`: its
+        params validated once), for :meth:`admit`, :meth:`holding` and :meth:`enter`."""
+        return submission_of(self, kind, params, **fields)
+
     async def submit(
         self,
         kind: str,
@@ -354,69 +369,60 @@ class App:
         (see :mod:`kiln.webhooks`). ``run_at`` (unix seconds or RFC 3339) or ``delay_s``
         delay it: it stays PENDING, with no queue position, until then; its deadline
         counts from then (docs/schedules.md)."""
-        now = self.engine.now()
-        when = timing.run_at_of(run_at, delay_s, now)
-        if kind == pipelines.KIND and when is not None:
-            field = "run_at" if run_at is not None else "delay_s"
-            raise InvalidRequest(
-                "a pipeline starts its first steps when it is submitted: it takes no run_at "
-                "or delay_s (a recurring schedule may start one later)",
-                details=[{"loc": ["body", field], "msg": "not taken by kind pipeline",
-                          "type": "value_error"}],
-            )  # fmt: skip
-        task_kind = self.kind(kind)
-        clean = task_kind.validate(params)
-        check_metadata(metadata)
-        webhook = webhooks.webhook_spec(
-            webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
-        )
-        timeouts = timeouts or task_kind.timeouts or Timeouts()
-        inputs = inputs or []
-        task_kind.check_inputs(clean, inputs)
-        contents = [f"{i['name']}:{i['sha256']}" for i in inputs]  # what, never a file name
-        body = {
-            "kind": kind,
-            "params": clean,
-            "priority": priority,
-            "max_attempts": max_attempts,
-            "deadline_s": deadline_s,
-            "dedup": dedup,
-            "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
-            "metadata": metadata or {},
-            "inputs": contents,
-        }
-        if webhook is not None:  # only then: a body without one keeps its old fingerprint
-            body["webhook"] = webhook
-        if rerun_of is not None:
-            body["rerun_of"] = rerun_of
-        # The request as given (delay_s, not the moment it gives), so that a retry with the
-        # same Idempotency-Key and body is a replay; a delayed task shares content only with
-        # a task of the same content for the same moment.
-        body.update({k: v for k, v in (("run_at", run_at), ("delay_s", delay_s)) if v is not None})
-        if when is not None and when > now:
-            contents = [*contents, f"run_at:{round(when * 1000)}"]
-        tracing = self.engine.tracing  # the API's request span, when tracing is on
-        fingerprint, older = canonical.request_fingerprints(body, older=bool(idempotency_key))
-        new = NewTask(
-            id=canonical.new_task_id(), tenant=tenant, kind=kind, params=clean,
-            fingerprint=fingerprint, older_fingerprints=older, idempotency_key=idempotency_key,
-            dedup_key=canonical.dedup_key(kind, clean, contents) if dedup else None,
-            priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
-            timeouts=timeouts, metadata=metadata or {}, inputs=inputs, webhook=webhook,
-            model=task_kind.model_of(clean),
-            batch_key=task_kind.batch.key_of(clean) if task_kind.batch else None,
-            run_at=when, rerun_of=rerun_of,
-            trace=tracing.current() if tracing is not None else None,
+        return await self.enter(
+            self.submission(
+                kind, params, tenant=tenant, idempotency_key=idempotency_key, dedup=dedup,
+                priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
+                timeouts=timeouts, metadata=metadata, inputs=inputs or (),
+                webhook_url=webhook_url, webhook_events=webhook_events, run_at=run_at,
+                delay_s=delay_s, rerun_of=rerun_of,
+            )
         )  # fmt: skip
-        if kind == pipelines.KIND:
-            result = await self.store.submit_pipeline(new)
-        else:
-            result = await self.store.submit(new)
-        if result.created:
-            logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
-                                          "to": "PENDING", "attempt": 0})  # fmt: skip
-            self.engine.submitted()
-        return result
+
+    async def enter(self, submission: Submission) -> SubmitResult:
+        """Store a :class:`Submission` (checked when it was made, not again): the task it
+        creates, or the one an earlier identical request made."""
+        tracing = self.engine.tracing  # the API's request span, when tracing is on
+        trace = tracing.current() if tracing is not None else None
+        new = submission.new_task(self.kind(submission.kind), trace)
+        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+
+    async def admit(self, submission: Submission) -> None:
+        """Take the tenant's rate-limit tokens for a submission, one per task it creates
+        (RateLimited, 429, counted)."""
+        if self.settings.tenant_limit(submission.tenant).rate is not None:
+            await self.engine.check_rate(submission.tenant, submission.tasks)
+
+    async def admit_all(self, submissions: Mapping[int, Submission]) -> list[int]:
+        """Tokens for a batch, in order: the indexes the tenant's rate lets through. Once
+        one is refused the rest are (the limit holds for the whole batch), each counted in
+        kiln_rate_limited."""
+        allowed: list[int] = []
+        for index, submission in submissions.items():
+            try:
+                await self.admit(submission)
+            except RateLimited:
+                await self.engine.count_rate_limited(len(submissions) - len(allowed) - 1)
+                break
+            allowed.append(index)
+        return allowed
+
+    def holding(
+        self, submission: Submission, files: Sequence[tuple[str, bytes]] = (), *, drop: bool = True
+    ) -> contextlib.AbstractAsyncContextManager[Submission]:
+        """``async with app.holding(submission, files) as full:`` the submission with its
+        inputs named by reference found and checked, its files (sha256, bytes) kept, all
+        pinned while the block runs (:func:`kiln.submission.holding`)."""
+        return holding(
+            self.store, self.storage, submission, self.kind, files,
+            max_pixels=self.settings.max_image_pixels, drop=drop,
+        )  # fmt: skip
+
+    def pinned(
+        self, files: Sequence[tuple[str, bytes]], *, drop: bool = True
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """Input files (sha256, bytes) kept and pinned while the block runs."""
+        return pinned(self.store, self.storage, files, drop=drop)
 
     async def rerun(
         self,
@@ -439,10 +445,8 @@ class App:
         base = original.params
         if original.kind == pipelines.KIND:  # its own steps planned anew, any change checked
             base = pipelines.unplanned(base)
-        merged = {**base, **(params or {})}
-        await self.check_rate(original.tenant, original.kind, merged)
-        return await self.submit(
-            original.kind, merged, tenant=original.tenant,
+        submission = self.submission(
+            original.kind, {**base, **(params or {})}, tenant=original.tenant,
             idempotency_key=idempotency_key, dedup=dedup,
             priority=original.priority if priority is None else priority,
             max_attempts=original.max_attempts, deadline_s=original.deadline_s,
@@ -450,6 +454,8 @@ class App:
             webhook_url=webhook.get("url"), webhook_events=webhook.get("events"),
             rerun_of=original.id,
         )  # fmt: skip
+        await self.admit(submission)
+        return await self.enter(submission)
 
     def timeouts_of(
         self,
@@ -468,46 +474,24 @@ class App:
             uploading_s=base.uploading_s if uploading_s is None else uploading_s,
         )
 
-    def check_submission(
-        self,
-        kind: str,
-        params: Any,
-        *,
-        inputs: list[JSON] | None = None,
-        webhook_url: str | None = None,
-        webhook_events: Sequence[str] | None = None,
-        run_at: float | str | None = None,
-        delay_s: float | None = None,
-    ) -> None:
+    def check_submission(self, kind: str, params: Any, **fields: Any) -> None:
         """Refuse (InvalidRequest, UnknownKind) what :meth:`submit` would refuse, before
-        anything is stored: the moment, the kind, its params against its inputs, the
-        webhook."""
-        timing.run_at_of(run_at, delay_s, self.engine.now())
-        task_kind = self.kind(kind)
-        task_kind.check_inputs(task_kind.validate(params), inputs or [])
-        webhooks.webhook_spec(
-            webhook_url, webhook_events, allow_private=self.settings.webhook_allow_private
-        )
+        anything is stored (:meth:`submission` made and dropped)."""
+        self.submission(kind, params, **fields)
 
     async def check_rate(self, tenant: str, kind: str | None = None, params: Any = None) -> None:
         """Refuse a submission past KILN_MAX_TASKS_PER_REQUEST (TooManyTasks, 413, with
         ``kind``), or over the tenant's rate, a token per task it creates (RateLimited, 429,
         counted). A bad ``kind`` or ``params`` is refused as such first (422)."""
-        tasks = 1 if kind is None else self.tasks_of(kind, params)
-        if self.settings.tenant_limit(tenant).rate is None:
-            return
-        if kind is not None and tasks == 1:  # more than one: tasks_of checked them
-            self.kind(kind).validate(params)
-        await self.engine.check_rate(tenant, tasks)
+        if kind is None:
+            await self.admit(Submission("", {}, tenant=tenant))
+        else:
+            await self.admit(self.submission(kind, params, tenant=tenant))
 
     def tasks_of(self, kind: str, params: Any) -> int:
         """The tasks a submission creates (kiln.limits.tasks_in; a pipeline checked first),
         refused (TooManyTasks) past KILN_MAX_TASKS_PER_REQUEST."""
-        count = limits.tasks_in(kind, params)
-        if count > 1:
-            self.kind(kind).validate(params)
-        limits.check_tasks_per_request(count, self.settings.max_tasks_per_request)
-        return count
+        return self.submission(kind, params).tasks
 
     async def coalesced(self, result: SubmitResult, *, replayed: bool) -> SubmitResult:
         """The answer to a copy of a submission that an identical concurrent one in this
@@ -555,6 +539,10 @@ class App:
             extra={"task_id": task.id, "event_id": found.event_id, "attempts": found.attempts},
         )
         return found
+
+    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
+        """The positions of many tasks by id (one count per priority level, not per task)."""
+        return await self.engine.queue_positions(tasks)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
@@ -643,6 +631,14 @@ class App:
             except Conflict:
                 continue
         raise Conflict(f"task {task_id} keeps changing; try again")
+
+    async def bulk_action(
+        self, action: str, found: BulkFilter, *, dry_run: bool, limit: int, cursor: str | None
+    ) -> JSON:
+        """One page of a bulk cancel or retry by filter (:mod:`kiln.bulk_actions`)."""
+        return await bulk_actions.bulk_action(
+            self.engine, action, found, dry_run=dry_run, limit=limit, cursor=cursor
+        )
 
     async def review(self, task_id: str, decision: str, reason: str | None = None) -> Task:
         """An admin's moderation decision on a task in NEEDS_REVIEW."""

@@ -33,7 +33,7 @@ from kiln.counters import (
 from kiln.errors import NotFound, RateLimited
 from kiln.kinds import TaskKind
 from kiln.limits import rate_bucket
-from kiln.models import JSON, Task, TaskEvent
+from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
@@ -190,6 +190,18 @@ class Engine:
         if self._hub is not None:
             self._hub.poke()
         self.wake.set()
+
+    async def submit(self, new: NewTask, *, pipeline: bool = False) -> SubmitResult:
+        """Insert-or-get a checked submission's task (a pipeline with its first steps)."""
+        if pipeline:
+            result = await self.store.submit_pipeline(new)
+        else:
+            result = await self.store.submit(new)
+        if result.created:
+            logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
+                                          "to": "PENDING", "attempt": 0})  # fmt: skip
+            self.submitted()
+        return result
 
     def publish_progress(self, event: ProgressEvent) -> None:
         """Live progress to this process's streams (never persisted here)."""

@@ -28,6 +28,7 @@ from kiln.api.state import ApiState, api_state
 from kiln.api.strict_json import RenderedJSON, parse_json
 from kiln.errors import InvalidRequest, KilnError, RateLimited, UnsupportedMediaType
 from kiln.models import JSON
+from kiln.submission import Submission
 from kiln.wire import task_json
 
 router = APIRouter(prefix="/v1")
@@ -41,7 +42,7 @@ def refused(index: int, error: KilnError) -> JSON:
     return {"index": index, "status": "refused", "task": None, "error": body}
 
 
-def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
+def checked(state: ApiState, principal: Principal, index: int, raw: Any) -> Submission:
     """Item ``index`` as a submission, refused (InvalidRequest, UnknownKind) as
     ``POST /v1/tasks`` would refuse it."""
     try:
@@ -50,70 +51,41 @@ def checked(state: ApiState, index: int, raw: Any) -> BatchItemIn:
         where = ("body", "tasks", index)
         details = validation_details([{**e, "loc": (*where, *e["loc"])} for e in exc.errors()])
         raise InvalidRequest(f"item {index} is not a valid submission", details=details) from None
-    if item.inputs:  # inputs by reference: checked in full once they are found
-        tasks.check_references(state.app, item)
-        return item
-    state.app.check_submission(
-        item.kind, item.params, webhook_url=item.webhook_url,
-        webhook_events=item.webhook_events, run_at=item.run_at, delay_s=item.delay_s,
-    )  # fmt: skip
-    return item
+    return tasks.submission(state, principal, item, item.idempotency_key)
 
 
 def checked_items(
-    state: ApiState, items: list[JSON]
-) -> tuple[dict[int, JSON], dict[int, BatchItemIn], dict[int, int]]:
-    """Each item checked as a submission: the refused items' answers, the valid items, and
-    the tasks each valid item creates (a pipeline: itself and every copy of its steps).
+    state: ApiState, principal: Principal, items: list[JSON]
+) -> tuple[dict[int, JSON], dict[int, Submission]]:
+    """Each item checked as a submission: the refused items' answers and the valid items
+    (each knows the tasks it creates: a pipeline, itself and every copy of its steps).
     Once the valid items pass KILN_MAX_TASKS_PER_REQUEST the batch is refused whole
     (TooManyTasks, 413), before the rest are checked: the count given adds the tasks the
     rest ask for."""
     most = state.settings.max_tasks_per_request
     answers: dict[int, JSON] = {}
-    accepted: dict[int, BatchItemIn] = {}
-    counts: dict[int, int] = {}
+    accepted: dict[int, Submission] = {}
     total = 0
     for index, raw in enumerate(items):
         try:
-            accepted[index] = item = checked(state, index, raw)
+            accepted[index] = item = checked(state, principal, index, raw)
         except KilnError as exc:
             answers[index] = refused(index, exc)
             continue
-        counts[index] = limits.tasks_in(item.kind, item.params)
-        total += counts[index]
+        total += item.tasks
         if total > most:
             rest = items[index + 1 :]
             asked = sum(limits.tasks_in(str(r.get("kind")), r.get("params")) for r in rest)
             limits.check_tasks_per_request(total + asked, most)
-    return answers, accepted, counts
+    return answers, accepted
 
 
-async def take_tokens(state: ApiState, tenant: str, counts: dict[int, int]) -> list[int]:
-    """The indexes, in order, that the tenant's rate limit lets through: each item takes a
-    token per task it creates; once one is refused, the rest are (the limit holds for the
-    whole batch), and each refused item is counted in kiln_rate_limited."""
-    if state.app.settings.tenant_limit(tenant).rate is None:
-        return list(counts)
-    allowed: list[int] = []
-    for index, count in counts.items():
-        try:
-            await state.app.engine.check_rate(tenant, count)
-        except RateLimited:
-            await state.app.engine.count_rate_limited(len(counts) - len(allowed) - 1)
-            break
-        allowed.append(index)
-    return allowed
-
-
-async def submitted(state: ApiState, principal: Principal, index: int, item: BatchItemIn) -> JSON:
-    request = BatchItemIn.model_validate(item.model_dump(exclude={"idempotency_key"}))
+async def submitted(state: ApiState, index: int, item: Submission) -> JSON:
     try:
-        if request.inputs:
-            done = await tasks.submit_with_inputs(
-                state, principal, request, item.idempotency_key, rate=False
-            )
+        if item.references:
+            done = await tasks.submit_with_inputs(state, item, rate=False)
         else:
-            done = await tasks.submit(state, principal, request, item.idempotency_key)
+            done = await tasks.submit(state, item)
     except KilnError as exc:
         return refused(index, exc)
     result = done.result
@@ -147,22 +119,22 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
     raw = await tasks.read_body(request, state.settings.max_body_bytes)
     # The CPU a batch takes (parsing and checking up to 1,000 items, rendering the answer)
     # runs in a thread, so that the loop serves other requests meanwhile.
-    answers, accepted, counts = await asyncio.to_thread(check_batch, state, raw)
-    allowed = await take_tokens(state, principal.tenant, counts)
+    answers, accepted = await asyncio.to_thread(check_batch, state, principal, raw)
+    allowed = await state.app.admit_all(accepted)
     for index in accepted.keys() - set(allowed):
         answers[index] = refused(index, rate_limited(state, principal.tenant))
-    done = await submit_windowed(state, principal, accepted, allowed)
+    done = await submit_windowed(state, accepted, allowed)
     answers.update((answer["index"], answer) for answer in done)
     items = [answers[i] for i in range(len(answers))]
     return await asyncio.to_thread(RenderedJSON, {"items": items})
 
 
 def check_batch(
-    state: ApiState, raw: bytes
-) -> tuple[dict[int, JSON], dict[int, BatchItemIn], dict[int, int]]:
+    state: ApiState, principal: Principal, raw: bytes
+) -> tuple[dict[int, JSON], dict[int, Submission]]:
     """The batch body's items checked (:func:`checked_items`)."""
     body = tasks.validated(BatchRequest, parse_json(raw))
-    return checked_items(state, body.tasks)
+    return checked_items(state, principal, body.tasks)
 
 
 #: Submissions in flight at once: the store commits those waiting together, and no more
@@ -171,7 +143,7 @@ IN_FLIGHT = 50
 
 
 async def submit_windowed(
-    state: ApiState, principal: Principal, accepted: dict[int, BatchItemIn], allowed: list[int]
+    state: ApiState, accepted: dict[int, Submission], allowed: list[int]
 ) -> list[JSON]:
     """Every allowed item submitted, IN_FLIGHT at a time: what a submission takes on the
     loop before and after its write (validation, fingerprints, its answer) then comes in
@@ -181,7 +153,7 @@ async def submit_windowed(
 
     async def one(index: int) -> JSON:
         async with window:
-            return await submitted(state, principal, index, accepted[index])
+            return await submitted(state, index, accepted[index])
 
     return list(await asyncio.gather(*(one(i) for i in allowed)))
 

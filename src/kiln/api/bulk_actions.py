@@ -162,8 +162,8 @@ async def _act(action: str, request: Request, principal: Principal) -> Response:
     found = bulk_actions.filter_of(
         action, raw, scope=principal.scope, everything=body.all, now=state.app.now()
     )
-    answer = await bulk_actions.bulk_action(
-        state.app.engine, action, found, dry_run=body.dry_run, limit=body.limit, cursor=body.cursor
+    answer = await state.app.bulk_action(
+        action, found, dry_run=body.dry_run, limit=body.limit, cursor=body.cursor
     )
     resolved = body.filter.model_dump(exclude_defaults=True)
     for field in ("created_after", "created_before"):

@@ -32,6 +32,7 @@ from prometheus_client.core import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.app_parts import SCHEDULE_OUTCOMES, PoolUsage, WorkerRecord
 from kiln.autoscaling import Autoscaling, KindSignals, PoolSignals
 from kiln.breakers import STATE_VALUES, shared_state
 from kiln.config import Settings
@@ -52,9 +53,6 @@ from kiln.counters import (
 from kiln.engine import Engine
 from kiln.errors import Unauthorized
 from kiln.states import Status
-from kiln.store import WorkerRecord
-from kiln.store.pools import PoolUsage
-from kiln.store.schedules import OUTCOMES as SCHEDULE_OUTCOMES
 
 #: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
 STATE_BUCKETS_S: tuple[float, ...] = (

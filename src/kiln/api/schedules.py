@@ -19,14 +19,13 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kiln import canonical, webhooks
+from kiln import canonical
 from kiln.api.errors import error_responses
 from kiln.api.schemas import JSONObject, SubmitRequest
 from kiln.api.state import ApiState, api_state
 from kiln.api.tasks import Caller, _blank_to_none, _body_doc, json_body, validated
-from kiln.app import check_metadata
-from kiln.errors import InvalidRequest, NotFound
-from kiln.store import ScheduleRecord
+from kiln.app_parts import ScheduleRecord
+from kiln.errors import InvalidRequest
 from kiln.timing import Cron
 
 router = APIRouter(prefix="/v1")
@@ -108,13 +107,6 @@ def submission_of(state: ApiState, task: SubmitRequest) -> dict[str, Any]:
             details=[{"loc": ["body", "task", "inputs"], "msg": "not here", "type": "value_error"}],
         )
     app = state.app
-    kind = app.kind(task.kind)
-    params = kind.validate(task.params)
-    kind.check_inputs(params, [])
-    check_metadata(task.metadata)
-    webhook = webhooks.webhook_spec(
-        task.webhook_url, task.webhook_events, allow_private=state.settings.webhook_allow_private
-    )
     given = task.timeouts
     timeouts = app.timeouts_of(
         task.kind,
@@ -122,20 +114,17 @@ def submission_of(state: ApiState, task: SubmitRequest) -> dict[str, Any]:
         generating_s=None if given is None else given.generating_s,
         uploading_s=None if given is None else given.uploading_s,
     )
+    checked = app.submission(
+        task.kind, task.params, metadata=task.metadata, webhook_url=task.webhook_url,
+        webhook_events=task.webhook_events, timeouts=timeouts,
+    )  # fmt: skip
     return {
-        "kind": task.kind, "params": params, "priority": task.priority,
+        "kind": task.kind, "params": checked.params, "priority": task.priority,
         "max_attempts": task.max_attempts, "deadline_s": task.deadline_s,
         "timeouts": {"waiting_s": timeouts.waiting_s, "generating_s": timeouts.generating_s,
                      "uploading_s": timeouts.uploading_s},
-        "metadata": task.metadata, "webhook": webhook,
+        "metadata": task.metadata, "webhook": checked.webhook,
     }  # fmt: skip
-
-
-async def _owned(state: ApiState, schedule_id: str, scope: str | None) -> ScheduleRecord:
-    found = await state.app.store.schedule(schedule_id)
-    if found is None or (scope is not None and found.tenant != scope):
-        raise NotFound(f"no schedule {schedule_id!r}")
-    return found
 
 
 def _answer(schedule: ScheduleRecord, status_code: int = 200) -> Response:
@@ -154,17 +143,16 @@ def _answer(schedule: ScheduleRecord, status_code: int = 200) -> Response:
 async def create_schedule(request: Request, principal: Caller) -> Response:
     state = api_state(request)
     body = validated(ScheduleRequest, await json_body(request, state.settings.max_body_bytes))
-    now = state.app.engine.now()
+    now = state.app.now()
     cron = Cron.parse(body.cron, body.timezone, now=now)
-    submission = submission_of(state, body.task)
-    state.app.tasks_of(body.task.kind, submission["params"])  # each tick is one request
+    submission = submission_of(state, body.task)  # each tick is one request
     record = ScheduleRecord(
         id=canonical.new_id("sch_"), tenant=principal.tenant, cron=cron.expression,
         timezone=cron.timezone, submission=submission, overlap=body.overlap,
         missed=body.missed, paused=body.paused, next_at=cron.next_after(now),
     )  # fmt: skip
     most = None if principal.admin else state.settings.max_schedules_per_tenant
-    return _answer(await state.app.store.create_schedule(record, most=most), 201)
+    return _answer(await state.app.schedules.create(record, most=most), 201)
 
 
 @router.get(
@@ -191,8 +179,8 @@ async def list_schedules(
             "the cursor is not one a page gave: pass next_cursor of the previous page as is",
             details=[{"loc": ["query", "cursor"], "msg": "malformed cursor", "type": "cursor"}],
         )
-    store = api_state(request).app.store
-    found = await store.schedules(tenant=principal.scope, limit=limit + 1, after=cursor)
+    schedules = api_state(request).app.schedules
+    found = await schedules.list(scope=principal.scope, limit=limit + 1, after=cursor)
     page = found[:limit]
     next_cursor = page[-1].id if len(found) > limit else None
     return JSONResponse({"items": [s.to_json() for s in page], "next_cursor": next_cursor})
@@ -205,7 +193,7 @@ async def list_schedules(
     responses=error_responses(401, 404),
 )
 async def get_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
-    return _answer(await _owned(api_state(request), schedule_id, principal.scope))
+    return _answer(await api_state(request).app.schedules.get(schedule_id, principal.scope))
 
 
 @router.post(
@@ -231,17 +219,8 @@ async def resume_schedule(schedule_id: str, request: Request, principal: Caller)
 async def _set_paused(
     request: Request, scope: str | None, schedule_id: str, *, paused: bool
 ) -> Response:
-    state = api_state(request)
-    found = await _owned(state, schedule_id, scope)
-    if found.paused == paused:
-        return _answer(found)
-    next_at = found.next_at
-    if not paused:
-        next_at = Cron(found.cron, found.timezone).next_after(state.app.engine.now())
-    changed = await state.app.store.set_schedule_paused(schedule_id, paused=paused, next_at=next_at)
-    if changed is None:
-        raise NotFound(f"no schedule {schedule_id!r}")
-    return _answer(changed)
+    schedules = api_state(request).app.schedules
+    return _answer(await schedules.set_paused(schedule_id, paused=paused, scope=scope))
 
 
 class Deleted(BaseModel):
@@ -258,8 +237,5 @@ class Deleted(BaseModel):
     responses=error_responses(401, 404),
 )
 async def delete_schedule(schedule_id: str, request: Request, principal: Caller) -> Response:
-    state = api_state(request)
-    await _owned(state, schedule_id, principal.scope)
-    if not await state.app.store.delete_schedule(schedule_id):
-        raise NotFound(f"no schedule {schedule_id!r}")
+    await api_state(request).app.schedules.delete(schedule_id, principal.scope)
     return JSONResponse({"id": schedule_id, "deleted": True})

@@ -11,9 +11,9 @@ from kiln.api.metrics import ApiMetrics
 from kiln.api.singleflight import SingleFlight
 from kiln.api.sse import EncodedEvents
 from kiln.app import App
+from kiln.app_parts import PoolWait
 from kiln.config import Settings
 from kiln.models import SubmitResult, Task
-from kiln.store.pools import PoolWait
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,18 +18,19 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, inputs, pipelines, wire
+from kiln import canonical, pipelines, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
 from kiln.api.state import ApiState, Standing, Submitted, api_state
 from kiln.api.strict_json import RenderedJSON, parse_json
 from kiln.api.uploads import UploadedFile, read_upload
-from kiln.app import CURSOR_PATTERN, App
+from kiln.app import CURSOR_PATTERN
 from kiln.breakers import breakers_json
 from kiln.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from kiln.models import JSON, StoredOutput, SubmitResult, Task, Timeouts
 from kiln.states import Status
+from kiln.submission import Submission
 from kiln.wire import task_json
 
 log = logging.getLogger("kiln.api")
@@ -173,42 +174,38 @@ def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
     )  # fmt: skip
 
 
-async def submit(
+def submission(
     state: ApiState,
     principal: Principal,
     request: SubmitRequest,
     key: str | None,
-    uploaded: list[JSON] | None = None,
-) -> Submitted:
-    """Submit through the store; identical concurrent requests share one round trip, and
-    the reading of where the task stands."""
+    files: Sequence[UploadedFile] = (),
+) -> Submission:
+    """The request as one checked :class:`Submission` (its params validated here, once),
+    refused before anything is stored."""
+    return state.app.submission(
+        request.kind, request.params, tenant=principal.tenant, idempotency_key=key,
+        dedup=request.dedup, priority=request.priority, max_attempts=request.max_attempts,
+        deadline_s=request.deadline_s, timeouts=_timeouts(state, request),
+        metadata=request.metadata, inputs=[f.record() for f in files],
+        references=request.inputs, webhook_url=request.webhook_url,
+        webhook_events=request.webhook_events, run_at=request.run_at, delay_s=request.delay_s,
+    )  # fmt: skip
+
+
+async def submit(state: ApiState, submission: Submission) -> Submitted:
+    """Store a submission; identical concurrent requests share one round trip, and the
+    reading of where the task stands."""
     app = state.app
-    timeouts = _timeouts(state, request)
 
     async def call() -> Submitted:
-        result = await app.submit(
-            request.kind,
-            request.params,
-            tenant=principal.tenant,
-            idempotency_key=key,
-            dedup=request.dedup,
-            priority=request.priority,
-            max_attempts=request.max_attempts,
-            deadline_s=request.deadline_s,
-            timeouts=timeouts,
-            metadata=request.metadata,
-            inputs=uploaded,
-            webhook_url=request.webhook_url,
-            webhook_events=request.webhook_events,
-            run_at=request.run_at,
-            delay_s=request.delay_s,
-        )
+        result = await app.enter(submission)
         return Submitted(result, await standing(state, result.task))
 
-    if key is None and not request.dedup:
+    key = submission.idempotency_key
+    if key is None and not submission.dedup:
         return await call()
-    contents = [f"{i['name']}:{i['sha256']}" for i in uploaded or []]
-    flight = (principal.tenant, key, canonical.digest([request.model_dump(mode="json"), contents]))
+    flight = (submission.tenant, key, canonical.digest(submission.body()))
     first, led = await state.submissions.run(flight, call)
     if led:
         return first
@@ -226,85 +223,32 @@ async def submit_upload(
     inputs named by reference in the ``request`` part's ``inputs``)."""
     upload = await read_upload(request, state.settings)
     body = validated(SubmitRequest, parse_json(upload.request, "request"), "request")
-    return await submit_with_inputs(state, principal, body, key, upload.files)
-
-
-def check_references(app: App, body: SubmitRequest, files: Sequence[str] = ()) -> dict[str, str]:
-    """The inputs ``body`` names by reference (name → sha256), refused (InvalidRequest,
-    UnknownKind) before anything is looked up or pinned: the kind, its params, a name the
-    kind does not take or that a file part also sends."""
-    task_kind = app.kind(body.kind)
-    task_kind.validate(body.params)
-    refs = {name: inputs.referenced(value) for name, value in (body.inputs or {}).items()}
-    for name in refs:
-        if name not in task_kind.inputs or name in files:
-            why = "twice" if name in files else f"but {body.kind} does not take it"
-            detail = {"loc": ["inputs", name], "msg": "unexpected input", "type": "input"}
-            raise InvalidRequest(f"the input {name!r} was sent {why}", details=[detail])
-    return refs
+    checked = submission(state, principal, body, key, upload.files)
+    return await submit_with_inputs(state, checked, upload.files)
 
 
 async def submit_with_inputs(
     state: ApiState,
-    principal: Principal,
-    body: SubmitRequest,
-    key: str | None,
+    checked: Submission,
     files: Sequence[UploadedFile] = (),
     *,
     rate: bool = True,
 ) -> Submitted:
     """A submission with inputs: uploaded files and inputs named by reference.
 
-    Everything is checked before anything is stored (limits, types, the JSON, the kind,
-    its params against the inputs); then each input is stored once by sha256 (a reference
-    is found among the tenant's uploads and outputs, an output copied into ``inputs/``),
-    and the task submitted as a JSON one would be. When the submission is still refused
-    (an Idempotency-Key reused with other content, an outage), the inputs this request
-    wrote are removed again, so a refused request leaves nothing behind; while the
-    request runs its inputs are pinned, so retention leaves them be. ``rate``: count the
-    submission against the tenant's rate limit (a batch took its tokens already).
+    Everything was checked before anything is stored (limits, types, the JSON, the kind,
+    its params against the uploaded inputs); the App then finds the references among
+    the tenant's uploads and outputs, keeps each file once by sha256, and the task is
+    submitted as a JSON one would be (:meth:`kiln.App.holding`). When the submission is
+    still refused (an Idempotency-Key reused with other content, an outage), the inputs
+    this request wrote are removed again, so a refused request leaves nothing behind.
+    ``rate``: count the submission against the tenant's rate limit (a batch took its
+    tokens already).
     """
-    app = state.app
-    uploaded = [f.record() for f in files]
-    refs = check_references(app, body, [f.name for f in files])
-    if not refs:
-        app.check_submission(  # refused before any input is stored
-            body.kind, body.params, inputs=uploaded, webhook_url=body.webhook_url,
-            webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
-        )  # fmt: skip
     if rate:
-        await app.check_rate(principal.tenant)
-    store, storage = app.store, app.storage
-    referred: list[JSON] = []
-    # Pinned while the task goes in, so retention never deletes them under this request.
-    by_ref = inputs.Held((), ())
-    if refs:
-        referred, by_ref = await inputs.refer(
-            store, storage, principal.tenant, refs, max_pixels=state.settings.max_image_pixels
-        )
-    try:
-        order = {name: n for n, name in enumerate(app.kind(body.kind).inputs)}
-        # In the kind's order, however they came: an upload and a reference are alike.
-        every = sorted([*uploaded, *referred], key=lambda i: order.get(str(i["name"]), -1))
-        if refs:
-            app.check_submission(
-                body.kind, body.params, inputs=every, webhook_url=body.webhook_url,
-                webhook_events=body.webhook_events, run_at=body.run_at, delay_s=body.delay_s,
-            )  # fmt: skip
-        held = await inputs.hold(store, storage, [(f.sha256, f.data) for f in files])
-    except BaseException:
-        await inputs.release(store, storage, by_ref, drop=True)
-        raise
-    try:
-        result = await submit(state, principal, body, key, every)
-    except BaseException:
-        # What this request wrote goes again, unless a task or another upload uses it.
-        await inputs.release(store, storage, held, drop=True)
-        await inputs.release(store, storage, by_ref, drop=True)
-        raise
-    await inputs.release(store, storage, held)
-    await inputs.release(store, storage, by_ref)
-    return result
+        await state.app.admit(checked)
+    async with state.app.holding(checked, [(f.sha256, f.data) for f in files]) as full:
+        return await submit(state, full)
 
 
 _SUBMIT_HEADERS = {
@@ -343,11 +287,12 @@ async def submit_task(
         submitted = await submit_upload(request, state, principal, idempotency_key)
     else:
         body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
-        if body.inputs:  # inputs named by reference (docs/uploads.md)
-            submitted = await submit_with_inputs(state, principal, body, idempotency_key)
+        checked = submission(state, principal, body, idempotency_key)
+        if checked.references:  # inputs named by reference (docs/uploads.md)
+            submitted = await submit_with_inputs(state, checked)
         else:
-            await state.app.check_rate(principal.tenant, body.kind, body.params)
-            submitted = await submit(state, principal, body, idempotency_key)
+            await state.app.admit(checked)
+            submitted = await submit(state, checked)
     status_code, headers = _submit_answer(submitted.result)
     return standing_response(
         submitted.standing,
@@ -400,7 +345,7 @@ async def list_tasks(
     tasks, next_cursor = await state.app.list_tasks(
         tenant=principal.scope, status=status, kind=kind, limit=limit, cursor=cursor
     )
-    positions = await state.app.engine.queue_positions(tasks)  # one count per level, not per row
+    positions = await state.app.queue_positions(tasks)  # one count per level, not per row
     waits = await asyncio.gather(*(state.app.pool_wait(t) for t in tasks))
     items = [
         task_json(t, queue_position=positions.get(t.id), resource_wait=w)
@@ -429,9 +374,9 @@ async def stats(request: Request, principal: Caller) -> Response:
         "breakers": breakers_json(await app.shared_breakers(), app.now()),
     }
     if principal.may_review:  # the admin (or anyone, auth off): GET /v1/workers's list too
-        workers = await app.engine.workers()
+        workers = await app.operations.workers()
         body["workers"] = [worker.to_json() for worker in workers]
-        load = await app.engine.autoscaling(workers=workers, pools=pools)
+        load = await app.operations.autoscaling(workers=workers, pools=pools)
         body["autoscaling"] = load.to_json()
     return JSONResponse(body)
 

@@ -20,9 +20,10 @@ from kiln.api.errors import error_responses
 from kiln.api.schemas import UsageOut
 from kiln.api.state import api_state
 from kiln.api.tasks import Caller
+from kiln.app_parts import MAX_USAGE_GROUPS as MAX_GROUPS
+from kiln.app_parts import USAGE_GROUPS as GROUPS
 from kiln.errors import Forbidden, InvalidRequest
 from kiln.models import iso
-from kiln.store.usage import GROUPS, MAX_GROUPS
 
 router = APIRouter(prefix="/v1")
 
@@ -115,7 +116,7 @@ async def usage(
         if scope is not None and tenant != scope:
             raise Forbidden("a tenant's key sees its own usage only")
         scope = tenant
-    found = await app.engine.usage(since=start, until=end, group_by=groups, tenant=scope)
+    found = await app.operations.usage(since=start, until=end, group_by=groups, tenant=scope)
     body = {
         "from": iso(start), "to": iso(end), "group_by": groups,
         "items": [item.to_json() for item in found], "truncated": len(found) >= MAX_GROUPS,

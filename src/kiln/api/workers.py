@@ -24,5 +24,5 @@ router = APIRouter(prefix="/v1")
 async def list_workers(request: Request, principal: Caller) -> Response:
     if not principal.may_review:  # the admin, or anyone when auth is off
         raise Forbidden("only the admin key may list the workers")
-    found = await api_state(request).app.engine.workers()
+    found = await api_state(request).app.operations.workers()
     return JSONResponse({"workers": [worker.to_json() for worker in found]})

@@ -64,7 +64,7 @@ def opened(app: kiln.App) -> kiln.App:
     a driver that is not installed is a usage error."""
     settings = app.settings
     for url, part in (
-        (settings.resolved_database_url, lambda: app.store),
+        (settings.resolved_database_url, app.now),  # the store's clock: opens the store
         (settings.resolved_storage_url, lambda: app.storage),
     ):
         try:
@@ -101,7 +101,7 @@ def _one_line(exc: BaseException, url: str) -> str:
 
 
 async def _store_answers(app: kiln.App) -> None:
-    await app.store.last_seq()  # PostgreSQL: connects and applies pending migrations
+    await app.connect()  # PostgreSQL: connects and applies pending migrations
 
 
 async def _storage_answers(app: kiln.App) -> None:

@@ -130,9 +130,8 @@ class AssetBook:
         if existing is not None:
             return existing, False
         sha256 = sha256_hex(data)
-        store, storage = self.app.store, self.app.storage
-        held = await inputs.hold(store, storage, [(sha256, data)])
-        try:
+        storage = self.app.storage
+        async with self.app.pinned([(sha256, data)], drop=False):
             record = AssetRecord(
                 id=str(uuid.uuid4()),
                 tenant=tenant,
@@ -146,8 +145,6 @@ class AssetBook:
             )
             await storage.put(self._record_key(tenant, record.id), _encoded(record))
             await storage.put(self._hash_key(tenant, digest), record.id.encode())
-        finally:
-            await inputs.release(store, storage, held)
         return record, True
 
     async def delete(self, tenant: str, asset_id: str) -> None:

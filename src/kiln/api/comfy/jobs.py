@@ -15,13 +15,11 @@ from fastapi import APIRouter, Header, Query
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kiln import inputs
 from kiln.api.comfy import shapes
 from kiln.api.comfy.common import Caller, book_of, job_answer, job_task
 from kiln.api.comfy.errors import V2Error, V2Route
 from kiln.api.comfy.workflow import Resolved, check_graph, resolve, restore
-from kiln.api.schemas import SubmitRequest
-from kiln.api.state import ApiState, api_state
+from kiln.api.state import api_state
 from kiln.api.tasks import read_body, submit
 from kiln.app import CURSOR_PATTERN
 from kiln.backends.comfy_workflow_params import KIND
@@ -78,13 +76,12 @@ def parse_body(raw: bytes) -> JSON:
     return body
 
 
-async def _held(state: ApiState, request: Request, resolved: Resolved) -> inputs.Held:
-    """The assets' bytes, pinned as kiln inputs while the task goes in."""
+async def _files(request: Request, resolved: Resolved) -> list[tuple[str, bytes]]:
+    """The assets' bytes, to pin as kiln inputs while the task goes in."""
     book = book_of(request)
-    files = [
+    return [
         (r.sha256, await book.content(r.sha256, r.size_bytes)) for r in resolved.records.values()
     ]
-    return await inputs.hold(state.app.store, state.app.storage, files)
 
 
 @router.post("/jobs", status_code=201, summary="Submit an API-format workflow")
@@ -98,21 +95,15 @@ async def submit_job(request: Request, principal: Caller, key: IdempotencyKey = 
         "extra_data": body.get("extra_data") or {},
         "assets": resolved.assets,
     }
-    asked = SubmitRequest.model_validate(
-        {
-            "kind": KIND,
-            "params": params,
-            "metadata": _labels(body.get("metadata")),
-            "dedup": bool(body.get("dedup", False)),
-        }
-    )
-    await state.app.check_rate(principal.tenant, KIND, params)
     records = [record.input_record(name) for name, record in sorted(resolved.records.items())]
-    held = await _held(state, request, resolved)
-    try:
-        submitted = await submit(state, principal, asked, key, records)
-    finally:
-        await inputs.release(state.app.store, state.app.storage, held)
+    asked = state.app.submission(
+        KIND, params, tenant=principal.tenant, idempotency_key=key, inputs=records,
+        metadata=_labels(body.get("metadata")), dedup=bool(body.get("dedup", False)),
+    )  # fmt: skip
+    await state.app.admit(asked)
+    # The assets' bytes stay when the submission is refused: they are the tenant's assets.
+    async with state.app.holding(asked, await _files(request, resolved), drop=False) as full:
+        submitted = await submit(state, full)
     result = submitted.result
     answer = await job_answer(request, result.task)
     if result.deduplicated:
