@@ -478,8 +478,9 @@ async def test_cancel_a_queued_a_running_and_a_finished_job(
 
 @pytest.mark.usefixtures("served")
 async def test_a_stream_open_on_a_running_job_sees_canceling_then_canceled() -> None:
-    # Given a running job, and its stream open in the official client
-    waiting = graph(13, extra={"5": {"class_type": "WaitNode", "inputs": {}}})
+    # Given a running job (a KSampler that runs until the cancel interrupts it), and its
+    # stream open in the official client
+    waiting = graph(next(SEEDS), steps=5000)
     async with alice() as comfy:
         job = await comfy.submit(comfy.workflows.from_json(waiting))
         events = job.events()
