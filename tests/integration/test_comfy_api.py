@@ -428,11 +428,6 @@ async def test_the_lifecycle_on_postgres_and_s3(postgres_cluster: Cluster) -> No
     await lifecycle(postgres_cluster)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a resumed stream numbers the events derived from the status change it resumes "
-    "after from <seq>.1 again (streams.py JobEvents keeps n at 0), so an id is sent twice",
-)
 async def test_a_resumed_stream_sends_no_id_twice(sqlite_cluster: Cluster) -> None:
     async with alice() as comfy:
         nodes = graph(steps=40)
