@@ -485,9 +485,9 @@ async def test_a_stream_open_on_a_running_job_sees_canceling_then_canceled() -> 
         job = await comfy.submit(comfy.workflows.from_json(waiting))
         events = job.events()
         seen = []
-        async for event in events:  # until the stream says it runs
+        async for event in events:  # until the stream says its KSampler steps
             seen.append(event)
-            if isinstance(event, StatusChange) and event.status == "running":
+            if isinstance(event, ProgressEvent) and event.step is not None:
                 break
         # When its cancel is asked
         await job.cancel()
@@ -586,7 +586,7 @@ async def test_a_stream_resumed_from_a_derived_id_sends_no_id_twice(
     _, api = served
     waiting = graph(next(SEEDS), steps=5000)  # runs until the cancel interrupts it
     job_id = (await api.client.post("/api/v2/jobs", json={"workflow": waiting})).json()["id"]
-    first = await _sse_until(api.client, job_id, _steps(2))
+    first = await asyncio.wait_for(_sse_until(api.client, job_id, _steps(2)), 30)
     last = first[-1]["id"]
     assert "." in last, first
     # When it is resumed from that id, and the job's cancel is asked after a step more
