@@ -391,7 +391,12 @@ async def lifecycle(cluster: Cluster) -> None:
         ).hash
         == out["hash"]
     )
+
     # the image is the one its instance saved; the instance loaded the asset's bytes
+    async def logged() -> bool:  # the worker logs the upload as it ends the job
+        return bool(cluster.ran(job.id))
+
+    await wait_until(logged, timeout_s=10, what="the worker's uploaded line")
     [index] = cluster.ran(job.id)
     root = cluster.instances[index].root
     assert (root / "output" / out["name"]).read_bytes() == data
