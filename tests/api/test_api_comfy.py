@@ -13,7 +13,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -478,15 +478,16 @@ async def test_cancel_a_queued_a_running_and_a_finished_job(
 
 @pytest.mark.usefixtures("served")
 async def test_a_stream_open_on_a_running_job_sees_canceling_then_canceled() -> None:
-    # Given a running job, and its stream open in the official client
-    waiting = graph(13, extra={"5": {"class_type": "WaitNode", "inputs": {}}})
+    # Given a running job (a KSampler that runs until the cancel interrupts it), and its
+    # stream open in the official client
+    waiting = graph(next(SEEDS), steps=5000)
     async with alice() as comfy:
         job = await comfy.submit(comfy.workflows.from_json(waiting))
         events = job.events()
         seen = []
-        async for event in events:  # until the stream says it runs
+        async for event in events:  # until the stream says its KSampler steps
             seen.append(event)
-            if isinstance(event, StatusChange) and event.status == "running":
+            if isinstance(event, ProgressEvent) and event.step is not None:
                 break
         # When its cancel is asked
         await job.cancel()
@@ -523,17 +524,25 @@ async def test_a_cancel_asked_through_another_api_node_reaches_an_open_stream(
     # Then the stream says canceling (the worker elsewhere has yet to stop)
     assert [e.status for e in seen if isinstance(e, StatusChange)][-1] == "canceling"
     # And a new connection says it too, its id derived from the last status change
-    history = await _sse_until(api.client, job_id, "canceling")
+    history = await _sse_until(api.client, job_id, _says("canceling"))
     seq, dot, n = history[-1]["id"].partition(".")
     last_seq = max(e.seq for e in await api.kiln.store.events(task_id=job_id))
     assert (int(seq), dot) == (last_seq, ".") and n.isdigit()
 
 
-async def _sse_until(client: httpx.AsyncClient, job_id: str, status: str) -> list[dict[str, Any]]:
-    """A new connection's events up to the status event ``status``: event, id, data."""
+async def _sse_until(
+    client: httpx.AsyncClient,
+    job_id: str,
+    until: Callable[[list[dict[str, Any]]], bool],
+    last: str | None = None,
+) -> list[dict[str, Any]]:
+    """A new connection's events (event, id, data) up to the first one where ``until``
+    holds of those read so far; then the connection is dropped."""
     found: list[dict[str, Any]] = []
     current: dict[str, Any] = {}
     headers = {"Accept": "text/event-stream"}
+    if last is not None:
+        headers["Last-Event-ID"] = last
     async with client.stream("GET", f"/api/v2/jobs/{job_id}/events", headers=headers) as response:
         async for line in response.aiter_lines():
             if line.startswith(":"):
@@ -544,12 +553,62 @@ async def _sse_until(client: httpx.AsyncClient, job_id: str, status: str) -> lis
                 continue
             if "data" in current:
                 found.append(current)
-                if current["event"] == "status" and json.loads(current["data"]) == {
-                    "status": status
-                }:
+                if until(found):
                     return found
             current = {}
-    raise AssertionError(f"the stream ended before {status}: {found}")
+    raise AssertionError(f"the stream ended first: {found}")
+
+
+def _says(status: str) -> Callable[[list[dict[str, Any]]], bool]:
+    """Whether the last event read is the status event ``status``."""
+    return lambda found: (
+        found[-1]["event"] == "status" and json.loads(found[-1]["data"]) == {"status": status}
+    )
+
+
+def _steps(count: int) -> Callable[[list[dict[str, Any]]], bool]:
+    """Whether ``count`` progress events with a step were read."""
+    return lambda found: (
+        sum(e["event"] == "progress" and bool(json.loads(e["data"]).get("step")) for e in found)
+        >= count
+    )
+
+
+def _order(event_id: str) -> tuple[int, int]:
+    seq, _, n = event_id.partition(".")
+    return int(seq), int(n or 0)
+
+
+async def test_a_stream_resumed_from_a_derived_id_sends_no_id_twice(
+    served: tuple[str, ApiUnderTest],
+) -> None:
+    # Given a running job whose stream was dropped after two steps (ids <seq>.<n>)
+    _, api = served
+    waiting = graph(next(SEEDS), steps=5000)  # runs until the cancel interrupts it
+    job_id = (await api.client.post("/api/v2/jobs", json={"workflow": waiting})).json()["id"]
+    first = await asyncio.wait_for(_sse_until(api.client, job_id, _steps(2)), 30)
+    last = first[-1]["id"]
+    assert "." in last, first
+    # When it is resumed from that id, and the job's cancel is asked after a step more
+    stepped = asyncio.Event()
+
+    def canceled(found: list[dict[str, Any]]) -> bool:
+        if _steps(1)(found):
+            stepped.set()
+        return _says("canceled")(found)
+
+    reading = asyncio.create_task(_sse_until(api.client, job_id, canceled, last=last))
+    await asyncio.wait_for(stepped.wait(), 30)
+    assert (await api.client.post(f"/api/v2/jobs/{job_id}/cancel")).status_code == 200
+    resumed = await asyncio.wait_for(reading, 30)
+    # Then every id goes on after the one resumed from: progress and canceling alike
+    assert [json.loads(e["data"]) for e in resumed if e["event"] == "status"][-2:] == [
+        {"status": "canceling"},
+        {"status": "canceled"},
+    ]
+    ids = [_order(e["id"]) for e in first + resumed]
+    assert ids == sorted(set(ids)), ids
+    assert all(_order(e["id"]) > _order(last) for e in resumed), (last, resumed)
 
 
 async def test_other_tenants_jobs_are_not_found(served: tuple[str, ApiUnderTest]) -> None:

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def server(settings: Settings) -> AsyncIterator[tuple[str, ApiUnderTest]]:
-    """kiln serving /api/v2, no worker; a body must arrive within half a second."""
-    async with comfy_server(settings.with_(body_timeout_s=0.5), workers=0) as found:
+    """kiln serving /api/v2, no worker (no ComfyUI); a body must arrive within half a second."""
+    async with comfy_server(settings.with_(body_timeout_s=0.5)) as found:
         yield found
 
 

@@ -5,6 +5,7 @@ from Comfy's own v2 spec), and real answers of a running server that validate ag
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from comfy_low.models import _generated as client_models
 from comfy_support import comfy_server, graph, png
 from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
+from tests.services.comfyui_standin import Process
 
 from kiln.config import Settings
 
@@ -36,7 +38,25 @@ SHARED = (
 
 @pytest.fixture
 async def served(settings: Settings) -> AsyncIterator[tuple[str, ApiUnderTest]]:
+    """The server with no worker: jobs stay queued."""
     async with comfy_server(settings) as found:
+        yield found
+
+
+@pytest.fixture
+def comfyui_url(tmp_path: Path) -> Iterator[str]:
+    """A stand-in ComfyUI process: its URL."""
+    comfyui = Process(tmp_path / "comfyui", "--step-s", "0.02", "--load-s", "0")
+    try:
+        yield comfyui.url
+    finally:
+        comfyui.stop()
+
+
+@pytest.fixture
+async def working(settings: Settings, comfyui_url: str) -> AsyncIterator[tuple[str, ApiUnderTest]]:
+    """The server with a worker whose jobs run on the stand-in ComfyUI."""
+    async with comfy_server(settings, comfyui=comfyui_url) as found:
         yield found
 
 
@@ -106,10 +126,10 @@ async def test_the_shapes_agree_with_the_clients_generated_models(
 
 
 async def test_real_answers_validate_against_the_document(
-    served: tuple[str, ApiUnderTest],
+    working: tuple[str, ApiUnderTest],
 ) -> None:
     # Given a document, an uploaded asset and a job that succeeded
-    _, api = served
+    _, api = working
     client = api.client
     doc = await document(client)
     files = {"file": ("photo.png", png((1, 2, 3)), "image/png")}

@@ -105,11 +105,12 @@ def test_ranges() -> None:
 
 
 def test_event_ids_and_previews() -> None:
-    assert resume_after("41") == 41
-    assert resume_after("41.3") == 41
+    assert resume_after("41") == (41, 0)
+    assert resume_after("41.3") == (41, 3)  # derived events go on from 41.4
     assert resume_after(None) is None
-    with pytest.raises(V2Error):
-        resume_after("abc")
+    for bad in ("abc", "41.", "41.x", ".3", "41.3.1", f"41.{2**63}"):
+        with pytest.raises(V2Error):
+            resume_after(bad)
     assert preview_of("data:image/jpeg;base64,AAAA", "3") == {
         "node_id": "3",
         "content_type": "image/jpeg",

@@ -5,7 +5,8 @@ event log, then live, until the final event) told in v2's words, from ``Last-Eve
 ``status``, ``progress``, ``preview``, ``output`` (each output, before ``succeeded``) and
 ``log`` (the failure, before ``failed``/``expired``). A status change's ``id`` is its event
 seq; an event derived from one is ``<seq>.<n>``, ``<seq>`` being the status change before
-it, so ``Last-Event-ID`` of either resumes after that status change.
+it, so ``Last-Event-ID`` of either resumes after that status change; the events derived
+from it go on from ``<n>`` + 1 (``41.3`` resumes with ``41.4``), so no id is sent twice.
 
 A cancel asked of a running job changes no status in kiln's log (only
 ``cancel_requested``), so the stream learns of it beside the log (:func:`with_cancel_asks`)
@@ -47,14 +48,16 @@ PREVIEW_PREFIX = "data:"
 CANCEL_POLL_S = 1.0
 
 
-def resume_after(last_event_id: str | None) -> int | None:
-    """The status change a stream resumes after: ``41`` and ``41.3`` both say 41."""
+def resume_after(last_event_id: str | None) -> tuple[int, int] | None:
+    """Where a stream resumes: the status change and the last event derived from it the
+    client has. ``41`` says (41, 0), ``41.3`` says (41, 3)."""
     if last_event_id is None or not last_event_id.strip():
         return None
-    head = last_event_id.strip().split(".", 1)[0]
-    if not head.isdigit() or int(head) > MAX_SEQ:
+    head, dot, tail = last_event_id.strip().partition(".")
+    parts = (head, tail) if dot else (head,)
+    if not all(p.isdigit() and int(p) <= MAX_SEQ for p in parts):
         raise V2Error("invalid_request", "Last-Event-ID must be an id this stream sent", 400)
-    return int(head)
+    return int(head), int(tail) if dot else 0
 
 
 def _event(kind: str, event_id: str, data: JSON) -> ServerSentEvent:
@@ -75,11 +78,13 @@ def preview_of(data_url: str, node_id: str | None) -> JSON | None:
 class JobEvents:
     """One connection's translation of kiln messages into v2 events."""
 
-    def __init__(self, request: Request, state: ApiState, nodes: int, after: int | None):
+    def __init__(
+        self, request: Request, state: ApiState, nodes: int, after: tuple[int, int] | None
+    ):
         self.request = request
         self.state = state
         self.nodes = nodes
-        self.after = after or 0
+        self.after, self.after_n = after or (0, 0)
         self.seq = 0
         self.n = 0
         self.status: str | None = None
@@ -109,6 +114,8 @@ class JobEvents:
         status = shapes.job_status(event.status, self.asked)
         self.running = event.status in RUNNING
         if event.seq <= self.after:  # the client has it: only where the job stood
+            # and the events derived from it the client has: the next one goes on after them
+            self.n = self.after_n if event.seq == self.after else 0
             self.seq, self.status = event.seq, status
             return []
         found: list[ServerSentEvent] = []
