@@ -305,3 +305,31 @@ def test_the_model_of_a_job_is_its_checkpoint_before_any_lora() -> None:
     vae = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}}}
     assert comfy_workflow.model_of({"workflow": vae}) == "ae.safetensors"
     assert comfy_workflow.model_of({"workflow": {}}) is None
+
+
+async def test_a_job_stopped_while_comfyui_answers_its_prompt_takes_the_prompt_back(
+    standin: Process, tmp_path: Path
+) -> None:
+    # Given an instance that runs a prompt at once but answers POST /prompt late
+    await set_faults(standin, {"prompt_answer_s": 30})
+    async with kiln_for(tmp_path, standin.url) as (app, _), httpx.AsyncClient() as http:
+        job = (await app.submit(comfy_workflow.KIND, {"workflow": txt2img(CKPT, steps=400)})).task
+        worker = app.worker(concurrency=1, kinds=[comfy_workflow.KIND], resources={"gpu": 1})
+        async with running(worker.run()), asyncio.timeout(TASK_TIMEOUT_S):
+            # When the job is cancelled while its prompt runs and the answer is not back
+            running_now: list[Any] = []
+            while not running_now:
+                running_now = (await http.get(f"{standin.url}/queue")).json()["queue_running"]
+                await asyncio.sleep(0.02)
+            prompt_id = running_now[0][1]
+            await app.cancel(job.id)
+            done = await app.wait(job.id, timeout_s=TASK_TIMEOUT_S)
+            # Then the instance is told to stop that prompt, which ends without its pictures
+            history: dict[str, Any] = {}
+            while not history:
+                history = (await http.get(f"{standin.url}/history/{prompt_id}")).json()
+                await asyncio.sleep(0.02)
+    assert done.status is Status.CANCELLED
+    log = await standin_log(standin)
+    assert {"prompt_id": prompt_id, "running": prompt_id} in log["interrupts"]
+    assert history[prompt_id]["status"]["status_str"] == "error"

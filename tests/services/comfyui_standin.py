@@ -27,7 +27,8 @@ deletions it was sent, the prompts it ran, the checkpoint loaded and how often o
 loaded) and ``POST /standin/faults`` (replaces the faults): ``{"raise": {"class_type",
 "exception_type", "exception_message", "times"?}}`` makes that node raise (a
 ``torch.OutOfMemoryError`` type is an OOM as ComfyUI reports it), ``{"exit_at_step": n}``
-ends the process (exit status 3) at step n of a KSampler.
+ends the process (exit status 3) at step n of a KSampler, ``{"prompt_answer_s": s}``
+answers ``POST /prompt`` s seconds after queueing the prompt (a busy server's answer).
 """
 
 from __future__ import annotations
@@ -417,6 +418,7 @@ class Api:
         self.server.pending.append(item)
         self.server.wake.set()
         await self.server.status_changed()
+        await asyncio.sleep(float(self.server.faults.get("prompt_answer_s", 0)))
         return _json({"prompt_id": prompt_id, "number": item.number, "node_errors": {}})
 
     async def get_prompt(self, request: Request) -> Response:

@@ -238,7 +238,11 @@ class ComfyWorkflow:
         return f"{subfolder}/{answer['name']}" if subfolder else str(answer["name"])
 
     async def _queue(self, http: httpx.AsyncClient, run: _Run, extra: JSON) -> str:
+        # The prompt's id is ours, sent with it (ComfyUI takes a ``prompt_id``): a job
+        # stopped while ComfyUI answers still knows which prompt to take back.
+        run.prompt_id = str(uuid.uuid4())
         body = {"prompt": run.graph, "client_id": run.client_id, "extra_data": extra}
+        body["prompt_id"] = run.prompt_id
         response = await http.post(f"{self.url}/prompt", json=body)
         if response.status_code == 400:
             raise _refused(response)
@@ -358,12 +362,21 @@ class ComfyWorkflow:
         return outputs
 
     async def _abandon(self, http: httpx.AsyncClient, run: _Run) -> None:
-        """Best effort: take the prompt off the instance's queue, and stop it if it runs."""
+        """Best effort: take the prompt off the instance's queue, and stop it if it runs
+        (seen running on the socket, or started before its first message reached us)."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(ABANDON_TIMEOUT_S):
                 await http.post(f"{self.url}/queue", json={"delete": [run.prompt_id]})
-                if run.executing:  # recent ComfyUI stops only this prompt; older, the current
+                if run.executing or await self._running_now(http, run):
+                    # recent ComfyUI stops only this prompt; older ones, the current one
                     await http.post(f"{self.url}/interrupt", json={"prompt_id": run.prompt_id})
+
+    async def _running_now(self, http: httpx.AsyncClient, run: _Run) -> bool:
+        """Whether the instance runs the prompt now (``GET /queue``'s ``queue_running``
+        rows are ``[number, prompt_id, ...]``)."""
+        answer = (await http.get(f"{self.url}/queue")).json()
+        rows = answer.get("queue_running") or [] if isinstance(answer, dict) else []
+        return any(isinstance(r, list) and len(r) > 1 and r[1] == run.prompt_id for r in rows)
 
 
 @dataclass(frozen=True, slots=True)
