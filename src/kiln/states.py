@@ -114,154 +114,57 @@ def _rule(
     return Rule(event, frozenset(sources), frozenset(targets), actor, fenced, doc)
 
 
+# The state machine as a table, one rule per entry (event, from, to, actor, note): kept
+# unformatted so it reads as a table (ruff format would spread each rule over six lines).
 TRANSITIONS: tuple[Rule, ...] = (
-    _rule(
-        Event.SUBMIT,
-        (),
-        (S.PENDING,),
-        Actor.API,
-        "atomic insert-or-get on idempotency and dedup keys",
-    ),
-    _rule(
-        Event.CLAIM,
-        CLAIMABLE,
-        (S.WAITING_FOR_RESOURCE,),
-        Actor.WORKER,
-        "attempt+1, epoch+1, lease set, result location reserved",
-    ),
-    _rule(
-        Event.ACQUIRE,
-        (S.WAITING_FOR_RESOURCE,),
-        (S.GENERATING,),
-        Actor.WORKER,
-        "resource slot held",
-        fenced=True,
-    ),
+    _rule(Event.SUBMIT, (), (S.PENDING,), Actor.API,
+          "atomic insert-or-get on idempotency and dedup keys"),
+    _rule(Event.CLAIM, CLAIMABLE, (S.WAITING_FOR_RESOURCE,), Actor.WORKER,
+          "attempt+1, epoch+1, lease set, result location reserved"),
+    _rule(Event.ACQUIRE, (S.WAITING_FOR_RESOURCE,), (S.GENERATING,), Actor.WORKER,
+          "resource slot held", fenced=True),
     _rule(Event.GENERATED, (S.GENERATING,), (S.UPLOADING,), Actor.WORKER, "", fenced=True),
-    _rule(
-        Event.UPLOADED,
-        (S.UPLOADING,),
-        (S.SUCCESS, S.NEEDS_REVIEW),
-        Actor.WORKER,
-        "every output verified in storage",
-        fenced=True,
-    ),
+    _rule(Event.UPLOADED, (S.UPLOADING,), (S.SUCCESS, S.NEEDS_REVIEW), Actor.WORKER,
+          "every output verified in storage", fenced=True),
     _rule(Event.APPROVE, (S.NEEDS_REVIEW,), (S.SUCCESS,), Actor.ADMIN, "outputs verified again"),
-    _rule(
-        Event.REJECT,
-        (S.NEEDS_REVIEW,),
-        (S.FAILED,),
-        Actor.ADMIN,
-        "content_rejected, final; outputs deleted",
-    ),
-    _rule(
-        Event.FAIL, RUNNING, (S.FAILED,), Actor.WORKER, "reason code, retryable flag", fenced=True
-    ),
-    _rule(
-        Event.SCHEDULE_RETRY,
-        (S.FAILED, S.TIMEOUT),
-        (S.RETRYING,),
-        Actor.ENGINE,
-        "same transaction; retryable, attempts left, deadline allows",
-    ),
-    _rule(
-        Event.EXPIRE,
-        RUNNING,
-        (S.TIMEOUT,),
-        Actor.SUPERVISOR,
-        "lease lost or state timeout; epoch+1",
-    ),
-    _rule(
-        Event.RECOVER,
-        MAY_HAVE_OUTPUTS,
-        (S.SUCCESS,),
-        Actor.SUPERVISOR,
-        "complete verified outputs found at the attempt's location; epoch+1",
-    ),
-    _rule(
-        Event.CANCEL,
-        (S.PENDING, S.RETRYING, S.NEEDS_REVIEW),
-        (S.CANCELLED,),
-        Actor.API,
-        "a running task only gets cancel_requested",
-    ),
-    _rule(
-        Event.STOPPED,
-        RUNNING,
-        (S.CANCELLED,),
-        Actor.WORKER,
-        "the worker saw cancel_requested",
-        fenced=True,
-    ),
-    _rule(
-        Event.FORCE_CANCEL,
-        RUNNING,
-        (S.CANCELLED,),
-        Actor.SUPERVISOR,
-        "cancel_requested older than the grace period; epoch+1",
-    ),
-    _rule(
-        Event.RETRY,
-        ENDED_UNSUCCESSFULLY,
-        (S.RETRYING,),
-        Actor.API,
-        "manual retry; max_attempts+1, due now",
-    ),
-    _rule(
-        Event.DEADLINE,
-        CLAIMABLE,
-        (S.TIMEOUT,),
-        Actor.SUPERVISOR,
-        "the task's overall deadline passed",
-    ),
-    _rule(
-        Event.LOSE,
-        (S.SUCCESS,),
-        (S.FAILED,),
-        Actor.RECONCILER,
-        "result_lost: an output is gone or no longer matches; only at the epoch seen, "
-        "epoch+1, result cleared; then schedule_retry (due now, max_attempts+1) under "
-        "the rerun policy",
-    ),
-    _rule(
-        Event.RELEASE,
-        RUNNING,
-        (S.PENDING,),
-        Actor.WORKER,
-        "graceful stop (I9): the attempt goes back uncounted, attempt-1, epoch+1, ready_at kept",
-        fenced=True,
-    ),
+    _rule(Event.REJECT, (S.NEEDS_REVIEW,), (S.FAILED,), Actor.ADMIN,
+          "content_rejected, final; outputs deleted"),
+    _rule(Event.FAIL, RUNNING, (S.FAILED,), Actor.WORKER, "reason code, retryable flag",
+          fenced=True),
+    _rule(Event.SCHEDULE_RETRY, (S.FAILED, S.TIMEOUT), (S.RETRYING,), Actor.ENGINE,
+          "same transaction; retryable, attempts left, deadline allows"),
+    _rule(Event.EXPIRE, RUNNING, (S.TIMEOUT,), Actor.SUPERVISOR,
+          "lease lost or state timeout; epoch+1"),
+    _rule(Event.RECOVER, MAY_HAVE_OUTPUTS, (S.SUCCESS,), Actor.SUPERVISOR,
+          "complete verified outputs found at the attempt's location; epoch+1"),
+    _rule(Event.CANCEL, (S.PENDING, S.RETRYING, S.NEEDS_REVIEW), (S.CANCELLED,), Actor.API,
+          "a running task only gets cancel_requested"),
+    _rule(Event.STOPPED, RUNNING, (S.CANCELLED,), Actor.WORKER,
+          "the worker saw cancel_requested", fenced=True),
+    _rule(Event.FORCE_CANCEL, RUNNING, (S.CANCELLED,), Actor.SUPERVISOR,
+          "cancel_requested older than the grace period; epoch+1"),
+    _rule(Event.RETRY, ENDED_UNSUCCESSFULLY, (S.RETRYING,), Actor.API,
+          "manual retry; max_attempts+1, due now"),
+    _rule(Event.DEADLINE, CLAIMABLE, (S.TIMEOUT,), Actor.SUPERVISOR,
+          "the task's overall deadline passed"),
+    _rule(Event.LOSE, (S.SUCCESS,), (S.FAILED,), Actor.RECONCILER,
+          "result_lost: an output is gone or no longer matches; only at the epoch seen, "
+          "epoch+1, result cleared; then schedule_retry (due now, max_attempts+1) under "
+          "the rerun policy"),
+    _rule(Event.RELEASE, RUNNING, (S.PENDING,), Actor.WORKER,
+          "graceful stop (I9): the attempt goes back uncounted, attempt-1, epoch+1, "
+          "ready_at kept", fenced=True),
     # A pipeline (kind ``pipeline``, docs/pipelines.md) is never claimed: it is GENERATING
     # from its submit transaction (its first steps created in it) until its steps end.
-    _rule(
-        Event.RUN_STEPS,
-        (S.PENDING, S.RETRYING),
-        (S.GENERATING,),
-        Actor.ENGINE,
-        "pipeline: its ready steps created in the same transaction; no lease, no deadline",
-    ),
-    _rule(
-        Event.STEPS_DONE,
-        (S.GENERATING,),
-        (S.SUCCESS,),
-        Actor.ENGINE,
-        "pipeline: its last step succeeded, in that step's transaction",
-    ),
-    _rule(
-        Event.STEP_FAILED,
-        (S.GENERATING,),
-        (S.FAILED,),
-        Actor.ENGINE,
-        "pipeline: a step failed or timed out for good (on_failure policy)",
-    ),
-    _rule(
-        Event.STEPS_CANCELLED,
-        (S.GENERATING,),
-        (S.CANCELLED,),
-        Actor.ENGINE,
-        "pipeline: cancelled, or a step was cancelled; pending steps cancelled with it",
-    ),
-)
+    _rule(Event.RUN_STEPS, (S.PENDING, S.RETRYING), (S.GENERATING,), Actor.ENGINE,
+          "pipeline: its ready steps created in the same transaction; no lease, no deadline"),
+    _rule(Event.STEPS_DONE, (S.GENERATING,), (S.SUCCESS,), Actor.ENGINE,
+          "pipeline: its last step succeeded, in that step's transaction"),
+    _rule(Event.STEP_FAILED, (S.GENERATING,), (S.FAILED,), Actor.ENGINE,
+          "pipeline: a step failed or timed out for good (on_failure policy)"),
+    _rule(Event.STEPS_CANCELLED, (S.GENERATING,), (S.CANCELLED,), Actor.ENGINE,
+          "pipeline: cancelled, or a step was cancelled; pending steps cancelled with it"),
+)  # fmt: skip
 
 RULES: dict[Event, Rule] = {rule.event: rule for rule in TRANSITIONS}
 

@@ -575,17 +575,9 @@ class Dispatcher:
         if span is not None and self.engine.tracing is not None:
             attributes = {**span.attributes, "http.response.status_code": response.status_code}
             error = f"answered {response.status_code}" if response.status_code >= 400 else None
-            self.engine.tracing.emit(
-                [
-                    replace(
-                        span,
-                        start=started,
-                        end=self.engine.now(),
-                        attributes=attributes,
-                        error=error,
-                    )
-                ]
-            )
+            ended = self.engine.now()
+            sent = replace(span, start=started, end=ended, attributes=attributes, error=error)
+            self.engine.tracing.emit([sent])
         return response.status_code, retry_after_s(response)
 
     async def _span(self, delivery: WebhookDelivery) -> tracing.SpanPlan | None:

@@ -210,18 +210,9 @@ def ahead_args(
     """Parameters of the ``queue_ahead*`` queries for ``task`` (id, priority, ready_at)."""
     key: tuple[Any, ...] = (kind,) if tenant is None else (kind, tenant)
     if level is None:
-        return (
-            *key,
-            task.priority,
-            now,
-            now,
-            *key,
-            task.priority,
-            task.ready_at,
-            task.id,
-            now,
-            now,
-        )
+        higher = (*key, task.priority, now, now)
+        same_level_ahead = (*key, task.priority, task.ready_at, task.id, now, now)
+        return (*higher, *same_level_ahead)
     assert aging_s is not None
     bound = task.ready_at + (level - task.priority) * aging_s
     return (*key, level, now, now, bound, bound, task.id)
@@ -345,18 +336,8 @@ class ClaimOps(Ops):
         if not chosen:
             return [], []
         acq = lease.acquire
-        args = (
-            acq,
-            acq,
-            lease.worker_id,
-            now + lease.ttl_s,
-            now,
-            acq,
-            now,
-            now,
-            now,
-            [c.id for c in chosen],
-        )
+        held = (lease.worker_id, now + lease.ttl_s)  # lease_owner, lease_expires_at
+        args = (acq, acq, *held, now, acq, now, now, now, [c.id for c in chosen])
         by_id = {row[0]: task_from_row(row) for row in await tx.all(self.q.claim_tasks, args)}
         claimed: list[Task] = []
         events: list[EventRow] = []

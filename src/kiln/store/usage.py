@@ -152,29 +152,12 @@ def usage_args(
 ) -> tuple[Any, ...]:
     """The parameters of ``record_usage`` for the attempt (``attempt``, ``epoch``: as it
     ran, before the change) that the change of ``task`` from ``source`` ends."""
-    return (
-        task.id,
-        attempt,
-        epoch,
-        task.tenant,
-        task.kind,
-        task.model,
-        usage.pool,
-        task.id,
-        epoch,
-        usage.worker,
-        usage.outcome,
-        str(source),
-        dwell_s,
-        usage.loading_s,
-        str(source),
-        dwell_s,
-        usage.share,
-        now,
-        task.id,
-        attempt,
-        epoch,
-    )
+    key = (task.id, attempt, epoch)
+    columns = (*key, task.tenant, task.kind, task.model)
+    pool = (usage.pool, task.id, epoch)  # None: the attempt's pool slots
+    left = (str(source), dwell_s)  # the status the change leaves, and its dwell there
+    seconds = (*left, usage.loading_s, *left, usage.share, now)
+    return (*columns, *pool, usage.worker, usage.outcome, *seconds, *key)
 
 
 def report_sql(

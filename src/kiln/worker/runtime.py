@@ -165,8 +165,8 @@ class Worker:
         try:
             kinds, probes = await self.breakers.claimable(self.kinds)
             kinds, limit = self.slots.room(kinds, free, self.attempts.values())
-            claimed = (
-                await self.engine.claim(
+            if kinds:
+                claimed = await self.engine.claim(
                     worker_id=self.worker_id,
                     kinds=kinds,
                     limit=limit,
@@ -174,9 +174,6 @@ class Worker:
                     acquire=self._acquiring(kinds),
                     route=self.route(),
                 )
-                if kinds
-                else []
-            )
             self.batches.start_all(claimed)  # committed: run them, whatever follows
             probes, room = self.slots.room(probes, free - len(claimed), self.attempts.values())
             found = await self._claim_probes(probes, room)
@@ -231,16 +228,14 @@ class Worker:
         left = list(kinds)
         try:
             while left:
-                found = (
-                    await self.engine.claim(
+                found: list[Task] = []
+                if len(claimed) < free:
+                    found = await self.engine.claim(
                         worker_id=self.worker_id,
                         kinds=[left[0]],
                         limit=1,
                         lease_ttl_s=self.lease_ttl_s,
                     )
-                    if len(claimed) < free
-                    else []
-                )
                 self.breakers.probing(left.pop(0), found[0].id if found else None)
                 for task in found:
                     log.info("breaker_probe_claimed", extra={"task_id": task.id})
