@@ -44,11 +44,14 @@ class KindSignals:
 
     def to_json(self) -> JSON:
         return {
-            "waiting": self.waiting, "ready": self.ready,
-            "waiting_for_resource": self.waiting_for_resource, "running": self.running,
+            "waiting": self.waiting,
+            "ready": self.ready,
+            "waiting_for_resource": self.waiting_for_resource,
+            "running": self.running,
             "oldest_waiting_age_s": round(self.oldest_waiting_age_s, 3),
-            "workers": self.workers, "worker_slots": self.worker_slots,
-        }  # fmt: skip
+            "workers": self.workers,
+            "worker_slots": self.worker_slots,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +66,12 @@ class PoolSignals:
 
     def to_json(self) -> JSON:
         return {
-            "capacity": self.capacity, "waiting": self.waiting, "running": self.running,
+            "capacity": self.capacity,
+            "waiting": self.waiting,
+            "running": self.running,
             "oldest_waiting_age_s": round(self.oldest_waiting_age_s, 3),
             "worker_slots": self.worker_slots,
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +155,10 @@ def _pools(
     for pool in sorted(capacity.keys() | waiting.keys() | running.keys()):
         age_s = max(0.0, load.at - oldest[pool]) if pool in oldest else 0.0
         found[pool] = PoolSignals(
-            capacity=capacity.get(pool, 0), waiting=waiting.get(pool, 0),
-            running=running.get(pool, 0), oldest_waiting_age_s=age_s,
+            capacity=capacity.get(pool, 0),
+            waiting=waiting.get(pool, 0),
+            running=running.get(pool, 0),
+            oldest_waiting_age_s=age_s,
             worker_slots=slots.get(pool, 0),
-        )  # fmt: skip
+        )
     return found

@@ -52,8 +52,9 @@ FAIL_FAST = "fail_fast"
 #: The error code of a task a ``fail_fast`` kind ends while its breaker is open.
 UNAVAILABLE = "upstream_unavailable"
 #: Handler error codes that count as a failure of the kind's generator.
-UPSTREAM_FAILURES = frozenset({"upstream_unavailable", "upstream_rate_limited",
-                               "upstream_bad_response"})  # fmt: skip
+UPSTREAM_FAILURES = frozenset(
+    {"upstream_unavailable", "upstream_rate_limited", "upstream_bad_response"}
+)
 #: The upstream answered (and refused the request): it works.
 UPSTREAM_ANSWERED = frozenset({"upstream_rejected"})
 STORAGE_FAILURES = frozenset({"storage_error", "storage_verify_failed"})
@@ -214,8 +215,7 @@ class Breakers:
         shared.last, shared.probe_until, shared.probe_task = row, None, None
         remaining_s = max(0.0, (row.opened_until or now) - now)
         shared.breaker.adopt(row.state, remaining_s)  # type: ignore[arg-type]
-        log.info("breaker_adopted", extra={"breaker": row.name, "state": row.state,
-                                           "by": row.by})  # fmt: skip
+        log.info("breaker_adopted", extra={"breaker": row.name, "state": row.state, "by": row.by})
 
     async def take_probe(self, name: str) -> bool:
         """Whether this process holds (or now took) the half-open probe of ``name``."""
@@ -290,8 +290,10 @@ class Breakers:
                 shared.probe_task = task_id
                 continue
             wait_s = shared.breaker.retry_after_s()
-            return (f"the circuit breaker {name!r} is open after repeated failures; {kind} "
-                    f"fails fast (next probe in {wait_s:.1f} s)")  # fmt: skip
+            return (
+                f"the circuit breaker {name!r} is open after repeated failures; {kind} "
+                f"fails fast (next probe in {wait_s:.1f} s)"
+            )
         return None
 
     # the verdicts the worker gives

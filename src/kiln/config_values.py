@@ -25,8 +25,16 @@ DIFFUSERS_DEVICES = ("auto", "cpu", "cuda")
 CLAIM_ORDERS = ("fifo", "fair")
 BREAKER_POLICIES = ("pause", "fail_fast")
 RESULT_LOST_POLICIES = ("rerun", "fail")
-FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True,
-               "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+FLAG_VALUES = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,9 +89,17 @@ def check_tasks_per_request(count: int, limit: int) -> None:
         raise TooManyTasks(
             f"this request would create {count} tasks; one request may create at most "
             f"{limit} (KILN_MAX_TASKS_PER_REQUEST allows more): split it",
-            details=[{"loc": ["body"], "msg": "too many tasks", "type": "too_many_tasks",
-                      "count": count, "limit": limit, "setting": "KILN_MAX_TASKS_PER_REQUEST"}],
-        )  # fmt: skip
+            details=[
+                {
+                    "loc": ["body"],
+                    "msg": "too many tasks",
+                    "type": "too_many_tasks",
+                    "count": count,
+                    "limit": limit,
+                    "setting": "KILN_MAX_TASKS_PER_REQUEST",
+                }
+            ],
+        )
 
 
 def _repeat(step: Any) -> int:

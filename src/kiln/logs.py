@@ -90,14 +90,25 @@ class LineFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         exc = self.formatException(record.exc_info) if record.exc_info else None
         return self.build(
-            record.created, record.msecs, record.levelname, record.name, record.getMessage(),
-            _record_extras(record), exc,
-        )  # fmt: skip
+            record.created,
+            record.msecs,
+            record.levelname,
+            record.name,
+            record.getMessage(),
+            _record_extras(record),
+            exc,
+        )
 
     def build(
-        self, created: float, msecs: float, level: str, logger: str, event: str,
-        fields: Iterable[tuple[str, Any]], exc: str | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        created: float,
+        msecs: float,
+        level: str,
+        logger: str,
+        event: str,
+        fields: Iterable[tuple[str, Any]],
+        exc: str | None = None,
+    ) -> str:
         raise NotImplementedError
 
 
@@ -109,13 +120,21 @@ class JsonFormatter(LineFormatter):
         self._stamp = _Stamp("%Y-%m-%dT%H:%M:%S", time.gmtime, "Z")
 
     def build(
-        self, created: float, msecs: float, level: str, logger: str, event: str,
-        fields: Iterable[tuple[str, Any]], exc: str | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        created: float,
+        msecs: float,
+        level: str,
+        logger: str,
+        event: str,
+        fields: Iterable[tuple[str, Any]],
+        exc: str | None = None,
+    ) -> str:
         body: dict[str, Any] = {
-            "ts": self._stamp(created, msecs), "level": level.lower(), "logger": logger,
+            "ts": self._stamp(created, msecs),
+            "level": level.lower(),
+            "logger": logger,
             "event": event,
-        }  # fmt: skip
+        }
         for name, value in fields:
             body[name] = REDACTED if name.lower() in SECRET_KEYS else _plain(value)
         if exc is not None:
@@ -131,9 +150,15 @@ class TextFormatter(LineFormatter):
         self._stamp = _Stamp("%H:%M:%S", time.localtime)
 
     def build(
-        self, created: float, msecs: float, level: str, logger: str, event: str,
-        fields: Iterable[tuple[str, Any]], exc: str | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        created: float,
+        msecs: float,
+        level: str,
+        logger: str,
+        event: str,
+        fields: Iterable[tuple[str, Any]],
+        exc: str | None = None,
+    ) -> str:
         parts = [f"{self._stamp(created, msecs)} {level:<5} {logger} {event}"]
         for name, value in fields:
             shown = REDACTED if name.lower() in SECRET_KEYS else _plain(value)

@@ -126,8 +126,9 @@ class ModelCache(Generic[M]):
         room found is reserved until the load ends."""
         budget = self.budget_gb
         if budget is not None and size_gb > budget:
-            log.warning("model_over_budget", extra={"model": name, "size_gb": size_gb,
-                        "budget_gb": budget})  # fmt: skip
+            log.warning(
+                "model_over_budget", extra={"model": name, "size_gb": size_gb, "budget_gb": budget}
+            )
         async with self._released:
             while not self._fits(size_gb):
                 for held in list(self._entries):

@@ -183,9 +183,14 @@ def input_records(
             return f"step {key(source)} has no output {output!r}"
         for item in chosen:
             records.append(
-                {"name": input_name, "key": item["key"], "sha256": item["sha256"],
-                 "size": item["size"], "content_type": item["content_type"]}
-            )  # fmt: skip
+                {
+                    "name": input_name,
+                    "key": item["key"],
+                    "sha256": item["sha256"],
+                    "size": item["size"],
+                    "content_type": item["content_type"],
+                }
+            )
     return records
 
 
@@ -292,13 +297,20 @@ def plan(
         mapped = any(_maps(raw, repeat, steps) for raw in inputs.values())
         runs = [clean] if repeat == 1 else _seeded(kind, clean, repeat, index, mapped)
         timeouts = kind.timeouts or Timeouts()
-        planned.append({
-            "name": step["name"], "kind": step["kind"], "params": clean, "inputs": inputs,
-            "repeat": repeat,
-            "copies": [{"params": p, "model": kind.model_of(p),
-                        "batch_key": kind.batch_key_of(p)} for p in runs],
-            "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
-        })  # fmt: skip
+        planned.append(
+            {
+                "name": step["name"],
+                "kind": step["kind"],
+                "params": clean,
+                "inputs": inputs,
+                "repeat": repeat,
+                "copies": [
+                    {"params": p, "model": kind.model_of(p), "batch_key": kind.batch_key_of(p)}
+                    for p in runs
+                ],
+                "timeouts": [timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s],
+            }
+        )
         _check_planned(params["steps"][index], planned[-1], index)
     return {"steps": planned, "on_failure": params.get("on_failure", "stop")}
 

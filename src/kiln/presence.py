@@ -51,10 +51,14 @@ def identity(
 ) -> WorkerRecord:
     """What a worker says of itself but for what changes (attempts, models)."""
     return WorkerRecord(
-        id=worker_id, host=socket.gethostname(), pid=os.getpid(), version=version(),
-        kinds=tuple(kinds), slots=slots,
+        id=worker_id,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        version=version(),
+        kinds=tuple(kinds),
+        slots=slots,
         resources={k: dict(n) for k, n in needs.items() if k in kinds and any(n.values())},
-    )  # fmt: skip
+    )
 
 
 async def keep_present(

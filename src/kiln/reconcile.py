@@ -186,11 +186,17 @@ async def reconcile(
     report.duration_s = time.perf_counter() - started
     log.info(
         "reconciled",
-        extra={"objects": report.objects_checked, "tasks": report.tasks_checked,
-               "lost_tasks": report.lost_tasks, "orphans": report.orphan_count,
-               "deleted": report.deleted_count, "rerun": report.rerun_count,
-               "failed": report.failed_count, "duration_s": report.duration_s},
-    )  # fmt: skip
+        extra={
+            "objects": report.objects_checked,
+            "tasks": report.tasks_checked,
+            "lost_tasks": report.lost_tasks,
+            "orphans": report.orphan_count,
+            "deleted": report.deleted_count,
+            "rerun": report.rerun_count,
+            "failed": report.failed_count,
+            "duration_s": report.duration_s,
+        },
+    )
     return report
 
 
@@ -291,8 +297,11 @@ async def lose_result(
     engine = engine_of(owner)
     rerun = policy is ResultLostPolicy.RERUN
     what = ", ".join(f"{p.key} is {p.problem}" for p in problems[:3])
-    error: JSON = {"code": RESULT_LOST, "message": f"the result was lost: {what}",
-                   "retryable": rerun}  # fmt: skip
+    error: JSON = {
+        "code": RESULT_LOST,
+        "message": f"the result was lost: {what}",
+        "retryable": rerun,
+    }
     fields: dict[str, Any] = {"result": None, "error": error}
     if rerun:
         fields.update(rerun_fields(task, engine.now()))
@@ -342,8 +351,12 @@ async def _check_inputs(
     known = await engine.store.known_inputs(sorted(set(names.values())))
     for info in batch:
         if names[info.key] not in known:
-            await _found_orphan(engine, Orphan(info.key, info.size, None, None,
-                                         _age_s(info, None, clock)), report, options)  # fmt: skip
+            await _found_orphan(
+                engine,
+                Orphan(info.key, info.size, None, None, _age_s(info, None, clock)),
+                report,
+                options,
+            )
 
 
 async def _check_batch(

@@ -43,8 +43,9 @@ class RetentionPolicy:
 
     @classmethod
     def of(cls, settings: Settings) -> RetentionPolicy:
-        return cls(settings.retention_s, dict(settings.retention_tenants),
-                   settings.idempotency_ttl_s)  # fmt: skip
+        return cls(
+            settings.retention_s, dict(settings.retention_tenants), settings.idempotency_ttl_s
+        )
 
     @property
     def enabled(self) -> bool:

@@ -78,5 +78,8 @@ def classify(exc: BaseException) -> JSON:
     if isinstance(exc, StorageError | StoreUnavailable):  # an outage, not the task's fault
         return {"code": exc.code, "message": message, "retryable": True}
     retryable = not isinstance(exc, PROGRAMMING_ERRORS)
-    return {"code": "internal_error", "message": f"{type(exc).__name__}: {message}",
-            "retryable": retryable}  # fmt: skip
+    return {
+        "code": "internal_error",
+        "message": f"{type(exc).__name__}: {message}",
+        "retryable": retryable,
+    }

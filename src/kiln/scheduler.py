@@ -56,15 +56,22 @@ def tick_task(schedule: ScheduleRecord, tick_at: float) -> NewTask:
     sub = schedule.submission
     timeouts = sub.get("timeouts") or {}
     return NewTask(
-        id=canonical.new_task_id(), tenant=schedule.tenant, kind=sub["kind"],
+        id=canonical.new_task_id(),
+        tenant=schedule.tenant,
+        kind=sub["kind"],
         params=sub["params"],
-        fingerprint=canonical.digest({"schedule": schedule.id, "tick": int(tick_at),
-                                      "submission": sub}),
-        idempotency_key=tick_key(schedule.id, tick_at), dedup_key=None,
-        priority=int(sub.get("priority", 0)), max_attempts=int(sub.get("max_attempts", 3)),
-        deadline_s=float(sub.get("deadline_s", 86_400)), timeouts=Timeouts(**timeouts),
-        metadata=sub.get("metadata") or {}, webhook=sub.get("webhook"),
-    )  # fmt: skip
+        fingerprint=canonical.digest(
+            {"schedule": schedule.id, "tick": int(tick_at), "submission": sub}
+        ),
+        idempotency_key=tick_key(schedule.id, tick_at),
+        dedup_key=None,
+        priority=int(sub.get("priority", 0)),
+        max_attempts=int(sub.get("max_attempts", 3)),
+        deadline_s=float(sub.get("deadline_s", 86_400)),
+        timeouts=Timeouts(**timeouts),
+        metadata=sub.get("metadata") or {},
+        webhook=sub.get("webhook"),
+    )
 
 
 def plan(schedule: ScheduleRecord, now: float, grace_s: float) -> Tick | None:
@@ -143,7 +150,7 @@ class Scheduler:
                 "missed": tick.missed,
                 "task_id": None if done.task is None else done.task.id,
             }
-            log.info("schedule_tick", extra=ids)  # fmt: skip
+            log.info("schedule_tick", extra=ids)
             if done.task is not None and done.outcome == "fired":
                 self.engine.submitted()
             if done.outcome == "rate_limited":  # still due: a later sweep fires it

@@ -114,6 +114,8 @@ def _rule(
     return Rule(event, frozenset(sources), frozenset(targets), actor, fenced, doc)
 
 
+# The state machine as a table, one rule per entry (event, from, to, actor, note): kept
+# unformatted so it reads as a table (ruff format would spread each rule over six lines).
 TRANSITIONS: tuple[Rule, ...] = (
     _rule(Event.SUBMIT, (), (S.PENDING,), Actor.API,
           "atomic insert-or-get on idempotency and dedup keys"),

@@ -86,11 +86,13 @@ class Submission:
             "deadline_s": self.deadline_s,
             "dedup": self.dedup,
             "timeouts": [
-                self.timeouts.waiting_s, self.timeouts.generating_s, self.timeouts.uploading_s
+                self.timeouts.waiting_s,
+                self.timeouts.generating_s,
+                self.timeouts.uploading_s,
             ],
             "metadata": self.metadata,
             "inputs": self.contents(),
-        }  # fmt: skip
+        }
         if self.webhook is not None:  # only then: a body without one keeps its old fingerprint
             body["webhook"] = self.webhook
         if self.rerun_of is not None:
@@ -114,16 +116,27 @@ class Submission:
         )
         clean = self.params
         return NewTask(
-            id=canonical.new_task_id(), tenant=self.tenant, kind=self.kind, params=clean,
-            fingerprint=fingerprint, older_fingerprints=older,
+            id=canonical.new_task_id(),
+            tenant=self.tenant,
+            kind=self.kind,
+            params=clean,
+            fingerprint=fingerprint,
+            older_fingerprints=older,
             idempotency_key=self.idempotency_key,
             dedup_key=canonical.dedup_key(self.kind, clean, contents) if self.dedup else None,
-            priority=self.priority, max_attempts=self.max_attempts, deadline_s=self.deadline_s,
-            timeouts=self.timeouts, metadata=self.metadata, inputs=list(self.inputs),
-            webhook=self.webhook, model=kind.model_of(clean),
+            priority=self.priority,
+            max_attempts=self.max_attempts,
+            deadline_s=self.deadline_s,
+            timeouts=self.timeouts,
+            metadata=self.metadata,
+            inputs=list(self.inputs),
+            webhook=self.webhook,
+            model=kind.model_of(clean),
             batch_key=kind.batch.key_of(clean) if kind.batch else None,
-            run_at=self.due_at, rerun_of=self.rerun_of, trace=trace,
-        )  # fmt: skip
+            run_at=self.due_at,
+            rerun_of=self.rerun_of,
+            trace=trace,
+        )
 
 
 def check_metadata(metadata: JSON | None) -> None:
@@ -145,9 +158,10 @@ def _moment(kind: str, run_at: float | str | None, delay_s: float | None, now: f
         raise InvalidRequest(
             "a pipeline starts its first steps when it is submitted: it takes no run_at "
             "or delay_s (a recurring schedule may start one later)",
-            details=[{"loc": ["body", field], "msg": "not taken by kind pipeline",
-                      "type": "value_error"}],
-        )  # fmt: skip
+            details=[
+                {"loc": ["body", field], "msg": "not taken by kind pipeline", "type": "value_error"}
+            ],
+        )
     return when
 
 
@@ -204,12 +218,26 @@ def submission_of(
     if not refs:  # with references, once they are found (holding)
         task_kind.check_inputs(clean, list(inputs))
     return Submission(
-        kind=kind, params=clean, tenant=tenant, idempotency_key=idempotency_key, dedup=dedup,
-        priority=priority, max_attempts=max_attempts, deadline_s=deadline_s,
-        timeouts=timeouts or task_kind.timeouts or Timeouts(), metadata=metadata or {},
-        inputs=tuple(inputs), references=refs, webhook=webhook, run_at=run_at,
-        delay_s=delay_s, due_at=when, made_at=now, rerun_of=rerun_of, tasks=tasks,
-    )  # fmt: skip
+        kind=kind,
+        params=clean,
+        tenant=tenant,
+        idempotency_key=idempotency_key,
+        dedup=dedup,
+        priority=priority,
+        max_attempts=max_attempts,
+        deadline_s=deadline_s,
+        timeouts=timeouts or task_kind.timeouts or Timeouts(),
+        metadata=metadata or {},
+        inputs=tuple(inputs),
+        references=refs,
+        webhook=webhook,
+        run_at=run_at,
+        delay_s=delay_s,
+        due_at=when,
+        made_at=now,
+        rerun_of=rerun_of,
+        tasks=tasks,
+    )
 
 
 @contextlib.asynccontextmanager

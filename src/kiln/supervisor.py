@@ -193,9 +193,17 @@ class Supervisor:
             log.exception("preempt_failed")
             return
         for asked in made:
-            log.info("preempt_requested", extra={"task_id": asked.task_id, "epoch": asked.epoch,
-                     "pool": asked.pool, "priority": asked.priority, "waiter": asked.waiter,
-                     "waiter_priority": asked.waiter_priority})  # fmt: skip
+            log.info(
+                "preempt_requested",
+                extra={
+                    "task_id": asked.task_id,
+                    "epoch": asked.epoch,
+                    "pool": asked.pool,
+                    "priority": asked.priority,
+                    "waiter": asked.waiter,
+                    "waiter_priority": asked.waiter_priority,
+                },
+            )
         report.preempted = len(made)
 
     async def _retention_pass(self, report: SweepReport) -> None:
@@ -272,9 +280,13 @@ class Supervisor:
         error = _error("deadline_exceeded", "the task's deadline passed", retryable=False)
         if task.status in CLAIMABLE:
             await self.engine.apply(
-                task, Event.DEADLINE, leader=self.token, fields={"error": error}, error=error,
+                task,
+                Event.DEADLINE,
+                leader=self.token,
+                fields={"error": error},
+                error=error,
                 counters=[failure(task, "deadline_exceeded")],
-            )  # fmt: skip
+            )
             report.deadlined += 1
             return
         await self._recover_or_expire(task, report, error)
@@ -293,11 +305,17 @@ class Supervisor:
             outputs = await read_complete_manifest(self.engine.storage, task.result_prefix)
             if outputs is not None:
                 await self.engine.apply(
-                    task, Event.RECOVER, leader=self.token, bump_epoch=True,
-                    fields={"result": {"outputs": [o.to_json() for o in outputs]},
-                            "error": None, "stage": None},
+                    task,
+                    Event.RECOVER,
+                    leader=self.token,
+                    bump_epoch=True,
+                    fields={
+                        "result": {"outputs": [o.to_json() for o in outputs]},
+                        "error": None,
+                        "stage": None,
+                    },
                     counters=[(counters.RECOVERED, "")],
-                )  # fmt: skip
+                )
                 report.recovered += 1
                 log.info("recovered", extra={"task_id": task.id, "attempt": task.attempt})
                 return

@@ -95,6 +95,34 @@ class Parent:
     sampled: bool = True
     tracestate: str | None = None
 
+    def child(
+        self,
+        name: str,
+        span_id: int,
+        parent_id: int | None,
+        moments: tuple[float, float],
+        attributes: Attributes,
+        *,
+        error: str | None = None,
+        kind: str = "internal",
+    ) -> SpanPlan:
+        """A span of this trace (sampled and ``tracestate`` as it), hung under ``parent_id``,
+        from ``moments[0]`` to ``moments[1]``."""
+        start, end = moments
+        return SpanPlan(
+            name=name,
+            trace_id=self.trace_id,
+            span_id=span_id,
+            parent_id=parent_id,
+            start=start,
+            end=end,
+            attributes=attributes,
+            error=error,
+            kind=kind,
+            sampled=self.sampled,
+            tracestate=self.tracestate,
+        )
+
 
 def parse_traceparent(text: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) of a W3C ``traceparent`` header, or None when invalid."""
@@ -204,8 +232,12 @@ def _claim_before(history: Sequence[TaskEvent], seq: int) -> TaskEvent | None:
 
 
 def _base(task: Task, claim: TaskEvent) -> Attributes:
-    return {"kiln.task_id": task.id, "kiln.tenant": task.tenant, "kiln.kind": task.kind,
-            "kiln.attempt": claim.attempt}  # fmt: skip
+    return {
+        "kiln.task_id": task.id,
+        "kiln.tenant": task.tenant,
+        "kiln.kind": task.kind,
+        "kiln.attempt": claim.attempt,
+    }
 
 
 def attempt_spans(
@@ -230,16 +262,14 @@ def attempt_spans(
     outcome = outcome_of(end.event, end.status, retried=retried, error_code=code)
 
     def span(name: str, start: float, stop: float, parent_id: int, **attrs: Any) -> SpanPlan:
-        return SpanPlan(
-            name, parent.trace_id, attempt_span_id(task.id, claim.epoch, name), parent_id,
-            start, stop, {**base, **attrs}, sampled=parent.sampled, tracestate=parent.tracestate,
-        )  # fmt: skip
+        span_id = attempt_span_id(task.id, claim.epoch, name)
+        return parent.child(name, span_id, parent_id, (start, stop), {**base, **attrs})
 
     children: list[SpanPlan] = []
     queued = claim.at - (claim.dwell_s or 0.0)
     if claim.from_status is not None:
-        children.append(span(STATE_SPANS[claim.from_status], queued, claim.at, attempt_id,
-                             **{"kiln.state": str(claim.from_status)}))  # fmt: skip
+        state = {"kiln.state": str(claim.from_status)}
+        children.append(span(STATE_SPANS[claim.from_status], queued, claim.at, attempt_id, **state))
     steps = [e for e in history if claim.seq < e.seq <= end.seq]
     before = claim
     for event in steps:
@@ -251,11 +281,9 @@ def attempt_spans(
         before = event
     generate_id = attempt_span_id(task.id, claim.epoch, STATE_SPANS[Status.GENERATING])
     for n, (model, started, ended) in enumerate(loads):
-        children.append(
-            SpanPlan(LOAD_SPAN, parent.trace_id, derived_id(64, task.id, claim.epoch, "load", n),
-                     generate_id, started, ended, {**base, "kiln.model": model},
-                     sampled=parent.sampled, tracestate=parent.tracestate)
-        )  # fmt: skip
+        load_id = derived_id(64, task.id, claim.epoch, "load", n)
+        loaded = {**base, "kiln.model": model}
+        children.append(parent.child(LOAD_SPAN, load_id, generate_id, (started, ended), loaded))
     attrs: Attributes = {**base, "kiln.outcome": outcome, "kiln.epoch": claim.epoch}
     if code:
         attrs["kiln.error_code"] = str(code)
@@ -264,9 +292,8 @@ def attempt_spans(
     error = None
     if outcome in ERROR_OUTCOMES:
         error = str((end.error or {}).get("message") or code or outcome)
-    attempt = SpanPlan(ATTEMPT_SPAN, parent.trace_id, attempt_id, parent.span_id, queued,
-                       end.at, attrs, error, sampled=parent.sampled,
-                       tracestate=parent.tracestate)  # fmt: skip
+    moments = (queued, end.at)
+    attempt = parent.child(ATTEMPT_SPAN, attempt_id, parent.span_id, moments, attrs, error=error)
     return [attempt, *children]
 
 
@@ -285,13 +312,14 @@ def review_spans(
     parent = parent_of(task.id, stored)
     name = STATE_SPANS[Status.NEEDS_REVIEW]
     outcome = "approved" if end.event is Event.APPROVE else "rejected"
-    attrs: Attributes = {**_base(task, claim), "kiln.state": str(Status.NEEDS_REVIEW),
-                         "kiln.outcome": outcome}  # fmt: skip
-    return [
-        SpanPlan(name, parent.trace_id, attempt_span_id(task.id, claim.epoch, name),
-                 attempt_span_id(task.id, claim.epoch), end.at - (end.dwell_s or 0.0), end.at,
-                 attrs, sampled=parent.sampled, tracestate=parent.tracestate)
-    ]  # fmt: skip
+    attrs: Attributes = {
+        **_base(task, claim),
+        "kiln.state": str(Status.NEEDS_REVIEW),
+        "kiln.outcome": outcome,
+    }
+    span_id = attempt_span_id(task.id, claim.epoch, name)
+    moments = (end.at - (end.dwell_s or 0.0), end.at)
+    return [parent.child(name, span_id, attempt_span_id(task.id, claim.epoch), moments, attrs)]
 
 
 def spans_of(
@@ -312,12 +340,13 @@ def webhook_span(
 ) -> SpanPlan:
     """A webhook delivery attempt's ``CLIENT`` span (its moments are filled when sent)."""
     parent = parent_of(task_id, stored)
-    return SpanPlan(
-        WEBHOOK_SPAN, parent.trace_id, derived_id(64, "webhook", event_id, attempt),
-        parent.span_id, 0.0, 0.0, {"kiln.task_id": task_id, "kiln.webhook.event_id": event_id,
-        "kiln.webhook.attempt": attempt}, kind="client", sampled=parent.sampled,
-        tracestate=parent.tracestate,
-    )  # fmt: skip
+    span_id = derived_id(64, "webhook", event_id, attempt)
+    attrs: Attributes = {
+        "kiln.task_id": task_id,
+        "kiln.webhook.event_id": event_id,
+        "kiln.webhook.attempt": attempt,
+    }
+    return parent.child(WEBHOOK_SPAN, span_id, parent.span_id, (0.0, 0.0), attrs, kind="client")
 
 
 def headers_of(plan: SpanPlan) -> dict[str, str]:
@@ -341,8 +370,11 @@ def wanted(mode: str, env: Mapping[str, str]) -> bool:
         return False
     if mode == "on":
         return True
-    named = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-             "OTEL_TRACES_EXPORTER")  # fmt: skip
+    named = (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_TRACES_EXPORTER",
+    )
     return any(env.get(name, "").strip().lower() not in _FALSE for name in named)
 
 
@@ -426,12 +458,18 @@ class Tracing:
             status = Status(StatusCode.ERROR, plan.error) if plan.error else Status()
             self.processor.on_end(
                 ReadableSpan(
-                    plan.name, context, parent, self.resource, dict(plan.attributes),
-                    kind=kinds.get(plan.kind, SpanKind.INTERNAL), status=status,
-                    start_time=_ns(plan.start), end_time=_ns(max(plan.end, plan.start)),
+                    plan.name,
+                    context,
+                    parent,
+                    self.resource,
+                    dict(plan.attributes),
+                    kind=kinds.get(plan.kind, SpanKind.INTERNAL),
+                    status=status,
+                    start_time=_ns(plan.start),
+                    end_time=_ns(max(plan.end, plan.start)),
                     instrumentation_scope=self._scope,
                 )
-            )  # fmt: skip
+            )
 
     @contextlib.contextmanager
     def request_span(
@@ -445,9 +483,11 @@ class Tracing:
 
         parent = TraceContextTextMapPropagator().extract(carrier=dict(headers))
         span = self.tracer.start_span(
-            f"{method} {path}", context=parent, kind=trace.SpanKind.SERVER,
+            f"{method} {path}",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
             attributes={"http.request.method": method, "url.path": path},
-        )  # fmt: skip
+        )
         token = context.attach(trace.set_span_in_context(span))
         answer = RequestSpan(span)
         try:
@@ -471,8 +511,9 @@ class Tracing:
         if not found.is_valid:
             return None
         state = found.trace_state.to_header() or None
-        return TraceContext(traceparent(found.trace_id, found.span_id, found.trace_flags.sampled),
-                            state)  # fmt: skip
+        return TraceContext(
+            traceparent(found.trace_id, found.span_id, found.trace_flags.sampled), state
+        )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         return self.provider.force_flush(int(timeout_s * 1000))

@@ -274,9 +274,14 @@ def signed_headers(
 
 
 def verify(
-    secret: str, body: bytes, timestamp: str, signed: str, *, now: float,
+    secret: str,
+    body: bytes,
+    timestamp: str,
+    signed: str,
+    *,
+    now: float,
     tolerance_s: float = TOLERANCE_S,
-) -> bool:  # fmt: skip
+) -> bool:
     """What a receiver checks: the signature over these exact bytes, and a timestamp
     within ``tolerance_s`` of its clock (an old delivery replayed is refused)."""
     try:
@@ -306,13 +311,20 @@ def delivery_json(delivery: WebhookDelivery) -> JSON:
     can read)."""
     pending = delivery.status == PENDING
     return {
-        "id": delivery.event_id, "event_id": delivery.event_id, "task_id": delivery.task_id,
-        "seq": delivery.seq, "event": delivery.event, "url": delivery.url,
-        "status": delivery.status, "attempts": delivery.attempts,
-        "last_response_status": delivery.response_status, "last_error": delivery.last_error,
+        "id": delivery.event_id,
+        "event_id": delivery.event_id,
+        "task_id": delivery.task_id,
+        "seq": delivery.seq,
+        "event": delivery.event,
+        "url": delivery.url,
+        "status": delivery.status,
+        "attempts": delivery.attempts,
+        "last_response_status": delivery.response_status,
+        "last_error": delivery.last_error,
         "next_attempt_at": iso(delivery.next_attempt_at) if pending else None,
-        "created_at": iso(delivery.created_at), "updated_at": iso(delivery.updated_at),
-    }  # fmt: skip
+        "created_at": iso(delivery.created_at),
+        "updated_at": iso(delivery.updated_at),
+    }
 
 
 # Where it goes --------------------------------------------------------------------------
@@ -329,9 +341,14 @@ async def system_resolver(host: str, port: int) -> list[str]:
 
 
 async def pinned_request(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
-    resolve: Resolver, *, allow_private: bool,
-) -> httpx.Request:  # fmt: skip
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    resolve: Resolver,
+    *,
+    allow_private: bool,
+) -> httpx.Request:
     """The POST to ``url``, sent to an address of its host that passed the guard: the
     connection goes to that address, with the host's name in ``Host`` and TLS SNI."""
     parsed = httpx.URL(url)
@@ -463,14 +480,20 @@ class Dispatcher:
         now = self.engine.now()
         deliveries = [
             WebhookDelivery(
-                event_id=event.id, seq=event.seq, task_id=task.id, tenant=task.tenant,
-                event=str(event.event), url=str((task.webhook or {})["url"]),
-                payload=payload(event, task), next_attempt_at=now, created_at=now,
+                event_id=event.id,
+                seq=event.seq,
+                task_id=task.id,
+                tenant=task.tenant,
+                event=str(event.event),
+                url=str((task.webhook or {})["url"]),
+                payload=payload(event, task),
+                next_attempt_at=now,
+                created_at=now,
                 updated_at=now,
             )
             for event, task in scan.events
             if wants(task.webhook, event)
-        ]  # fmt: skip
+        ]
         added = await store.webhook_enqueue(deliveries, cursor=scan.last)
         if added:
             log.info("webhooks_queued", extra={"deliveries": added, "seq": scan.last})
@@ -539,17 +562,22 @@ class Dispatcher:
         if span is not None:  # tracing on: the receiver's spans join the task's trace
             headers.update(tracing.headers_of(span))
         request = await pinned_request(
-            self.client, delivery.url, body, headers, self.resolve,
+            self.client,
+            delivery.url,
+            body,
+            headers,
+            self.resolve,
             allow_private=self.settings.webhook_allow_private,
-        )  # fmt: skip
+        )
         started = self.engine.now()
         response = await self.client.send(request, stream=True)
         await response.aclose()  # the status is the answer; the body is not read
         if span is not None and self.engine.tracing is not None:
             attributes = {**span.attributes, "http.response.status_code": response.status_code}
             error = f"answered {response.status_code}" if response.status_code >= 400 else None
-            self.engine.tracing.emit([replace(span, start=started, end=self.engine.now(),
-                                              attributes=attributes, error=error)])  # fmt: skip
+            ended = self.engine.now()
+            sent = replace(span, start=started, end=ended, attributes=attributes, error=error)
+            self.engine.tracing.emit([sent])
         return response.status_code, retry_after_s(response)
 
     async def _span(self, delivery: WebhookDelivery) -> tracing.SpanPlan | None:
@@ -557,13 +585,17 @@ class Dispatcher:
         if self.engine.tracing is None:
             return None
         stored = await self.engine.store.trace(delivery.task_id)
-        return tracing.webhook_span(delivery.task_id, stored, delivery.event_id,
-                                    delivery.attempts + 1)  # fmt: skip
+        return tracing.webhook_span(
+            delivery.task_id, stored, delivery.event_id, delivery.attempts + 1
+        )
 
     def _failed_try(
-        self, delivery: WebhookDelivery, why: str, status: int | None = None,
+        self,
+        delivery: WebhookDelivery,
+        why: str,
+        status: int | None = None,
         retry_after: float | None = None,
-    ) -> WebhookAttempt:  # fmt: skip
+    ) -> WebhookAttempt:
         settings = self.settings
         attempts = delivery.attempts + 1
         limit = settings.webhook_max_attempts
@@ -574,23 +606,32 @@ class Dispatcher:
                 delivery.event_id, FAILED, "failed", error=why, response_status=status
             )
         delay_s = retry_delay_s(
-            attempts, settings.webhook_retry_base_s, settings.webhook_retry_max_s,
+            attempts,
+            settings.webhook_retry_base_s,
+            settings.webhook_retry_max_s,
             self.engine.rng.uniform(0.5, 1.0),
-        )  # fmt: skip
+        )
         if retry_after is not None:
             delay_s = max(delay_s, min(retry_after, settings.webhook_retry_max_s))
         return WebhookAttempt(
-            delivery.event_id, PENDING, "retrying", next_attempt_at=self.engine.now() + delay_s,
-            error=why, response_status=status,
-        )  # fmt: skip
+            delivery.event_id,
+            PENDING,
+            "retrying",
+            next_attempt_at=self.engine.now() + delay_s,
+            error=why,
+            response_status=status,
+        )
 
 
 def _log_attempt(delivery: WebhookDelivery, attempt: WebhookAttempt) -> None:
     extra: dict[str, Any] = {
-        "task_id": delivery.task_id, "event_id": delivery.event_id, "host": _host(delivery.url),
-        "attempt": delivery.attempts + 1, "outcome": attempt.outcome,
+        "task_id": delivery.task_id,
+        "event_id": delivery.event_id,
+        "host": _host(delivery.url),
+        "attempt": delivery.attempts + 1,
+        "outcome": attempt.outcome,
         "status": attempt.response_status,
-    }  # fmt: skip
+    }
     if attempt.outcome == "delivered":
         log.info("webhook_delivered", extra=extra)
     else:

@@ -122,15 +122,20 @@ def steps_json(pipeline: Task, made: dict[str, Task]) -> list[JSON]:
         for copy in range(int(step.get("repeat", 1))):
             task = made.get(f"{step['name']}/{copy}")
             result = None if task is None else _result_json(task)
-            found.append({
-                "name": step["name"], "copy": copy, "kind": step["kind"],
-                "task_id": None if task is None else task.id,
-                "status": None if task is None else str(task.status),
-                "progress": None if task is None else task.progress(),
-                "outputs": [] if result is None else result["outputs"],
-                "error": None if task is None or task.status is Status.SUCCESS
-                else _error_json(task.error),
-            })  # fmt: skip
+            found.append(
+                {
+                    "name": step["name"],
+                    "copy": copy,
+                    "kind": step["kind"],
+                    "task_id": None if task is None else task.id,
+                    "status": None if task is None else str(task.status),
+                    "progress": None if task is None else task.progress(),
+                    "outputs": [] if result is None else result["outputs"],
+                    "error": None
+                    if task is None or task.status is Status.SUCCESS
+                    else _error_json(task.error),
+                }
+            )
     return found
 
 

@@ -92,9 +92,11 @@ async def submitted(state: ApiState, index: int, item: Submission) -> JSON:
     status = "created" if result.created else "replayed" if result.replayed else "deduplicated"
     found = done.standing
     task = task_json(
-        found.task, queue_position=found.queue_position, deduplicated=result.deduplicated,
+        found.task,
+        queue_position=found.queue_position,
+        deduplicated=result.deduplicated,
         resource_wait=found.resource_wait,
-    )  # fmt: skip
+    )
     return {"index": index, "status": status, "task": task, "error": None}
 
 
@@ -111,9 +113,14 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
         raise InvalidRequest(
             "a batch takes no Idempotency-Key header: give each item its own "
             "idempotency_key (each item is replayed on its own)",
-            details=[{"loc": ["header", wire.IDEMPOTENCY_HEADER], "msg": "use each item's "
-                      "idempotency_key", "type": "value_error"}],
-        )  # fmt: skip
+            details=[
+                {
+                    "loc": ["header", wire.IDEMPOTENCY_HEADER],
+                    "msg": "use each item's idempotency_key",
+                    "type": "value_error",
+                }
+            ],
+        )
     if not tasks._is_json(tasks.media_type(request)):
         raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
     raw = await tasks.read_body(request, state.settings.max_body_bytes)
@@ -180,16 +187,20 @@ def _optional_body(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     status_code=201,
     response_model=TaskOut,
     responses={
-        201: {"description": "The new task; its `rerun_of` is the original's id",
-              "headers": tasks._SUBMIT_HEADERS},
-        200: {"model": TaskOut,
-              "description": "With dedup (the default): an identical live or successful "
-              "task, `deduplicated: true`; or a replay of the Idempotency-Key",
-              "headers": tasks._REPLAY_HEADERS},
+        201: {
+            "description": "The new task; its `rerun_of` is the original's id",
+            "headers": tasks._SUBMIT_HEADERS,
+        },
+        200: {
+            "model": TaskOut,
+            "description": "With dedup (the default): an identical live or successful "
+            "task, `deduplicated: true`; or a replay of the Idempotency-Key",
+            "headers": tasks._REPLAY_HEADERS,
+        },
         **error_responses(401, 404, 413, 415, 422, 429),
     },
     openapi_extra=_optional_body(RerunRequest),
-)  # fmt: skip
+)
 async def rerun_task(
     task_id: str,
     request: Request,
@@ -204,11 +215,17 @@ async def rerun_task(
             raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
         body = tasks.validated(RerunRequest, parse_json(raw))
     result = await state.app.rerun(
-        task_id, tenant=principal.scope, params=body.params, priority=body.priority,
-        dedup=body.dedup, idempotency_key=idempotency_key,
-    )  # fmt: skip
+        task_id,
+        tenant=principal.scope,
+        params=body.params,
+        priority=body.priority,
+        dedup=body.dedup,
+        idempotency_key=idempotency_key,
+    )
     status_code, headers = tasks._submit_answer(result)
     return tasks.standing_response(
-        await tasks.standing(state, result.task), status_code=status_code,
-        deduplicated=result.deduplicated, headers=headers,
-    )  # fmt: skip
+        await tasks.standing(state, result.task),
+        status_code=status_code,
+        deduplicated=result.deduplicated,
+        headers=headers,
+    )

@@ -32,16 +32,18 @@ LAST_S = 253402300799
 
 def _moment_schema(schema: dict[str, Any]) -> None:
     schema.clear()
-    schema.update({
-        "anyOf": [
-            {"type": "number", "minimum": 0, "maximum": LAST_S},
-            {"type": "string", "pattern": r"^[0-9]{1,9}(\.[0-9]{1,6})?(s|m|h|d|w)$"},
-            {"type": "string", "format": "date-time"},
-            {"type": "null"},
-        ],
-        "description": "unix seconds, a duration before now (90s, 15m, 1h, 2d, 1w), or an "
-        "RFC 3339 time with its offset (2026-01-01T09:00:00Z)",
-    })  # fmt: skip
+    schema.update(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0, "maximum": LAST_S},
+                {"type": "string", "pattern": r"^[0-9]{1,9}(\.[0-9]{1,6})?(s|m|h|d|w)$"},
+                {"type": "string", "format": "date-time"},
+                {"type": "null"},
+            ],
+            "description": "unix seconds, a duration before now (90s, 15m, 1h, 2d, 1w), or an "
+            "RFC 3339 time with its offset (2026-01-01T09:00:00Z)",
+        }
+    )
 
 
 _Moment = Annotated[float | str | None, Field(json_schema_extra=_moment_schema)]
@@ -110,9 +112,12 @@ class _ActionRequest(BaseModel):
     )
     cursor: Annotated[
         str | None,
-        Field(max_length=400, json_schema_extra={"pattern": CURSOR_PATTERN},
-              description="the previous page's cursor: resume after it"),
-    ] = None  # fmt: skip
+        Field(
+            max_length=400,
+            json_schema_extra={"pattern": CURSOR_PATTERN},
+            description="the previous page's cursor: resume after it",
+        ),
+    ] = None
 
 
 class CancelRequest(_ActionRequest):
@@ -128,8 +133,9 @@ class RetryRequest(_ActionRequest):
 
 
 REQUESTS: dict[str, type[CancelRequest] | type[RetryRequest]] = {
-    "cancel": CancelRequest, "retry": RetryRequest,
-}  # fmt: skip
+    "cancel": CancelRequest,
+    "retry": RetryRequest,
+}
 
 
 class BulkActionOut(BaseModel):

@@ -54,7 +54,8 @@ from kiln.engine import Engine
 from kiln.errors import Unauthorized
 from kiln.states import Status
 
-#: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets.
+#: Upper bounds (seconds) of the ``kiln_state_seconds`` buckets, kept on one row (unformatted) so
+#: the series reads at a glance instead of one number per line.
 STATE_BUCKETS_S: tuple[float, ...] = (
     0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 21600, 86400,
 )  # fmt: skip
@@ -178,27 +179,44 @@ _PLAIN_COUNTERS = (
 
 #: The autoscaling gauges per kind: (metric, help, value).
 _KIND_GAUGES: tuple[tuple[str, str, Callable[[KindSignals], float]], ...] = (
-    ("kiln_queue_waiting",
-     "Tasks of each kind waiting: ready to claim (PENDING, due RETRYING) or WAITING_FOR_RESOURCE",
-     lambda k: k.waiting),
-    ("kiln_queue_running", "Tasks of each kind running (GENERATING, UPLOADING)",
-     lambda k: k.running),
-    ("kiln_queue_oldest_waiting_age_seconds",
-     "How long the oldest waiting task of each kind has waited since it became ready; 0 when none",
-     lambda k: k.oldest_waiting_age_s),
-    ("kiln_worker_slots", "Slots (--concurrency) of the live workers serving each kind",
-     lambda k: k.worker_slots),
-)  # fmt: skip
+    (
+        "kiln_queue_waiting",
+        "Tasks of each kind waiting: ready to claim (PENDING, due RETRYING)"
+        " or WAITING_FOR_RESOURCE",
+        lambda k: k.waiting,
+    ),
+    (
+        "kiln_queue_running",
+        "Tasks of each kind running (GENERATING, UPLOADING)",
+        lambda k: k.running,
+    ),
+    (
+        "kiln_queue_oldest_waiting_age_seconds",
+        "How long the oldest waiting task of each kind has waited since it became ready;"
+        " 0 when none",
+        lambda k: k.oldest_waiting_age_s,
+    ),
+    (
+        "kiln_worker_slots",
+        "Slots (--concurrency) of the live workers serving each kind",
+        lambda k: k.worker_slots,
+    ),
+)
 
 #: The autoscaling gauges per pool: (metric, help, value).
 _POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolSignals], float]], ...] = (
     ("kiln_pool_running", "Tasks holding a slot of each shared pool", lambda p: p.running),
-    ("kiln_pool_oldest_waiting_age_seconds",
-     "How long the oldest task in each shared pool's line has waited in it; 0 when none",
-     lambda p: p.oldest_waiting_age_s),
-    ("kiln_pool_worker_slots", "Slots of the live workers whose kinds take each shared pool",
-     lambda p: p.worker_slots),
-)  # fmt: skip
+    (
+        "kiln_pool_oldest_waiting_age_seconds",
+        "How long the oldest task in each shared pool's line has waited in it; 0 when none",
+        lambda p: p.oldest_waiting_age_s,
+    ),
+    (
+        "kiln_pool_worker_slots",
+        "Slots of the live workers whose kinds take each shared pool",
+        lambda p: p.worker_slots,
+    ),
+)
 
 #: Outcomes of webhook delivery attempts (kiln.webhooks), each shown even at zero.
 WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
@@ -408,9 +426,10 @@ class StoreCollector:
             workers.add_metric([kind], n)
         yield workers
         models = GaugeMetricFamily(
-            "kiln_worker_models_loaded", "Live worker processes holding each model loaded",
+            "kiln_worker_models_loaded",
+            "Live worker processes holding each model loaded",
             labels=["model"],
-        )  # fmt: skip
+        )
         for model, n in sorted(holding.items()):
             models.add_metric([model], n)
         yield models
@@ -497,9 +516,13 @@ class ApiMetrics:
         age_s = max(0.0, engine.now() - oldest) if oldest is not None else 0.0
         pools, workers = await engine.pools(), await engine.workers()
         snapshot = StoreSnapshot(
-            dict(stats.counts), stats.ghosts, counters, age_s, pools,
+            dict(stats.counts),
+            stats.ghosts,
+            counters,
+            age_s,
+            pools,
             await engine.webhook_pending(),
-        )  # fmt: skip
+        )
         now = engine.now()
         snapshot.breakers = {
             record.name: shared_state(record, now) for record in await engine.shared_breakers()

@@ -115,16 +115,27 @@ def submission_of(state: ApiState, task: SubmitRequest) -> dict[str, Any]:
         uploading_s=None if given is None else given.uploading_s,
     )
     checked = app.submission(
-        task.kind, task.params, metadata=task.metadata, webhook_url=task.webhook_url,
-        webhook_events=task.webhook_events, timeouts=timeouts,
-    )  # fmt: skip
+        task.kind,
+        task.params,
+        metadata=task.metadata,
+        webhook_url=task.webhook_url,
+        webhook_events=task.webhook_events,
+        timeouts=timeouts,
+    )
     return {
-        "kind": task.kind, "params": checked.params, "priority": task.priority,
-        "max_attempts": task.max_attempts, "deadline_s": task.deadline_s,
-        "timeouts": {"waiting_s": timeouts.waiting_s, "generating_s": timeouts.generating_s,
-                     "uploading_s": timeouts.uploading_s},
-        "metadata": task.metadata, "webhook": checked.webhook,
-    }  # fmt: skip
+        "kind": task.kind,
+        "params": checked.params,
+        "priority": task.priority,
+        "max_attempts": task.max_attempts,
+        "deadline_s": task.deadline_s,
+        "timeouts": {
+            "waiting_s": timeouts.waiting_s,
+            "generating_s": timeouts.generating_s,
+            "uploading_s": timeouts.uploading_s,
+        },
+        "metadata": task.metadata,
+        "webhook": checked.webhook,
+    }
 
 
 def _answer(schedule: ScheduleRecord, status_code: int = 200) -> Response:
@@ -147,10 +158,16 @@ async def create_schedule(request: Request, principal: Caller) -> Response:
     cron = Cron.parse(body.cron, body.timezone, now=now)
     submission = submission_of(state, body.task)  # each tick is one request
     record = ScheduleRecord(
-        id=canonical.new_id("sch_"), tenant=principal.tenant, cron=cron.expression,
-        timezone=cron.timezone, submission=submission, overlap=body.overlap,
-        missed=body.missed, paused=body.paused, next_at=cron.next_after(now),
-    )  # fmt: skip
+        id=canonical.new_id("sch_"),
+        tenant=principal.tenant,
+        cron=cron.expression,
+        timezone=cron.timezone,
+        submission=submission,
+        overlap=body.overlap,
+        missed=body.missed,
+        paused=body.paused,
+        next_at=cron.next_after(now),
+    )
     most = None if principal.admin else state.settings.max_schedules_per_tenant
     return _answer(await state.app.schedules.create(record, most=most), 201)
 

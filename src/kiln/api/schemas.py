@@ -40,15 +40,17 @@ def _run_at_schema(schema: JsonDict) -> None:
     year from when the document was built, a bound that only loosens as time passes), or
     an RFC 3339 time with its offset (at most a year ahead: the server checks)."""
     schema.clear()
-    schema.update({
-        "anyOf": [
-            {"type": "number", "minimum": 0, "maximum": math.floor(time.time() + MAX_DELAY_S)},
-            {"type": "string", "format": "date-time", "examples": ["2027-01-01T09:00:00Z"]},
-            {"type": "null"},
-        ],
-        "description": "run no earlier than this: unix seconds, or an RFC 3339 time with an "
-        "offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s",
-    })  # fmt: skip
+    schema.update(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0, "maximum": math.floor(time.time() + MAX_DELAY_S)},
+                {"type": "string", "format": "date-time", "examples": ["2027-01-01T09:00:00Z"]},
+                {"type": "null"},
+            ],
+            "description": "run no earlier than this: unix seconds, or an RFC 3339 time with an "
+            "offset (2027-01-01T09:00:00Z); at most a year ahead; not with delay_s",
+        }
+    )
 
 
 def _webhook_events_schema(schema: JsonDict) -> None:
@@ -159,9 +161,13 @@ class BatchItemIn(SubmitRequest):
 
     idempotency_key: Annotated[
         str | None,
-        Field(min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$",
-              description="as the Idempotency-Key header of POST /v1/tasks"),
-    ] = None  # fmt: skip
+        Field(
+            min_length=1,
+            max_length=255,
+            pattern=r"^[\x20-\x7e]+$",
+            description="as the Idempotency-Key header of POST /v1/tasks",
+        ),
+    ] = None
 
 
 class BatchRequest(BaseModel):
@@ -189,9 +195,10 @@ class RerunRequest(BaseModel):
         Field(default_factory=dict)
     )
     priority: Annotated[
-        int | None, Field(ge=-100, le=100, description="default: the original's"),
+        int | None,
+        Field(ge=-100, le=100, description="default: the original's"),
         BeforeValidator(_integral),
-    ] = None  # fmt: skip
+    ] = None
     dedup: Annotated[
         bool,
         Field(description="false: a new variation, never answered with an existing task"),

@@ -143,9 +143,12 @@ def standing_response(
     headers: dict[str, str] | None = None,
 ) -> Response:
     body = task_json(
-        found.task, queue_position=found.queue_position, deduplicated=deduplicated,
-        resource_wait=found.resource_wait, steps=found.steps,
-    )  # fmt: skip
+        found.task,
+        queue_position=found.queue_position,
+        deduplicated=deduplicated,
+        resource_wait=found.resource_wait,
+        steps=found.steps,
+    )
     return RenderedJSON(body, status_code=status_code, headers=headers)
 
 
@@ -169,9 +172,11 @@ def _timeouts(state: ApiState, request: SubmitRequest) -> Timeouts | None:
         return None
     given = request.timeouts
     return state.app.timeouts_of(
-        request.kind, waiting_s=given.waiting_s, generating_s=given.generating_s,
+        request.kind,
+        waiting_s=given.waiting_s,
+        generating_s=given.generating_s,
         uploading_s=given.uploading_s,
-    )  # fmt: skip
+    )
 
 
 def submission(
@@ -184,13 +189,23 @@ def submission(
     """The request as one checked :class:`Submission` (its params validated here, once),
     refused before anything is stored."""
     return state.app.submission(
-        request.kind, request.params, tenant=principal.tenant, idempotency_key=key,
-        dedup=request.dedup, priority=request.priority, max_attempts=request.max_attempts,
-        deadline_s=request.deadline_s, timeouts=_timeouts(state, request),
-        metadata=request.metadata, inputs=[f.record() for f in files],
-        references=request.inputs, webhook_url=request.webhook_url,
-        webhook_events=request.webhook_events, run_at=request.run_at, delay_s=request.delay_s,
-    )  # fmt: skip
+        request.kind,
+        request.params,
+        tenant=principal.tenant,
+        idempotency_key=key,
+        dedup=request.dedup,
+        priority=request.priority,
+        max_attempts=request.max_attempts,
+        deadline_s=request.deadline_s,
+        timeouts=_timeouts(state, request),
+        metadata=request.metadata,
+        inputs=[f.record() for f in files],
+        references=request.inputs,
+        webhook_url=request.webhook_url,
+        webhook_events=request.webhook_events,
+        run_at=request.run_at,
+        delay_s=request.delay_s,
+    )
 
 
 async def submit(state: ApiState, submission: Submission) -> Submitted:

@@ -118,7 +118,10 @@ async def usage(
         scope = tenant
     found = await app.operations.usage(since=start, until=end, group_by=groups, tenant=scope)
     body = {
-        "from": iso(start), "to": iso(end), "group_by": groups,
-        "items": [item.to_json() for item in found], "truncated": len(found) >= MAX_GROUPS,
-    }  # fmt: skip
+        "from": iso(start),
+        "to": iso(end),
+        "group_by": groups,
+        "items": [item.to_json() for item in found],
+        "truncated": len(found) >= MAX_GROUPS,
+    }
     return JSONResponse(body)

@@ -114,12 +114,15 @@ class Workflow:
         #: Whether a task's ``model`` fills ``{{model}}``; else the workflow's checkpoint.
         self.takes_model = "model" in found
         self.checkpoint = next(
-            (str(node["inputs"]["ckpt_name"]) for node in graph.values()
-             if isinstance(node.get("inputs"), dict)
-             and isinstance(node["inputs"].get("ckpt_name"), str)
-             and not PLACEHOLDER.search(node["inputs"]["ckpt_name"])),
+            (
+                str(node["inputs"]["ckpt_name"])
+                for node in graph.values()
+                if isinstance(node.get("inputs"), dict)
+                and isinstance(node["inputs"].get("ckpt_name"), str)
+                and not PLACEHOLDER.search(node["inputs"]["ckpt_name"])
+            ),
             None,
-        )  # fmt: skip
+        )
 
     def model_of(self, params: JSON) -> str | None:
         """The checkpoint a task needs; InvalidRequest when its ``model`` does not fit

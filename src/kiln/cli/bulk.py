@@ -140,14 +140,27 @@ def bulk_filter(
     before: str | None,
 ) -> JSON:
     """The API's ``filter`` from the command's options (the server checks the values)."""
-    found: JSON = {"status": _names(status), "kind": _names(kind), "code": _names(code),
-                   "tenant": tenant, "created_after": _moment(since),
-                   "created_before": _moment(before)}  # fmt: skip
+    found: JSON = {
+        "status": _names(status),
+        "kind": _names(kind),
+        "code": _names(code),
+        "tenant": tenant,
+        "created_after": _moment(since),
+        "created_before": _moment(before),
+    }
     return {k: v for k, v in found.items() if v not in (None, [])}
 
 
-def run_bulk(client: Client, action: str, found: JSON, *, everything: bool, dry_run: bool,
-             limit: int, as_json: bool) -> None:  # fmt: skip
+def run_bulk(
+    client: Client,
+    action: str,
+    found: JSON,
+    *,
+    everything: bool,
+    dry_run: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
     """``kiln cancel|retry --status ...``: one line per page, then the totals."""
     done = "cancelled" if action == "cancel" else "retried"
     ask = client.cancel_many if action == "cancel" else client.retry_many
@@ -163,8 +176,13 @@ def run_bulk(client: Client, action: str, found: JSON, *, everything: bool, dry_
             return
         if not as_json:
             asked = f", cancel requested {page['cancel_requested']}" if action == "cancel" else ""
-            typer.echo(f"page {number}: matched {page['matched']}, {done} {page[done]}{asked}, "
-                       f"skipped {page['skipped']}")  # fmt: skip
+            typer.echo(
+                f"page {number}: matched {page['matched']}, {done} {page[done]}{asked}, "
+                f"skipped {page['skipped']}"
+            )
     asked = f", cancel requested {totals['cancel_requested']}" if action == "cancel" else ""
-    typer.echo(f"total: matched {totals['matched']}, {done} {totals[done]}{asked}, "
-               f"skipped {totals['skipped']}", err=as_json)  # fmt: skip
+    typer.echo(
+        f"total: matched {totals['matched']}, {done} {totals[done]}{asked}, "
+        f"skipped {totals['skipped']}",
+        err=as_json,
+    )

@@ -76,11 +76,14 @@ def worker_table(workers: list[JSON], now: datetime | None = None) -> Table:
     table.add_column("UP", no_wrap=True, justify="right")
     for worker in workers:
         table.add_row(
-            escape(str(worker["host"])), str(worker["pid"]),
-            f"{worker['running']}/{worker['slots']}", escape(", ".join(worker["kinds"])),
-            escape(", ".join(worker["models"]) or "-"), escape(str(worker["version"])),
+            escape(str(worker["host"])),
+            str(worker["pid"]),
+            f"{worker['running']}/{worker['slots']}",
+            escape(", ".join(worker["kinds"])),
+            escape(", ".join(worker["models"]) or "-"),
+            escape(str(worker["version"])),
             escape(tasks.age(str(worker["started_at"]), now)),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -131,8 +134,10 @@ def usage_table(group_by: list[str], items: list[JSON]) -> Table:
         table.add_column(name, no_wrap=True, justify="right")
     for item in items:
         keys = [escape(str(item[name])) if item[name] is not None else "-" for name in group_by]
-        seconds = [f"{item[name]:.1f}" for name in
-                   ("waiting_s", "loading_s", "generating_s", "gpu_seconds")]  # fmt: skip
+        seconds = [
+            f"{item[name]:.1f}"
+            for name in ("waiting_s", "loading_s", "generating_s", "gpu_seconds")
+        ]
         table.add_row(*keys, str(item["attempts"]), *seconds)
     return table
 
@@ -172,9 +177,13 @@ def delivery_table(deliveries: list[JSON], now: datetime | None = None) -> Table
     for item in deliveries:
         answer = item["last_error"] or item["last_response_status"] or "-"
         table.add_row(
-            escape(str(item["id"])), escape(str(item["event"])), str(item["status"]),
-            str(item["attempts"]), _due_in(item["next_attempt_at"], now), escape(str(answer)),
-        )  # fmt: skip
+            escape(str(item["id"])),
+            escape(str(item["event"])),
+            str(item["status"]),
+            str(item["attempts"]),
+            _due_in(item["next_attempt_at"], now),
+            escape(str(answer)),
+        )
     return table
 
 
@@ -307,12 +316,18 @@ def settings_command(
         return
     current = Settings.from_env()
     if as_json:
-        tasks.print_json([
-            {"variable": var.name, "value": var.shown_value(getattr(current, var.field)),
-             "default": var.default_text.replace("`", ""), "unit": var.unit,
-             "meaning": var.help.replace("`", "")}
-            for var in config.VARIABLES
-        ])  # fmt: skip
+        tasks.print_json(
+            [
+                {
+                    "variable": var.name,
+                    "value": var.shown_value(getattr(current, var.field)),
+                    "default": var.default_text.replace("`", ""),
+                    "unit": var.unit,
+                    "meaning": var.help.replace("`", ""),
+                }
+                for var in config.VARIABLES
+            ]
+        )
         return
     table = Table(Column("variable", no_wrap=True), "value", "default", "unit", "meaning")
     for var in config.VARIABLES:
@@ -342,10 +357,15 @@ def states(
     table = {
         "statuses": [{"status": str(s), "final": s in FINAL} for s in Status],
         "transitions": [
-            {"event": str(rule.event), "from": sorted(str(s) for s in rule.sources),
-             "to": sorted(str(s) for s in rule.targets), "by": str(rule.actor),
-             "fenced": rule.fenced, "guard": rule.doc}
+            {
+                "event": str(rule.event),
+                "from": sorted(str(s) for s in rule.sources),
+                "to": sorted(str(s) for s in rule.targets),
+                "by": str(rule.actor),
+                "fenced": rule.fenced,
+                "guard": rule.doc,
+            }
             for rule in TRANSITIONS
         ],
-    }  # fmt: skip
+    }
     tasks.print_json(table)

@@ -31,8 +31,9 @@ def schedule_table(items: list[JSON]) -> Table:
         table.add_column(name, no_wrap=name in ("ID", "NEXT"))
     for s in items:
         nxt = "paused" if s["paused"] else str(s["next_run_at"])
-        table.add_row(s["id"], s["cron"], s["timezone"], s["kind"], nxt, str(s["fired"]),
-                      str(s["skipped"]))  # fmt: skip
+        table.add_row(
+            s["id"], s["cron"], s["timezone"], s["kind"], nxt, str(s["fired"]), str(s["skipped"])
+        )
     return table
 
 
@@ -96,9 +97,11 @@ def add(
 @schedule_cli.command("pause")
 @handled
 def pause(
-    schedule_id: ScheduleId, as_json: AsJson = False, server: Server = None,
+    schedule_id: ScheduleId,
+    as_json: AsJson = False,
+    server: Server = None,
     api_key: ApiKey = None,
-) -> None:  # fmt: skip
+) -> None:
     """Pause a schedule: no tick fires until it is resumed."""
     with client_of(server, api_key) as client:
         found = client.pause_schedule(schedule_id)
@@ -108,9 +111,11 @@ def pause(
 @schedule_cli.command("resume")
 @handled
 def resume(
-    schedule_id: ScheduleId, as_json: AsJson = False, server: Server = None,
+    schedule_id: ScheduleId,
+    as_json: AsJson = False,
+    server: Server = None,
     api_key: ApiKey = None,
-) -> None:  # fmt: skip
+) -> None:
     """Resume a schedule from its next tick after now."""
     with client_of(server, api_key) as client:
         found = client.resume_schedule(schedule_id)

@@ -201,9 +201,13 @@ def task_table(tasks: list[JSON]) -> Table:
     table.add_column("AGE", no_wrap=True, justify="right")
     now = datetime.now(UTC)
     for task in tasks:
-        table.add_row(task["id"], _status(task), task["kind"],
-                      f"{task['attempt']}/{task['max_attempts']}",
-                      age(str(task["created_at"]), now))  # fmt: skip
+        table.add_row(
+            task["id"],
+            _status(task),
+            task["kind"],
+            f"{task['attempt']}/{task['max_attempts']}",
+            age(str(task["created_at"]), now),
+        )
     return table
 
 
@@ -320,10 +324,14 @@ def follow(client: Client, task: JSON, *, review_wait: bool = True, as_json: boo
 
 def _follow_bar(client: Client, task: JSON, review_wait: bool) -> int | None:
     columns = (
-        SpinnerColumn(), TextColumn("[bold]{task.fields[status]}"),
-        TextColumn("{task.fields[stage]}"), BarColumn(), TextColumn("{task.fields[steps]}"),
-        TextColumn("{task.fields[attempt]}"), TimeElapsedColumn(),
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[status]}"),
+        TextColumn("{task.fields[stage]}"),
+        BarColumn(),
+        TextColumn("{task.fields[steps]}"),
+        TextColumn("{task.fields[attempt]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=_stderr()) as progress:
         view = _View(progress, task)
         for message in _events(client, task):

@@ -38,6 +38,30 @@ def _simulate(step_ms: int | None, raw: str | None) -> JSON | None:
     return simulate or None
 
 
+def _given(options: JSON) -> JSON:
+    """``options`` without those left unset (None)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _alone_or_file(
+    what: str | None,
+    from_file: Path | None,
+    *,
+    server: str | None,
+    api_key: str | None,
+    as_json: bool,
+) -> str:
+    """``what`` when it is given alone; with ``--from-file`` instead, submits the file's
+    tasks and exits."""
+    if (what is None) == (from_file is None):
+        raise InvalidRequest("give a PROMPT or KIND, or --from-file FILE (not both)")
+    if from_file is not None:
+        with client_of(server, api_key) as client:
+            raise typer.Exit(bulk.submit_file(client, from_file, as_json=as_json))
+    assert what is not None
+    return what
+
+
 What = Annotated[
     str | None,
     typer.Argument(
@@ -48,11 +72,12 @@ What = Annotated[
 FromFile = Annotated[
     Path | None,
     typer.Option(
-        "--from-file", metavar="FILE",
+        "--from-file",
+        metavar="FILE",
         help="submit every line of a JSON Lines file (a POST /v1/tasks body each, plus an "
         "optional idempotency_key); prints one line per item, exit 1 if any was refused",
     ),
-]  # fmt: skip
+]
 Params = Annotated[
     list[str] | None,
     typer.Option(
@@ -83,6 +108,13 @@ ReviewWait = Annotated[
         help="keep waiting when the task is held for review, or exit 1",
     ),
 ]
+RunAt = Annotated[
+    str | None,
+    typer.Option(help="run no earlier than this: unix seconds or RFC 3339 (2027-01-01T09:00Z)"),
+]
+Delay = Annotated[
+    float | None, typer.Option("--delay", help="run no earlier than this many seconds from now")
+]
 AsJson = Annotated[bool, typer.Option("--json", help="print the task as JSON")]
 TaskId = Annotated[str, typer.Argument(metavar="ID")]
 
@@ -105,13 +137,8 @@ def submit(
     priority: Annotated[int | None, typer.Option(help="-100..100, higher first")] = None,
     max_attempts: Annotated[int | None, typer.Option(help="1..20")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
-    run_at: Annotated[
-        str | None,
-        typer.Option(help="run no earlier than this: unix seconds or RFC 3339 (2027-01-01T09:00Z)"),
-    ] = None,
-    delay: Annotated[
-        float | None, typer.Option("--delay", help="run no earlier than this many seconds from now")
-    ] = None,
+    run_at: RunAt = None,
+    delay: Delay = None,
     wait: Annotated[bool, typer.Option("--wait", help="follow the task until it ends")] = False,
     review_wait: ReviewWait = True,
     as_json: AsJson = False,
@@ -125,27 +152,31 @@ def submit(
     `kiln submit image.transform -p op=thumbnail -p width=256 -p height=256 -i image=@in.png`,
     or many at once: `kiln submit --from-file tasks.jsonl`.
     """
-    if (what is None) == (from_file is None):
-        raise InvalidRequest("give a PROMPT or KIND, or --from-file FILE (not both)")
-    if from_file is not None:
-        with client_of(server, api_key) as client:
-            raise typer.Exit(bulk.submit_file(client, from_file, as_json=as_json))
-    assert what is not None
+    what = _alone_or_file(what, from_file, server=server, api_key=api_key, as_json=as_json)
     kind = what if tasks.is_kind(what) else "image.generate"
     params = tasks.params_from(param or [], params_file)
     if kind == "image.generate":
-        shaped = {"prompt": what, "width": width, "height": height, "steps": steps,
-                  "seed": seed, "negative_prompt": negative_prompt, "format": image_format,
-                  "simulate": _simulate(step_ms, simulate)}  # fmt: skip
-        params = {**{k: v for k, v in shaped.items() if v is not None}, **params}
+        shaped = {
+            "prompt": what,
+            "width": width,
+            "height": height,
+            "steps": steps,
+            "seed": seed,
+            "negative_prompt": negative_prompt,
+            "format": image_format,
+            "simulate": _simulate(step_ms, simulate),
+        }
+        params = {**_given(shaped), **params}
     files = [tasks.InputFile.parse(spec) for spec in input_file or []]
-    fields = {"priority": priority, "max_attempts": max_attempts,
-              "run_at": tasks.moment_of(run_at), "delay_s": delay}  # fmt: skip
+    fields = {
+        "idempotency_key": idempotency_key,
+        "priority": priority,
+        "max_attempts": max_attempts,
+        "run_at": tasks.moment_of(run_at),
+        "delay_s": delay,
+    }
     with client_of(server, api_key) as client:
-        task = tasks.submit_with_progress(
-            client, kind, params, files, idempotency_key=idempotency_key,
-            **{k: v for k, v in fields.items() if v is not None},
-        )  # fmt: skip
+        task = tasks.submit_with_progress(client, kind, params, files, **_given(fields))
         _submitted(client, task, wait=wait, review_wait=review_wait, as_json=as_json)
 
 
@@ -246,18 +277,35 @@ def _by_filter(task_id: str | None, found: JSON, everything: bool) -> bool:
 
 @cli.command()
 @handled
-def cancel(task_id: BulkId = None, as_json: AsJson = False, server: Server = None,
-           api_key: ApiKey = None, status: bulk.Statuses = None, kind: bulk.Kinds = None,
-           code: bulk.Codes = None, tenant: bulk.Tenant = None, since: bulk.Since = None,
-           before: bulk.Before = None, everything: bulk.AllTasks = False,
-           dry_run: bulk.DryRun = False, limit: bulk.Limit = 100) -> None:  # fmt: skip
+def cancel(
+    task_id: BulkId = None,
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+    status: bulk.Statuses = None,
+    kind: bulk.Kinds = None,
+    code: bulk.Codes = None,
+    tenant: bulk.Tenant = None,
+    since: bulk.Since = None,
+    before: bulk.Before = None,
+    everything: bulk.AllTasks = False,
+    dry_run: bulk.DryRun = False,
+    limit: bulk.Limit = 100,
+) -> None:
     """Cancel a task (running tasks stop at their worker's next heartbeat), or every task
     a filter names, a page at a time: `kiln cancel --status PENDING --kind image.generate`."""
     found = bulk.bulk_filter(status, kind, code, tenant, since, before)
     with client_of(server, api_key) as client:
         if _by_filter(task_id, found, everything):
-            bulk.run_bulk(client, "cancel", found, everything=everything, dry_run=dry_run,
-                          limit=limit, as_json=as_json)  # fmt: skip
+            bulk.run_bulk(
+                client,
+                "cancel",
+                found,
+                everything=everything,
+                dry_run=dry_run,
+                limit=limit,
+                as_json=as_json,
+            )
             return
         assert task_id is not None
         task = client.cancel(task_id)
@@ -267,18 +315,35 @@ def cancel(task_id: BulkId = None, as_json: AsJson = False, server: Server = Non
 
 @cli.command()
 @handled
-def retry(task_id: BulkId = None, as_json: AsJson = False, server: Server = None,
-          api_key: ApiKey = None, status: bulk.Statuses = None, kind: bulk.Kinds = None,
-          code: bulk.Codes = None, tenant: bulk.Tenant = None, since: bulk.Since = None,
-          before: bulk.Before = None, everything: bulk.AllTasks = False,
-          dry_run: bulk.DryRun = False, limit: bulk.Limit = 100) -> None:  # fmt: skip
+def retry(
+    task_id: BulkId = None,
+    as_json: AsJson = False,
+    server: Server = None,
+    api_key: ApiKey = None,
+    status: bulk.Statuses = None,
+    kind: bulk.Kinds = None,
+    code: bulk.Codes = None,
+    tenant: bulk.Tenant = None,
+    since: bulk.Since = None,
+    before: bulk.Before = None,
+    everything: bulk.AllTasks = False,
+    dry_run: bulk.DryRun = False,
+    limit: bulk.Limit = 100,
+) -> None:
     """Retry a final FAILED, TIMEOUT or CANCELLED task now, or every one a filter names, a
     page at a time: `kiln retry --status FAILED --code upstream_unavailable --since 1h`."""
     found = bulk.bulk_filter(status, kind, code, tenant, since, before)
     with client_of(server, api_key) as client:
         if _by_filter(task_id, found, everything):
-            bulk.run_bulk(client, "retry", found, everything=everything, dry_run=dry_run,
-                          limit=limit, as_json=as_json)  # fmt: skip
+            bulk.run_bulk(
+                client,
+                "retry",
+                found,
+                everything=everything,
+                dry_run=dry_run,
+                limit=limit,
+                as_json=as_json,
+            )
             return
         assert task_id is not None
         task = client.retry(task_id)

@@ -84,8 +84,10 @@ class Candidate:
 
 
 def candidates(rows: Iterable[Sequence[Any]]) -> list[Candidate]:
-    return [Candidate(r[0], int(r[1]), float(r[2]), r[3], float(r[4]), int(r[5]), r[6], r[7])
-            for r in rows]  # fmt: skip
+    return [
+        Candidate(r[0], int(r[1]), float(r[2]), r[3], float(r[4]), int(r[5]), r[6], r[7])
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,8 +210,9 @@ def ahead_args(
     """Parameters of the ``queue_ahead*`` queries for ``task`` (id, priority, ready_at)."""
     key: tuple[Any, ...] = (kind,) if tenant is None else (kind, tenant)
     if level is None:
-        return (*key, task.priority, now, now, *key, task.priority, task.ready_at, task.id,
-                now, now)  # fmt: skip
+        higher = (*key, task.priority, now, now)
+        same_level_ahead = (*key, task.priority, task.ready_at, task.id, now, now)
+        return (*higher, *same_level_ahead)
     assert aging_s is not None
     bound = task.ready_at + (level - task.priority) * aging_s
     return (*key, level, now, now, bound, bound, task.id)
@@ -227,9 +230,10 @@ def claim_policy(settings: Settings) -> ClaimPolicy | None:
         aging_s=settings.priority_aging_s,
         fair=settings.claim_order == "fair",
         running_cap=settings.tenant_running,
-        running_caps={t: lim.running for t, lim in settings.tenant_limits.items()
-                      if lim.running is not None},
-    )  # fmt: skip
+        running_caps={
+            t: lim.running for t, lim in settings.tenant_limits.items() if lim.running is not None
+        },
+    )
     return None if policy.plain else policy
 
 
@@ -332,8 +336,8 @@ class ClaimOps(Ops):
         if not chosen:
             return [], []
         acq = lease.acquire
-        args = (acq, acq, lease.worker_id, now + lease.ttl_s, now, acq, now, now, now,
-                [c.id for c in chosen])  # fmt: skip
+        held = (lease.worker_id, now + lease.ttl_s)  # lease_owner, lease_expires_at
+        args = (acq, acq, *held, now, acq, now, now, now, [c.id for c in chosen])
         by_id = {row[0]: task_from_row(row) for row in await tx.all(self.q.claim_tasks, args)}
         claimed: list[Task] = []
         events: list[EventRow] = []
@@ -351,8 +355,9 @@ class ClaimOps(Ops):
             tx.count_status(task.tenant, task.status, 1)
             tx.bump(names.TRANSITIONS, f"{source}>{waiting}")
             if acquired:
-                events.append(EventRow(task, task.version, Event.ACQUIRE, waiting, generating,
-                                       None, now, 0.0))  # fmt: skip
+                events.append(
+                    EventRow(task, task.version, Event.ACQUIRE, waiting, generating, None, now, 0.0)
+                )
                 tx.bump(names.TRANSITIONS, f"{waiting}>{generating}")
             claimed.append(task)
         await tx.insert_events(events)
@@ -533,9 +538,17 @@ def log_claim(
 ) -> None:
     """The transition line of a claim (``claim``, or the ``acquire`` that came with it)."""
     if log.isEnabledFor(logging.INFO):
-        logs.line(log, "transition", {
-            "task_id": task.id, "attempt": task.attempt, "epoch": task.epoch,
-            "from": str(source), "to": str(target),
-            "event": "claim" if target is Status.WAITING_FOR_RESOURCE else "acquire",
-            "duration_s": dwell_s, "worker": worker_id,
-        })  # fmt: skip
+        logs.line(
+            log,
+            "transition",
+            {
+                "task_id": task.id,
+                "attempt": task.attempt,
+                "epoch": task.epoch,
+                "from": str(source),
+                "to": str(target),
+                "event": "claim" if target is Status.WAITING_FOR_RESOURCE else "acquire",
+                "duration_s": dwell_s,
+                "worker": worker_id,
+            },
+        )

@@ -49,10 +49,21 @@ class WebhookDelivery:
     def insert_args(self) -> tuple[Any, ...]:
         """Values for an insert, in the order of ``delivery_from_row``."""
         return (
-            self.event_id, self.seq, self.task_id, self.tenant, self.event, self.url,
-            self.payload, self.status, self.attempts, self.next_attempt_at, self.last_error,
-            self.response_status, self.created_at, self.updated_at,
-        )  # fmt: skip
+            self.event_id,
+            self.seq,
+            self.task_id,
+            self.tenant,
+            self.event,
+            self.url,
+            self.payload,
+            self.status,
+            self.attempts,
+            self.next_attempt_at,
+            self.last_error,
+            self.response_status,
+            self.created_at,
+            self.updated_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +95,21 @@ class WebhookAttempt:
 
 def delivery_from_row(row: Sequence[Any]) -> WebhookDelivery:
     return WebhookDelivery(
-        event_id=row[0], seq=int(row[1]), task_id=row[2], tenant=row[3], event=row[4],
-        url=row[5], payload=row[6], status=row[7], attempts=int(row[8]),
-        next_attempt_at=float(row[9]), last_error=row[10], response_status=row[11],
-        created_at=float(row[12]), updated_at=float(row[13]),
-    )  # fmt: skip
+        event_id=row[0],
+        seq=int(row[1]),
+        task_id=row[2],
+        tenant=row[3],
+        event=row[4],
+        url=row[5],
+        payload=row[6],
+        status=row[7],
+        attempts=int(row[8]),
+        next_attempt_at=float(row[9]),
+        last_error=row[10],
+        response_status=row[11],
+        created_at=float(row[12]),
+        updated_at=float(row[13]),
+    )
 
 
 class OutboxOps(Ops):
@@ -144,8 +165,15 @@ class OutboxOps(Ops):
         """Write what a delivery attempt came to (a row no longer pending is left as it
         is) and count it in ``counters`` as ``("webhook_deliveries", outcome)``."""
 
-        args = (attempt.status, attempt.next_attempt_at, attempt.error,
-                attempt.response_status, self.clock(), attempt.event_id, PENDING)  # fmt: skip
+        args = (
+            attempt.status,
+            attempt.next_attempt_at,
+            attempt.error,
+            attempt.response_status,
+            self.clock(),
+            attempt.event_id,
+            PENDING,
+        )
 
         async def write(tx: Tx) -> None:
             await tx.run(self.q.record_delivery, args)

@@ -29,11 +29,32 @@ BATCH_MAX = 256
 SUBMIT_SHAPE = "submit"
 #: The columns a submission sets (``insert_args``), for the typed arrays of ``submit_many``.
 SUBMITTED = (
-    "id", "tenant", "kind", "priority", "ready_at", "params", "metadata", "inputs",
-    "fingerprint", "idempotency_key", "dedup_key", "max_attempts", "deadline_s",
-    "deadline_at", "timeouts", "created_at", "updated_at", "status_since", "webhook", "model",
-    "batch_key", "rerun_of", "pipeline_id", "step", "step_copy",
-)  # fmt: skip
+    "id",
+    "tenant",
+    "kind",
+    "priority",
+    "ready_at",
+    "params",
+    "metadata",
+    "inputs",
+    "fingerprint",
+    "idempotency_key",
+    "dedup_key",
+    "max_attempts",
+    "deadline_s",
+    "deadline_at",
+    "timeouts",
+    "created_at",
+    "updated_at",
+    "status_since",
+    "webhook",
+    "model",
+    "batch_key",
+    "rerun_of",
+    "pipeline_id",
+    "step",
+    "step_copy",
+)
 #: Appended to a step's shape when it ends an attempt (its ledger row goes with it).
 USAGE_SHAPE = " +usage"
 #: The types of the arrays a step that ends an attempt adds: pool, worker, outcome,

@@ -73,14 +73,20 @@ class PostgresTx(Counting):
             return []
         ids = [f"{r.task.id}:{r.version}" for r in rows]
         args = (
-            ids, [r.task.id for r in rows], [r.task.tenant for r in rows],
+            ids,
+            [r.task.id for r in rows],
+            [r.task.tenant for r in rows],
             [str(r.event) for r in rows],
             [None if r.source is None else str(r.source) for r in rows],
-            [str(r.target) for r in rows], [r.final for r in rows],
-            [r.task.attempt for r in rows], [r.task.epoch for r in rows],
-            [dumps(r.error) for r in rows], [r.at for r in rows], [r.dwell_s for r in rows],
+            [str(r.target) for r in rows],
+            [r.final for r in rows],
+            [r.task.attempt for r in rows],
+            [r.task.epoch for r in rows],
+            [dumps(r.error) for r in rows],
+            [r.at for r in rows],
+            [r.dwell_s for r in rows],
             [r.loading_s for r in rows],
-        )  # fmt: skip
+        )
         seqs = {event_id: seq for seq, event_id in await self.all(Q.insert_events, args)}
         return [r.event_for(seqs[event_id]) for event_id, r in zip(ids, rows, strict=True)]
 

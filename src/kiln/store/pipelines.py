@@ -88,11 +88,18 @@ async def start(
     """Move the pipeline to GENERATING through ``events`` and create what is ready."""
     targets = {Event.RUN_STEPS: Status.GENERATING, Event.RETRY: Status.RETRYING}
     change = Change(
-        task_id=pipeline.id, expect_status=pipeline.status, expect_epoch=None,
+        task_id=pipeline.id,
+        expect_status=pipeline.status,
+        expect_epoch=None,
         steps=tuple((event, targets[event]) for event in events),
-        fields={**fields, "deadline_at": NO_DEADLINE, "stage": STAGE,
-                "result": _result(step_map(pipeline), taken_map(pipeline)), "error": None},
-    )  # fmt: skip
+        fields={
+            **fields,
+            "deadline_at": NO_DEADLINE,
+            "stage": STAGE,
+            "result": _result(step_map(pipeline), taken_map(pipeline)),
+            "error": None,
+        },
+    )
     applied = await ops._apply(tx, change)
     if isinstance(applied, Refused):
         raise applied.error
@@ -195,8 +202,11 @@ async def advance(ops: Host, tx: Tx, pipeline: Task) -> Task:
             break
     statuses, _ = _view(pipeline, mapping, taken, tasks)  # with the copies made last
     done = sum(1 for status in statuses.values() if status is Status.SUCCESS)
-    fields = {"result": _result(mapping, taken), "progress_step": done,
-              "progress_total": sum(repeats.values())}  # fmt: skip
+    fields = {
+        "result": _result(mapping, taken),
+        "progress_step": done,
+        "progress_total": sum(repeats.values()),
+    }
     if missing is not None:
         lacking = {"code": "step_input_missing", "message": missing, "retryable": False}
         return await _end(ops, tx, pipeline, Status.FAILED, fields, lacking, mapping)
@@ -238,15 +248,24 @@ async def _create(
     dedup = pipeline.dedup_key is not None  # a pipeline submitted with dedup off: none
     kind, params = str(step["kind"]), run["params"]
     new = NewTask(
-        id=canonical.new_task_id(), tenant=pipeline.tenant, kind=kind, params=params,
+        id=canonical.new_task_id(),
+        tenant=pipeline.tenant,
+        kind=kind,
+        params=params,
         fingerprint=canonical.digest({"kind": kind, "params": params, "inputs": contents}),
         idempotency_key=None,
         dedup_key=canonical.dedup_key(kind, params, contents) if dedup else None,
-        priority=pipeline.priority, max_attempts=pipeline.max_attempts,
-        deadline_s=pipeline.deadline_s, timeouts=Timeouts(*step["timeouts"]), inputs=records,
-        model=run.get("model"), batch_key=run.get("batch_key"), pipeline_id=pipeline.id,
-        step=str(step["name"]), step_copy=index,
-    )  # fmt: skip
+        priority=pipeline.priority,
+        max_attempts=pipeline.max_attempts,
+        deadline_s=pipeline.deadline_s,
+        timeouts=Timeouts(*step["timeouts"]),
+        inputs=records,
+        model=run.get("model"),
+        batch_key=run.get("batch_key"),
+        pipeline_id=pipeline.id,
+        step=str(step["name"]),
+        step_copy=index,
+    )
     now = ops.clock()
     if new.dedup_key is not None:
         row = await tx.one(ops.q.dedup_lookup, (new.tenant, new.dedup_key))
@@ -279,8 +298,11 @@ async def _end(
     """End the pipeline; a failure first stops what still runs of its own steps."""
     if status is not Status.SUCCESS:
         await stop_steps(ops, tx, pipeline, list(mapping.values()))
-    event = {Status.SUCCESS: Event.STEPS_DONE, Status.FAILED: Event.STEP_FAILED,
-             Status.CANCELLED: Event.STEPS_CANCELLED}[status]  # fmt: skip
+    event = {
+        Status.SUCCESS: Event.STEPS_DONE,
+        Status.FAILED: Event.STEP_FAILED,
+        Status.CANCELLED: Event.STEPS_CANCELLED,
+    }[status]
     change = Change(
         task_id=pipeline.id,
         expect_status=Status.GENERATING,
@@ -307,8 +329,12 @@ async def stop_steps(ops: Host, tx: Tx, pipeline: Task, ids: list[str]) -> None:
         if step.status in RUNNING:
             await tx.one(ops.q.request_cancel, (now, now, step.id))
             continue
-        change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
-                        steps=((Event.CANCEL, Status.CANCELLED),))  # fmt: skip
+        change = Change(
+            task_id=step.id,
+            expect_status=step.status,
+            expect_epoch=None,
+            steps=((Event.CANCEL, Status.CANCELLED),),
+        )
         await ops._apply(tx, change)  # no pipeline_id: it does not advance it
 
 
@@ -355,12 +381,22 @@ async def retry(ops: Host, tx: Tx, pipeline_id: str, fields: dict[str, Any]) -> 
 async def _retry_step(ops: Host, tx: Tx, step: Task) -> None:
     """A manual retry of one step: due now, one more attempt (as ``App.retry``)."""
     now = ops.clock()
-    again = {"max_attempts": max(step.max_attempts, step.attempt) + 1, "finished_at": None,
-             "next_retry_at": now, "ready_at": now, "cancel_requested": False,
-             "cancel_requested_at": None,
-             "deadline_at": max(step.deadline_at, now + step.deadline_s)}  # fmt: skip
-    change = Change(task_id=step.id, expect_status=step.status, expect_epoch=None,
-                    steps=((Event.RETRY, Status.RETRYING),), fields=again)  # fmt: skip
+    again = {
+        "max_attempts": max(step.max_attempts, step.attempt) + 1,
+        "finished_at": None,
+        "next_retry_at": now,
+        "ready_at": now,
+        "cancel_requested": False,
+        "cancel_requested_at": None,
+        "deadline_at": max(step.deadline_at, now + step.deadline_s),
+    }
+    change = Change(
+        task_id=step.id,
+        expect_status=step.status,
+        expect_epoch=None,
+        steps=((Event.RETRY, Status.RETRYING),),
+        fields=again,
+    )
     await ops._apply(tx, change)  # no pipeline_id: it does not advance it; read locked
 
 

@@ -43,7 +43,7 @@ from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Shapes, Write, WriteBatch
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
-from kiln.store.records import Change, Clock
+from kiln.store.records import AttemptUsage, Change, Clock
 from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
 from kiln.store.sqlstore import Store, insert_args, update_sql
 from kiln.store.tx import Op, Refused, Row, Tally, Tx, alone
@@ -356,9 +356,15 @@ class PostgresStore(Store):
         def counts(row: Row, tally: Tally) -> None:
             tally.count_status(row[1], Status.PENDING, 1)
 
-        row = await self._batched(new.id, (SUBMIT_COUNTED, counted), (SUBMIT_BARE, bare), counts,
-                                  notify=self._notify_due(now), shape=SUBMIT_SHAPE,
-                                  values=bare)  # fmt: skip
+        row = await self._batched(
+            new.id,
+            (SUBMIT_COUNTED, counted),
+            (SUBMIT_BARE, bare),
+            counts,
+            notify=self._notify_due(now),
+            shape=SUBMIT_SHAPE,
+            values=bare,
+        )
         return None if row is None else task_from_row(row)
 
     async def _batched(
@@ -419,22 +425,17 @@ class PostgresStore(Store):
         statement: lock and check the row, update it, insert its event and add the counts.
         None when the row did not match (the caller then words the refusal)."""
         now = self.clock()
-        (event, target), source = change.steps[0], change.expect_status
+        target, source = change.steps[0][1], change.expect_status
         sql, set_args = update_sql(change, target, now)
         sql = Q.sql(sql)
         sets = sql.removeprefix("UPDATE tasks SET ").removesuffix(" WHERE id = %s RETURNING *")
         shard = random.randrange(COUNTER_SHARDS)
-        final = target in FINAL
-        bare = [
-            change.task_id, str(source), change.expect_epoch, *set_args[:-1],
-            str(event), str(source), str(target), final, dumps(change.error), now, now,
-        ]  # fmt: skip
+        bare = _step_args(change, set_args, now)
         values = bare[:-1]
         counted_sql, bare_sql, shape = STEP_COUNTED, STEP_BARE, sets
         if change.usage is not None:  # it ends the attempt: the ledger row goes with it
             used = change.usage
-            bare += [used.pool, used.worker, used.outcome, str(source), now, used.loading_s,
-                     str(source), now, used.share, now]  # fmt: skip
+            bare += _usage_args(used, source, now)
             values += [used.pool, used.worker, used.outcome, used.loading_s, used.share]
             counted_sql, bare_sql = STEP_USAGE_COUNTED, STEP_USAGE_BARE
             shape = sets + USAGE_SHAPE
@@ -445,21 +446,18 @@ class PostgresStore(Store):
             tally.count_status(row[1], target, 1)
             tally.bump(names.TRANSITIONS, f"{source}>{target}")
 
-        row = await self._batched(change.task_id, (counted_sql.replace("{sets}", sets), counted),
-                                  (bare_sql.replace("{sets}", sets), bare), counts,
-                                  shape=shape, values=values)  # fmt: skip
+        row = await self._batched(
+            change.task_id,
+            (counted_sql.replace("{sets}", sets), counted),
+            (bare_sql.replace("{sets}", sets), bare),
+            counts,
+            shape=shape,
+            values=values,
+        )
         if row is None:
             return None
         task = task_from_row(row)
-        events = [
-            TaskEvent(
-                seq=row[-1], id=f"{task.id}:{task.version}", task_id=task.id,
-                tenant=task.tenant, event=event, from_status=source, status=target,
-                attempt=task.attempt, epoch=task.epoch, error=change.error, at=now,
-                dwell_s=now - row[-2], final=final,
-            )
-        ]  # fmt: skip
-        return task, events
+        return task, [_step_event(change, task, row, now)]
 
     # the event log
 
@@ -527,3 +525,38 @@ async def _check_task_columns(conn: Conn) -> None:
 
 
 __all__ = ["PostgresStore", "migrate"]
+
+
+def _step_args(change: Change, set_args: Sequence[Any], now: float) -> list[Any]:
+    """The parameters of a plain step's statement (STEP_BARE): the row's match, its new
+    fields, and its event row."""
+    (event, target), source = change.steps[0], change.expect_status
+    match = [change.task_id, str(source), change.expect_epoch]
+    logged = [str(event), str(source), str(target), target in FINAL, dumps(change.error)]
+    return [*match, *set_args[:-1], *logged, now, now]
+
+
+def _usage_args(used: AttemptUsage, source: Status, now: float) -> list[Any]:
+    """The parameters a step that ends an attempt adds (STEP_USAGE_BARE): its ledger row."""
+    ledger = [used.pool, used.worker, used.outcome, str(source), now, used.loading_s]
+    return [*ledger, str(source), now, used.share, now]
+
+
+def _step_event(change: Change, task: Task, row: Row, now: float) -> TaskEvent:
+    """The event row a plain step wrote (``row`` ends with its dwell start and seq)."""
+    (event, target), source = change.steps[0], change.expect_status
+    return TaskEvent(
+        seq=row[-1],
+        id=f"{task.id}:{task.version}",
+        task_id=task.id,
+        tenant=task.tenant,
+        event=event,
+        from_status=source,
+        status=target,
+        attempt=task.attempt,
+        epoch=task.epoch,
+        error=change.error,
+        at=now,
+        dwell_s=now - row[-2],
+        final=target in FINAL,
+    )

@@ -112,8 +112,17 @@ def line_rows(rows: Iterable[Sequence[Any]]) -> tuple[dict[str, list[LineRow]], 
     for r in rows:
         pool = str(r[0])
         capacities[pool] = int(r[10])
-        row = LineRow(str(r[1]), int(r[2]), bool(r[3]), float(r[4]), int(r[5]),
-                      Status(r[6]), float(r[7]), int(r[8]), r[9] is not None)  # fmt: skip
+        row = LineRow(
+            task_id=str(r[1]),
+            units=int(r[2]),
+            held=bool(r[3]),
+            since=float(r[4]),
+            priority=int(r[5]),
+            status=Status(r[6]),
+            status_since=float(r[7]),
+            epoch=int(r[8]),
+            asked=r[9] is not None,
+        )
         lines.setdefault(pool, []).append(row)
     return lines, capacities
 

@@ -61,24 +61,42 @@ class ScheduleRecord:
     def to_json(self) -> JSON:
         """The wire form (``GET /v1/schedules/{id}``)."""
         return {
-            "id": self.id, "cron": self.cron, "timezone": self.timezone,
-            "kind": self.submission["kind"], "task": self.submission,
-            "overlap": self.overlap, "missed": self.missed, "paused": self.paused,
+            "id": self.id,
+            "cron": self.cron,
+            "timezone": self.timezone,
+            "kind": self.submission["kind"],
+            "task": self.submission,
+            "overlap": self.overlap,
+            "missed": self.missed,
+            "paused": self.paused,
             "next_run_at": None if self.paused else iso(self.next_at),
-            "last_task_id": self.last_task_id, "last_fired_at": iso(self.last_fired_at),
-            "fired": self.fired, "skipped": self.skipped,
-            "created_at": iso(self.created_at), "updated_at": iso(self.updated_at),
-        }  # fmt: skip
+            "last_task_id": self.last_task_id,
+            "last_fired_at": iso(self.last_fired_at),
+            "fired": self.fired,
+            "skipped": self.skipped,
+            "created_at": iso(self.created_at),
+            "updated_at": iso(self.updated_at),
+        }
 
 
 def schedule_from_row(row: Row) -> ScheduleRecord:
     return ScheduleRecord(
-        id=row[0], tenant=row[1], cron=row[2], timezone=row[3], submission=json.loads(row[4]),
-        overlap=row[5], missed=row[6], paused=bool(row[7]),
-        next_at=None if row[8] is None else float(row[8]), last_task_id=row[9],
-        last_fired_at=None if row[10] is None else float(row[10]), fired=int(row[11]),
-        skipped=int(row[12]), created_at=float(row[13]), updated_at=float(row[14]),
-    )  # fmt: skip
+        id=row[0],
+        tenant=row[1],
+        cron=row[2],
+        timezone=row[3],
+        submission=json.loads(row[4]),
+        overlap=row[5],
+        missed=row[6],
+        paused=bool(row[7]),
+        next_at=None if row[8] is None else float(row[8]),
+        last_task_id=row[9],
+        last_fired_at=None if row[10] is None else float(row[10]),
+        fired=int(row[11]),
+        skipped=int(row[12]),
+        created_at=float(row[13]),
+        updated_at=float(row[14]),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,15 +163,31 @@ class ScheduleOps(Ops):
         cannot pass it together)."""
         now = self.clock()
         made = ScheduleRecord(
-            id=schedule.id, tenant=schedule.tenant, cron=schedule.cron,
-            timezone=schedule.timezone, submission=schedule.submission,
-            overlap=schedule.overlap, missed=schedule.missed, paused=schedule.paused,
-            next_at=schedule.next_at, created_at=now, updated_at=now,
-        )  # fmt: skip
+            id=schedule.id,
+            tenant=schedule.tenant,
+            cron=schedule.cron,
+            timezone=schedule.timezone,
+            submission=schedule.submission,
+            overlap=schedule.overlap,
+            missed=schedule.missed,
+            paused=schedule.paused,
+            next_at=schedule.next_at,
+            created_at=now,
+            updated_at=now,
+        )
         args = (
-            made.id, made.tenant, made.cron, made.timezone, dumps(made.submission), made.overlap,
-            made.missed, made.paused, made.next_at, now, now,
-        )  # fmt: skip
+            made.id,
+            made.tenant,
+            made.cron,
+            made.timezone,
+            dumps(made.submission),
+            made.overlap,
+            made.missed,
+            made.paused,
+            made.next_at,
+            now,
+            now,
+        )
 
         async def write(tx: Tx) -> ScheduleRecord | Refused:
             if most is not None:
@@ -282,6 +316,14 @@ def too_many_schedules(tenant: str, held: int, most: int) -> TooManySchedules:
     return TooManySchedules(
         f"tenant {tenant!r} holds {held} schedules, the most it may "
         "(KILN_MAX_SCHEDULES_PER_TENANT allows more); delete one first",
-        details=[{"loc": ["body"], "msg": "too many schedules", "type": "too_many_schedules",
-                  "count": held, "limit": most, "setting": "KILN_MAX_SCHEDULES_PER_TENANT"}],
-    )  # fmt: skip
+        details=[
+            {
+                "loc": ["body"],
+                "msg": "too many schedules",
+                "type": "too_many_schedules",
+                "count": held,
+                "limit": most,
+                "setting": "KILN_MAX_SCHEDULES_PER_TENANT",
+            }
+        ],
+    )

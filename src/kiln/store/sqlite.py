@@ -365,12 +365,26 @@ class SqliteTx(Counting):
         found = []
         for r in rows:
             task = r.task
-            seq = self.conn.execute(self.q.insert_event, (
-                f"{task.id}:{r.version}", task.id, task.tenant, str(r.event),
-                None if r.source is None else str(r.source), str(r.target), int(r.final),
-                task.attempt, task.epoch, None if r.error is None else json.dumps(
-                    r.error, separators=(",", ":"), sort_keys=True), r.at, r.dwell_s, r.loading_s,
-            )).fetchone()[0]  # fmt: skip
+            seq = self.conn.execute(
+                self.q.insert_event,
+                (
+                    f"{task.id}:{r.version}",
+                    task.id,
+                    task.tenant,
+                    str(r.event),
+                    None if r.source is None else str(r.source),
+                    str(r.target),
+                    int(r.final),
+                    task.attempt,
+                    task.epoch,
+                    None
+                    if r.error is None
+                    else json.dumps(r.error, separators=(",", ":"), sort_keys=True),
+                    r.at,
+                    r.dwell_s,
+                    r.loading_s,
+                ),
+            ).fetchone()[0]
             found.append(r.event_for(seq))
         return found
 

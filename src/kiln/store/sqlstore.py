@@ -72,13 +72,72 @@ def insert_args(new: NewTask, now: float) -> list[Any]:
         "generating_s": new.timeouts.generating_s,
         "uploading_s": new.timeouts.uploading_s,
     }
-    return [
-        new.id, new.tenant, new.kind, new.priority, ready, dumps(new.params),
-        dumps(new.metadata), dumps(new.inputs), new.fingerprint, new.idempotency_key,
-        new.dedup_key, new.max_attempts, new.deadline_s, ready + new.deadline_s,
-        dumps(timeouts), now, now, now, dumps(new.webhook), new.model, new.batch_key,
-        new.rerun_of, new.pipeline_id, new.step, new.step_copy,
-    ]  # fmt: skip
+    named = {  # in the order of the query's parameters
+        "id": new.id,
+        "tenant": new.tenant,
+        "kind": new.kind,
+        "priority": new.priority,
+        "ready_at": ready,
+        "params": dumps(new.params),
+        "metadata": dumps(new.metadata),
+        "inputs": dumps(new.inputs),
+        "fingerprint": new.fingerprint,
+        "idempotency_key": new.idempotency_key,
+        "dedup_key": new.dedup_key,
+        "max_attempts": new.max_attempts,
+        "deadline_s": new.deadline_s,
+        "deadline_at": ready + new.deadline_s,
+        "timeouts": dumps(timeouts),
+        "created_at": now,
+        "updated_at": now,
+        "status_since": now,
+        "webhook": dumps(new.webhook),
+        "model": new.model,
+        "batch_key": new.batch_key,
+        "rerun_of": new.rerun_of,
+        "pipeline_id": new.pipeline_id,
+        "step": new.step,
+        "step_copy": new.step_copy,
+    }
+    return list(named.values())
+
+
+#: The queries a purge runs, in order: the rows that hang off the tasks, then the tasks.
+PURGE_QUERIES = (
+    "purge_events",
+    "purge_keys",
+    "purge_deliveries",
+    "drop_task_inputs",
+    "purge_traces",
+    "purge_tasks",
+)
+
+
+def event_rows(
+    change: Change, task: Task, version: int, dwell: float, now: float
+) -> list[EventRow]:
+    """The event rows of ``change``'s steps, numbered on from the row's ``version``: the
+    first step leaves the status the row held for ``dwell`` seconds (and carries the
+    attempt's loading time), each next one leaves a status it held for none."""
+    rows: list[EventRow] = []
+    source: Status = change.expect_status
+    for offset, (event, target) in enumerate(change.steps, start=1):
+        rows.append(
+            EventRow(
+                task=task,
+                version=version + offset,
+                event=event,
+                source=source,
+                target=target,
+                error=change.error,
+                at=now,
+                dwell_s=dwell,
+                final=offset == len(change.steps) and target in FINAL,
+                loading_s=change.loading_s if offset == 1 else None,
+            )
+        )
+        source, dwell = target, 0.0
+    return rows
 
 
 def input_rows(new: NewTask) -> list[tuple[str, str]]:
@@ -286,8 +345,8 @@ class TaskOps(Ops):
             sql, args = self.q.heartbeat, (now + lease_ttl_s, now, task_id, epoch)
         else:
             sql = self.q.heartbeat_progress
-            args = (now + lease_ttl_s, now, progress.stage, progress.step, progress.total,
-                    now, task_id, epoch)  # fmt: skip
+            shown = (progress.stage, progress.step, progress.total)
+            args = (now + lease_ttl_s, now, *shown, now, task_id, epoch)
 
         async def write(tx: Tx) -> Task | Refused:
             row = await tx.one(sql, args)
@@ -343,19 +402,14 @@ class TaskOps(Ops):
             row = await tx.one(self.q.sql(sql), args)
         assert row is not None
         task = task_from_row(row)
-        rows: list[EventRow] = []
         source: Status = change.expect_status
         dwell: float = now - current[3]
         if change.usage is not None:  # before the event rows: it adds this step's dwell
             used = usage_args(change.usage, task, source, current[5], current[1], dwell, now)
             await tx.run(self.q.record_usage, used)
-        for offset, (event, step_target) in enumerate(change.steps, start=1):
-            final = offset == len(change.steps) and step_target in FINAL
-            loaded = change.loading_s if offset == 1 else None
-            rows.append(EventRow(task, current[2] + offset, event, source, step_target,
-                                 change.error, now, dwell, final, loaded))  # fmt: skip
-            tx.bump(names.TRANSITIONS, f"{source}>{step_target}")
-            source, dwell = step_target, 0.0
+        rows = event_rows(change, task, current[2], dwell, now)
+        for step in rows:
+            tx.bump(names.TRANSITIONS, f"{step.source}>{step.target}")
         events = await tx.insert_events(rows)
         tx.count_status(task.tenant, change.expect_status, -1)
         tx.count_status(task.tenant, target, 1)
@@ -436,9 +490,10 @@ class TaskOps(Ops):
         q = self.q
         counts = {str(s): 0 for s in Status}
         rows = await (
-            tx.all(q.status_counts) if tenant is None
+            tx.all(q.status_counts)
+            if tenant is None
             else tx.all(q.status_counts_of_tenant, (tenant,))
-        )  # fmt: skip
+        )
         for status, n in rows:
             counts[status] = int(n)
         failures = await self._counted(tx, names.FAILURES, "", tenant, parts=2)
@@ -448,9 +503,10 @@ class TaskOps(Ops):
             else await tx.all(q.dwell_of_tenant, (tenant, DWELL_WINDOW))
         )
         ghost_row = await (
-            tx.one(q.ghosts, (ghost_before, ghost_before)) if tenant is None
+            tx.one(q.ghosts, (ghost_before, ghost_before))
+            if tenant is None
             else tx.one(q.ghosts_of_tenant, (ghost_before, ghost_before, tenant))
-        )  # fmt: skip
+        )
         oldest = await tx.one(q.oldest_ready)
         since = f"{int(now // 60) - 59:010d}:"
         return Stats(
@@ -510,10 +566,8 @@ class TaskOps(Ops):
             ids = [task.id for task in tasks]
             if not ids:
                 return []
-            for query in (self.q.purge_events, self.q.purge_keys, self.q.purge_deliveries,
-                          self.q.drop_task_inputs, self.q.purge_traces,
-                          self.q.purge_tasks):  # fmt: skip
-                await tx.run(query, (ids,))
+            for query in PURGE_QUERIES:
+                await tx.run(getattr(self.q, query), (ids,))
             for task in tasks:
                 tx.count_status(task.tenant, task.status, -1)
             tx.bump(names.PURGED, "", len(tasks))

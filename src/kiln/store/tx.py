@@ -101,12 +101,21 @@ class EventRow:
 
     def event_for(self, seq: int) -> TaskEvent:
         return TaskEvent(
-            seq=seq, id=f"{self.task.id}:{self.version}", task_id=self.task.id,
-            tenant=self.task.tenant, event=self.event, from_status=self.source,
-            status=self.target, attempt=self.task.attempt, epoch=self.task.epoch,
-            error=self.error, at=self.at, dwell_s=self.dwell_s, final=self.final,
+            seq=seq,
+            id=f"{self.task.id}:{self.version}",
+            task_id=self.task.id,
+            tenant=self.task.tenant,
+            event=self.event,
+            from_status=self.source,
+            status=self.target,
+            attempt=self.task.attempt,
+            epoch=self.task.epoch,
+            error=self.error,
+            at=self.at,
+            dwell_s=self.dwell_s,
+            final=self.final,
             loading_s=self.loading_s,
-        )  # fmt: skip
+        )
 
 
 class Tx(Protocol):

@@ -31,8 +31,15 @@ from kiln.store.tx import Ops, Row
 #: ``expire`` (expired when its lease lapsed, timeout for a state timeout or the deadline),
 #: ``recover`` (success: the supervisor found its complete outputs).
 OUTCOMES = (
-    "success", "needs_review", "retry", "failed", "cancelled", "released", "expired", "timeout",
-)  # fmt: skip
+    "success",
+    "needs_review",
+    "retry",
+    "failed",
+    "cancelled",
+    "released",
+    "expired",
+    "timeout",
+)
 #: What a report may group by, and the column (or expression) each reads.
 GROUPS = {
     "tenant": "tenant",
@@ -94,11 +101,21 @@ class UsageRecord:
 
 def usage_from_row(row: Row) -> UsageRecord:
     return UsageRecord(
-        task_id=row[0], attempt=int(row[1]), epoch=int(row[2]), tenant=row[3], kind=row[4],
-        model=row[5], pool=row[6], worker=row[7], outcome=row[8], waiting_s=float(row[9]),
-        loading_s=float(row[10]), generating_s=float(row[11]), share=float(row[12]),
+        task_id=row[0],
+        attempt=int(row[1]),
+        epoch=int(row[2]),
+        tenant=row[3],
+        kind=row[4],
+        model=row[5],
+        pool=row[6],
+        worker=row[7],
+        outcome=row[8],
+        waiting_s=float(row[9]),
+        loading_s=float(row[10]),
+        generating_s=float(row[11]),
+        share=float(row[12]),
         ended_at=float(row[13]),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +132,13 @@ class UsageSum:
     def to_json(self) -> dict[str, object]:
         """The wire form (``GET /v1/usage``)."""
         return {
-            **self.group, "attempts": self.attempts, "waiting_s": self.waiting_s,
-            "loading_s": self.loading_s, "generating_s": self.generating_s,
+            **self.group,
+            "attempts": self.attempts,
+            "waiting_s": self.waiting_s,
+            "loading_s": self.loading_s,
+            "generating_s": self.generating_s,
             "gpu_seconds": self.gpu_seconds,
-        }  # fmt: skip
+        }
 
 
 def usage_args(
@@ -132,11 +152,12 @@ def usage_args(
 ) -> tuple[Any, ...]:
     """The parameters of ``record_usage`` for the attempt (``attempt``, ``epoch``: as it
     ran, before the change) that the change of ``task`` from ``source`` ends."""
-    return (
-        task.id, attempt, epoch, task.tenant, task.kind, task.model, usage.pool, task.id,
-        epoch, usage.worker, usage.outcome, str(source), dwell_s, usage.loading_s,
-        str(source), dwell_s, usage.share, now, task.id, attempt, epoch,
-    )  # fmt: skip
+    key = (task.id, attempt, epoch)
+    columns = (*key, task.tenant, task.kind, task.model)
+    pool = (usage.pool, task.id, epoch)  # None: the attempt's pool slots
+    left = (str(source), dwell_s)  # the status the change leaves, and its dwell there
+    seconds = (*left, usage.loading_s, *left, usage.share, now)
+    return (*columns, *pool, usage.worker, usage.outcome, *seconds, *key)
 
 
 def report_sql(
@@ -189,8 +210,14 @@ class UsageOps(Ops):
         def row(found: Row) -> UsageSum:
             keys = {name: _key(value) for name, value in zip(names, found, strict=False)}
             n = len(names)
-            return UsageSum(keys, int(found[n]), float(found[n + 1]), float(found[n + 2]),
-                            float(found[n + 3]), float(found[n + 4]))  # fmt: skip
+            return UsageSum(
+                keys,
+                int(found[n]),
+                float(found[n + 1]),
+                float(found[n + 2]),
+                float(found[n + 3]),
+                float(found[n + 4]),
+            )
 
         return await self._rows(self.q.sql(sql), args, row)
 

@@ -42,21 +42,36 @@ class WorkerRecord:
     def to_json(self) -> dict[str, object]:
         """The wire form (``GET /v1/workers``): times RFC 3339 UTC, as everywhere in the API."""
         return {
-            "id": self.id, "host": self.host, "pid": self.pid, "version": self.version,
-            "kinds": list(self.kinds), "slots": self.slots, "running": self.running,
-            "resources": self.resources, "models": list(self.models),
-            "started_at": iso(self.started_at), "last_seen_at": iso(self.seen_at),
+            "id": self.id,
+            "host": self.host,
+            "pid": self.pid,
+            "version": self.version,
+            "kinds": list(self.kinds),
+            "slots": self.slots,
+            "running": self.running,
+            "resources": self.resources,
+            "models": list(self.models),
+            "started_at": iso(self.started_at),
+            "last_seen_at": iso(self.seen_at),
             "expires_at": iso(self.expires_at),
-        }  # fmt: skip
+        }
 
 
 def worker_from_row(row: Row) -> WorkerRecord:
     return WorkerRecord(
-        id=row[0], host=row[1], pid=int(row[2]), version=row[3], kinds=tuple(json.loads(row[4])),
-        slots=int(row[5]), running=int(row[6]), resources=json.loads(row[7]),
-        models=tuple(json.loads(row[8])), started_at=float(row[9]), seen_at=float(row[10]),
+        id=row[0],
+        host=row[1],
+        pid=int(row[2]),
+        version=row[3],
+        kinds=tuple(json.loads(row[4])),
+        slots=int(row[5]),
+        running=int(row[6]),
+        resources=json.loads(row[7]),
+        models=tuple(json.loads(row[8])),
+        started_at=float(row[9]),
+        seen_at=float(row[10]),
         expires_at=float(row[11]),
-    )  # fmt: skip
+    )
 
 
 class WorkerOps(Ops):
@@ -67,16 +82,33 @@ class WorkerOps(Ops):
         of workers gone long ago are deleted on the way."""
         now = self.clock()
         seen = WorkerRecord(
-            id=worker.id, host=worker.host, pid=worker.pid, version=worker.version,
-            kinds=worker.kinds, slots=worker.slots, running=worker.running,
-            resources=worker.resources, models=worker.models,
-            started_at=worker.started_at or now, seen_at=now, expires_at=now + ttl_s,
-        )  # fmt: skip
+            id=worker.id,
+            host=worker.host,
+            pid=worker.pid,
+            version=worker.version,
+            kinds=worker.kinds,
+            slots=worker.slots,
+            running=worker.running,
+            resources=worker.resources,
+            models=worker.models,
+            started_at=worker.started_at or now,
+            seen_at=now,
+            expires_at=now + ttl_s,
+        )
         args = (
-            seen.id, seen.host, seen.pid, seen.version, dumps(list(seen.kinds)), seen.slots,
-            seen.running, dumps(seen.resources), dumps(list(seen.models)), seen.started_at,
-            seen.seen_at, seen.expires_at,
-        )  # fmt: skip
+            seen.id,
+            seen.host,
+            seen.pid,
+            seen.version,
+            dumps(list(seen.kinds)),
+            seen.slots,
+            seen.running,
+            dumps(seen.resources),
+            dumps(list(seen.models)),
+            seen.started_at,
+            seen.seen_at,
+            seen.expires_at,
+        )
 
         async def write(tx: Tx) -> WorkerRecord:
             await tx.run(self.q.worker_seen, args)

@@ -86,9 +86,12 @@ class Batches:
         while len(batch.members) < policy.max_size and not self.stopped():
             try:
                 more = await self.engine.store.claim_batch(
-                    worker_id=self.worker_id, kind=batch.kind.name, batch_key=batch.key,
-                    limit=policy.max_size - len(batch.members), lease_ttl_s=self.lease_ttl_s,
-                )  # fmt: skip
+                    worker_id=self.worker_id,
+                    kind=batch.kind.name,
+                    batch_key=batch.key,
+                    limit=policy.max_size - len(batch.members),
+                    lease_ttl_s=self.lease_ttl_s,
+                )
             except StoreUnavailable:
                 more = []
             for task in more:
@@ -137,14 +140,23 @@ class Batches:
         for member in members:
             member.share = 1 / len(members)
         ctxs = [Context(self.runner, m, p) for m, p in zip(members, params, strict=True)]
-        log.info("batch_call", extra={"batch": batch.key, "kind": batch.kind.name,
-                 "size": len(members), "task_ids": [m.task.id for m in members]})  # fmt: skip
+        log.info(
+            "batch_call",
+            extra={
+                "batch": batch.key,
+                "kind": batch.kind.name,
+                "size": len(members),
+                "task_ids": [m.task.id for m in members],
+            },
+        )
         results: list[Any]
         try:
             results = list(cast(Sequence[Any], await batch.kind.handler(ctxs, params)))
             if len(results) != len(members):
-                raise ValueError(f"the batch handler of {batch.kind.name} returned "
-                                 f"{len(results)} results for {len(members)} tasks")  # fmt: skip
+                raise ValueError(
+                    f"the batch handler of {batch.kind.name} returned "
+                    f"{len(results)} results for {len(members)} tasks"
+                )
         except Exception as exc:
             results = [exc] * len(members)
         for member, result in zip(members, results, strict=True):

@@ -59,8 +59,14 @@ class Shutdown:
         until = asyncio.get_running_loop().time() + max(grace, 0.0)
         if self.drain_until is None or until < self.drain_until:
             self.drain_until = until
-            log.info("worker_draining", extra={"worker_id": self.worker_id,
-                     "running": len(self.attempts), "grace_s": grace})  # fmt: skip
+            log.info(
+                "worker_draining",
+                extra={
+                    "worker_id": self.worker_id,
+                    "running": len(self.attempts),
+                    "grace_s": grace,
+                },
+            )
         self.slots.free.set()  # an idle claim loop notices at once
         self._wake.set()
 
@@ -85,8 +91,7 @@ class Shutdown:
         runners = {a.runner for a in self.attempts.values() if a.runner is not None}
         if runners:
             await asyncio.wait(runners, timeout=RELEASE_TIMEOUT_S + 1.0)
-        log.info("worker_drained", extra={"worker_id": self.worker_id,
-                 "left": len(self.attempts)})  # fmt: skip
+        log.info("worker_drained", extra={"worker_id": self.worker_id, "left": len(self.attempts)})
 
     async def stop(self) -> None:
         """Stop running attempts at once and give each back (``release``, bounded by

@@ -98,9 +98,15 @@ class Leases:
         attempt.progress_dirty = True
         task = attempt.task
         self.engine.publish_progress(
-            ProgressEvent(task.id, task.tenant, str(Status.GENERATING), progress.stage,
-                          _progress_json(progress), preview)
-        )  # fmt: skip
+            ProgressEvent(
+                task.id,
+                task.tenant,
+                str(Status.GENERATING),
+                progress.stage,
+                _progress_json(progress),
+                preview,
+            )
+        )
         if self.engine.now() - attempt.progress_saved_at >= PROGRESS_PERSIST_S:
             attempt.progress_saved_at = self.engine.now()
             await self.beat(attempt, with_progress=True)
@@ -125,8 +131,11 @@ class Leases:
         if state_timeout is not None:
             changes["state_deadline_at"] = self.engine.now() + state_timeout
         if attempt.progress_dirty and attempt.progress is not None and event is Event.GENERATED:
-            changes.update(stage=attempt.progress.stage, progress_step=attempt.progress.step,
-                           progress_total=attempt.progress.total)  # fmt: skip
+            changes.update(
+                stage=attempt.progress.stage,
+                progress_step=attempt.progress.step,
+                progress_total=attempt.progress.total,
+            )
         delay = STORE_RETRY_S[0]
         while True:
             try:
@@ -151,8 +160,10 @@ class Leases:
                         f"could not record {event} for {attempt.task.id} before its lease"
                         f" ran out: {exc.message}"
                     ) from exc
-                log.warning("transition_retry", extra={**ids(attempt),
-                            "event": str(event), "error": exc.message})  # fmt: skip
+                log.warning(
+                    "transition_retry",
+                    extra={**ids(attempt), "event": str(event), "error": exc.message},
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, STORE_RETRY_S[1])
 
@@ -168,12 +179,22 @@ class Leases:
     ) -> None:
         """One try of the write. Cancelled (a cancel request, a shutdown) while the write
         is in flight, it lets the write land, so the attempt knows the status it left."""
-        write = asyncio.ensure_future(self.engine.apply(
-            attempt.task, event, target, fields=changes, fenced=True,
-            retry_error=retry_error, retry_after_s=retry_after_s, bump_epoch=bump_epoch,
-            loading_s=attempt.loading_s, pool=attempt.pools,
-            share=attempt.share, loads=attempt.loads,
-        ))  # fmt: skip
+        write = asyncio.ensure_future(
+            self.engine.apply(
+                attempt.task,
+                event,
+                target,
+                fields=changes,
+                fenced=True,
+                retry_error=retry_error,
+                retry_after_s=retry_after_s,
+                bump_epoch=bump_epoch,
+                loading_s=attempt.loading_s,
+                pool=attempt.pools,
+                share=attempt.share,
+                loads=attempt.loads,
+            )
+        )
         try:
             attempt.task = await asyncio.shield(write)
         except asyncio.CancelledError:

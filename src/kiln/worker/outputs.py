@@ -39,15 +39,23 @@ async def store_outputs(
     prefix = attempt.task.result_prefix
     assert prefix is not None
     files = [
-        (StoredOutput(name=output.name, key=f"{prefix}/{output.name}",
-                      content_type=output.content_type, size=len(output.data),
-                      sha256=sha256_hex(output.data)), output.data)
+        (
+            StoredOutput(
+                name=output.name,
+                key=f"{prefix}/{output.name}",
+                content_type=output.content_type,
+                size=len(output.data),
+                sha256=sha256_hex(output.data),
+            ),
+            output.data,
+        )
         for output in produced
-    ]  # fmt: skip
+    ]
     failed = await upload(storage, prefix, files, flagged=flagged)
     if failed is not None:
-        raise Retryable(f"output {failed.name} did not verify in storage",
-                        code="storage_verify_failed")  # fmt: skip
+        raise Retryable(
+            f"output {failed.name} did not verify in storage", code="storage_verify_failed"
+        )
     return [record for record, _ in files]
 
 

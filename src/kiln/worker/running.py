@@ -275,8 +275,9 @@ class Runner:
         now = self.engine.now()
         attempt.loads.append((model, now - seconds, now))
         self.model_loads.record(model, seconds)
-        log.info("model_loaded", extra={**ids(attempt), "model": model,
-                 "duration_s": round(seconds, 3)})  # fmt: skip
+        log.info(
+            "model_loaded", extra={**ids(attempt), "model": model, "duration_s": round(seconds, 3)}
+        )
 
     @staticmethod
     def asked_to_yield(attempt: Attempt) -> bool:

@@ -120,19 +120,25 @@ class Worker:
     def presence(self) -> WorkerRecord:
         """What this worker says of itself in the worker registry (``kiln workers``)."""
         return replace(
-            self._identity, running=len(self.attempts),
+            self._identity,
+            running=len(self.attempts),
             models=models_loaded(self.engine.kinds[k] for k in self.kinds),
-        )  # fmt: skip
+        )
 
     async def run(self) -> None:
         """Claim and run tasks until :meth:`drain` ends or the call is cancelled; either
         way the running attempts are given back, not counted (see :mod:`kiln.worker`)."""
         idle_s = self.idle_poll_s[0]
         self.engine.cancel_listeners.append(self._cancel_requested)
-        present = asyncio.create_task(keep_present(
-            self.engine.store, self.presence, interval_s=self.leases.beat_interval_s,
-            ttl_s=self.lease_ttl_s, peers=self.peers_seen if self.routed else None,
-        ))  # fmt: skip
+        present = asyncio.create_task(
+            keep_present(
+                self.engine.store,
+                self.presence,
+                interval_s=self.leases.beat_interval_s,
+                ttl_s=self.lease_ttl_s,
+                peers=self.peers_seen if self.routed else None,
+            )
+        )
         try:
             while not self._stopped():
                 free = self.concurrency - self._busy()
@@ -159,11 +165,15 @@ class Worker:
         try:
             kinds, probes = await self.breakers.claimable(self.kinds)
             kinds, limit = self.slots.room(kinds, free, self.attempts.values())
-            claimed = await self.engine.claim(
-                worker_id=self.worker_id, kinds=kinds, limit=limit,
-                lease_ttl_s=self.lease_ttl_s, acquire=self._acquiring(kinds),
-                route=self.route(),
-            ) if kinds else []  # fmt: skip
+            if kinds:
+                claimed = await self.engine.claim(
+                    worker_id=self.worker_id,
+                    kinds=kinds,
+                    limit=limit,
+                    lease_ttl_s=self.lease_ttl_s,
+                    acquire=self._acquiring(kinds),
+                    route=self.route(),
+                )
             self.batches.start_all(claimed)  # committed: run them, whatever follows
             probes, room = self.slots.room(probes, free - len(claimed), self.attempts.values())
             found = await self._claim_probes(probes, room)
@@ -203,11 +213,13 @@ class Worker:
         """The kinds a claim acquires at once (one write, the wait recorded as zero):
         they take no resource and their breakers are closed."""
         return [
-            kind for kind in kinds
+            kind
+            for kind in kinds
             if not any(n > 0 for n in self.needs[kind].values())
-            and self.engine.kinds[kind].amounts is None and self.engine.kinds[kind].batch is None
+            and self.engine.kinds[kind].amounts is None
+            and self.engine.kinds[kind].batch is None
             and self.breakers.closed(kind)
-        ]  # fmt: skip
+        ]
 
     async def _claim_probes(self, kinds: list[str], free: int) -> list[Task]:
         """One task of each ``pause`` kind whose open breakers' half-open probe this
@@ -216,10 +228,14 @@ class Worker:
         left = list(kinds)
         try:
             while left:
-                found = await self.engine.claim(
-                    worker_id=self.worker_id, kinds=[left[0]], limit=1,
-                    lease_ttl_s=self.lease_ttl_s,
-                ) if len(claimed) < free else []  # fmt: skip
+                found: list[Task] = []
+                if len(claimed) < free:
+                    found = await self.engine.claim(
+                        worker_id=self.worker_id,
+                        kinds=[left[0]],
+                        limit=1,
+                        lease_ttl_s=self.lease_ttl_s,
+                    )
                 self.breakers.probing(left.pop(0), found[0].id if found else None)
                 for task in found:
                     log.info("breaker_probe_claimed", extra={"task_id": task.id})

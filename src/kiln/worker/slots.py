@@ -130,17 +130,23 @@ class Slots:
                         task.id, task.epoch, needs, capacities, in_line=in_line
                     )
                 except StoreUnavailable as exc:  # keep the place; the lease decides how long
-                    log.warning("pool_acquire_failed", extra={**ids(attempt),
-                                "error": exc.message})  # fmt: skip
+                    log.warning("pool_acquire_failed", extra={**ids(attempt), "error": exc.message})
                     wait = attempt.pool_wait
                 else:
                     if wait is None:
                         attempt.pool_wait = None
                         return
                     if wait != attempt.pool_wait:
-                        log.info("pool_wait", extra={**ids(attempt), "pool": wait.pool,
-                                 "position": wait.position, "held": wait.held,
-                                 "capacity": wait.capacity})  # fmt: skip
+                        log.info(
+                            "pool_wait",
+                            extra={
+                                **ids(attempt),
+                                "pool": wait.pool,
+                                "position": wait.position,
+                                "held": wait.held,
+                                "capacity": wait.capacity,
+                            },
+                        )
                     attempt.pool_wait = wait
                 ceiling = POOL_HEAD_POLL_S if wait and wait.position == 1 else POOL_POLL_S[1]
                 delay = min(delay, ceiling)

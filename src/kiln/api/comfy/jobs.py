@@ -97,9 +97,14 @@ async def submit_job(request: Request, principal: Caller, key: IdempotencyKey = 
     }
     records = [record.input_record(name) for name, record in sorted(resolved.records.items())]
     asked = state.app.submission(
-        KIND, params, tenant=principal.tenant, idempotency_key=key, inputs=records,
-        metadata=_labels(body.get("metadata")), dedup=bool(body.get("dedup", False)),
-    )  # fmt: skip
+        KIND,
+        params,
+        tenant=principal.tenant,
+        idempotency_key=key,
+        inputs=records,
+        metadata=_labels(body.get("metadata")),
+        dedup=bool(body.get("dedup", False)),
+    )
     await state.app.admit(asked)
     # The assets' bytes stay when the submission is refused: they are the tenant's assets.
     async with state.app.holding(asked, await _files(request, resolved), drop=False) as full:
