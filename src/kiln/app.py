@@ -1,7 +1,7 @@
-"""App: kiln as a library. The task-kind registry and submission, on top of an
-:class:`~kiln.engine.Engine` that holds the wiring and the policy; the App's other groups
-live beside it: the engine's parts and lifecycle (:mod:`kiln.app_engine`), the task reads
-(:mod:`kiln.app_reads`), the user actions (:mod:`kiln.app_actions`), the streams
+"""App: kiln as a library. Submission, on top of an :class:`~kiln.engine.Engine` that holds
+the wiring and the policy; the App's other groups live beside it: the task-kind registry
+(:mod:`kiln.app_kinds`), the engine's parts and lifecycle (:mod:`kiln.app_engine`), the
+task reads (:mod:`kiln.app_reads`), the user actions (:mod:`kiln.app_actions`), the streams
 (:mod:`kiln.app_streams`), the schedules and what an operator reads (:mod:`kiln.app_parts`).
 
 Every status change goes through :meth:`Engine.apply <kiln.engine.Engine.apply>`, which
@@ -19,11 +19,10 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import pydantic
-
-from kiln import bulk_actions, pipelines, transform
+from kiln import bulk_actions, pipelines
 from kiln.app_actions import Actions, rerun_request
 from kiln.app_engine import EngineParts
+from kiln.app_kinds import KindRegistry
 from kiln.app_parts import Operations, Schedules
 from kiln.app_reads import CURSOR_PATTERN, TaskReads
 from kiln.app_streams import Streams
@@ -45,10 +44,8 @@ from kiln.kinds import (
     ReviewCheck,
     TaskKind,
     call_review,
-    find_kind,
 )
 from kiln.models import JSON, SubmitResult, Task, Timeouts
-from kiln.retry import RetryPolicy
 from kiln.states import Event, Status
 from kiln.storage import Storage
 from kiln.store import LeaderToken, Store
@@ -85,7 +82,7 @@ __all__ = [
 log = logging.getLogger("kiln")
 
 
-class App(EngineParts, TaskReads):
+class App(KindRegistry, EngineParts, TaskReads):
     """kiln as a library: ``app = kiln.App(database=..., storage=...)``.
 
     Register kinds with :meth:`task`, then ``async with app:`` to open the store, and
@@ -116,57 +113,6 @@ class App(EngineParts, TaskReads):
         self._breakers: Breakers | None = None
         self._actions = Actions(self.engine)
         self._streams = Streams(self.engine)
-
-    # registry
-
-    def task(
-        self,
-        name: str,
-        *,
-        params: type[pydantic.BaseModel] | None = None,
-        resources: dict[str, int] | None = None,
-        timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
-        review: ReviewCheck | None = None,
-        normalize: Callable[[JSON], JSON] | None = None,
-        inputs: Sequence[str] = (),
-        check: InputCheck | None = None,
-        model: str | ModelOf | None = None,
-        amounts: AmountsOf | None = None,
-        batch: BatchPolicy | None = None,
-    ) -> Callable[[Handler], Handler]:
-        """Register ``handler(ctx, params)`` for tasks of kind ``name``.
-
-        ``inputs`` names the files a task of this kind is submitted with; ``check`` refuses
-        params that do not fit them (see :meth:`TaskKind.check_inputs`). ``model`` says
-        which model a task needs: the name of a string param, or a function of the
-        validated params (warm-model routing, docs/scheduling.md). ``amounts`` says how
-        much of each pool a task takes, from its params (memory admission), over
-        ``resources``. ``batch`` runs the kind's tasks in batches: the handler then takes
-        lists, ``handler(ctxs, params)`` (:class:`BatchPolicy`).
-        """
-
-        def register(handler: Handler) -> Handler:
-            if name in self.kinds:
-                raise ValueError(f"task kind {name!r} is already registered")
-            options = (timeouts, retry, review, normalize, tuple(inputs), check, model)
-            kind = TaskKind(name, handler, params, dict(resources or {}), *options, amounts, batch)
-            self.kinds[name] = kind
-            return handler
-
-        return register
-
-    def kind(self, name: str) -> TaskKind:
-        """The registered kind ``name``, or UnknownKind. ``pipeline`` is kiln's own
-        (docs/pipelines.md): its params are checked step by step, no worker serves it."""
-        if name == pipelines.KIND:
-            return TaskKind(name, _no_handler, pipelines.Shape, normalize=self._plan_pipeline)
-        return find_kind(self.kinds, name)
-
-    def _plan_pipeline(self, params: JSON) -> JSON:
-        limit = self.settings.max_image_pixels
-        fits = functools.partial(transform.check_sheet_size, max_pixels=limit)
-        return pipelines.plan(params, self.kind, transform.outputs_of, fits)
 
     @property
     def breakers(self) -> Breakers:
@@ -479,10 +425,6 @@ class App(EngineParts, TaskReads):
         return Supervisor(
             self.engine, interval_s=interval_s, owner=owner, batch=batch, leader_ttl_s=leader_ttl_s
         )
-
-
-async def _no_handler(ctx: Any, params: Any) -> None:
-    raise AssertionError("a pipeline is never claimed")
 
 
 @contextlib.asynccontextmanager
