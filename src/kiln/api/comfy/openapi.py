@@ -50,6 +50,17 @@ def _object(required: dict[str, Schema], optional: dict[str, Schema] | None = No
 
 def _schemas() -> dict[str, Schema]:
     return {
+        **_job_part_schemas(),
+        **_job_schemas(),
+        "Asset": _asset(),
+        **_request_schemas(),
+        **_error_schemas(),
+    }
+
+
+def _job_part_schemas() -> dict[str, Schema]:
+    """A job's status, progress, error and links."""
+    return {
         "JobStatus": {"type": "string", "enum": list(shapes.STATUSES)},
         "Progress": _object(
             {"value": {"type": "number"}, "nodes_done": INTEGER, "nodes_total": INTEGER},
@@ -66,6 +77,12 @@ def _schemas() -> dict[str, Schema]:
             {"node_id": _null(STRING), "class_type": _null(STRING), "traceback": _null(STRING)},
         ),
         "JobUrls": _object({"self": URL, "events": URL, "cancel": URL}),
+    }
+
+
+def _job_schemas() -> dict[str, Schema]:
+    """A job's outputs, the job, and a page of jobs."""
+    return {
         "Output": _object(
             {
                 "node_id": STRING,
@@ -84,25 +101,34 @@ def _schemas() -> dict[str, Schema]:
         "JobList": _object(
             {"jobs": {"type": "array", "items": _ref("Job")}}, {"next_cursor": STRING}
         ),
-        "Asset": _object(
-            {
-                "id": STRING,
-                "hash": HASH,
-                "size_bytes": INTEGER,
-                "content_type": STRING,
-                "created_at": TIME,
-                "url": URL,
-                "url_expires_at": TIME,
-            },
-            {
-                "file_path": STRING,
-                "created_new": {"type": "boolean"},
-                "expires_at": _null(TIME),
-                "job_id": STRING,
-                "sha256": SHA256,
-                "tags": {"type": "array", "items": STRING},
-            },
-        ),
+    }
+
+
+def _asset() -> Schema:
+    return _object(
+        {
+            "id": STRING,
+            "hash": HASH,
+            "size_bytes": INTEGER,
+            "content_type": STRING,
+            "created_at": TIME,
+            "url": URL,
+            "url_expires_at": TIME,
+        },
+        {
+            "file_path": STRING,
+            "created_new": {"type": "boolean"},
+            "expires_at": _null(TIME),
+            "job_id": STRING,
+            "sha256": SHA256,
+            "tags": {"type": "array", "items": STRING},
+        },
+    )
+
+
+def _request_schemas() -> dict[str, Schema]:
+    """A job's workflow, the bodies a client sends, and the health answer."""
+    return {
         "JobWorkflowResponse": _object(
             {"workflow": {"type": "object"}, "format": {"type": "string", "enum": ["api"]}}
         ),
@@ -115,6 +141,11 @@ def _schemas() -> dict[str, Schema]:
             {"file_path": STRING, "tags": {"type": "array", "items": STRING}},
         ),
         "Health": _object({"status": {"type": "string", "enum": ["healthy"]}}),
+    }
+
+
+def _error_schemas() -> dict[str, Schema]:
+    return {
         "Error": _object(
             {"code": STRING, "message": STRING}, {"details": _null({"type": "object"})}
         ),
