@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -78,8 +77,6 @@ __all__ = [
     "call_review",
     "running",
 ]
-
-log = logging.getLogger("kiln")
 
 
 class App(KindRegistry, EngineParts, TaskReads):
