@@ -121,9 +121,7 @@ async def submit_batch(request: Request, principal: tasks.Caller) -> Response:
                 }
             ],
         )
-    if not tasks._is_json(tasks.media_type(request)):
-        raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
-    raw = await tasks.read_body(request, state.settings.max_body_bytes)
+    raw = await tasks.json_bytes(request, state.settings.max_body_bytes)
     # The CPU a batch takes (parsing and checking up to 1,000 items, rendering the answer)
     # runs in a thread, so that the loop serves other requests meanwhile.
     answers, accepted = await asyncio.to_thread(check_batch, state, principal, raw)

@@ -106,10 +106,15 @@ def body_too_large(limit: int) -> PayloadTooLarge:
     )
 
 
-async def json_body(request: Request, limit: int) -> Any:
+async def json_bytes(request: Request, limit: int) -> bytes:
+    """A JSON request's body as sent (UnsupportedMediaType for another media type)."""
     if not _is_json(media_type(request)):
         raise UnsupportedMediaType("send the body as JSON, with Content-Type: application/json")
-    return parse_json(await read_body(request, limit))
+    return await read_body(request, limit)
+
+
+async def json_body(request: Request, limit: int) -> Any:
+    return parse_json(await json_bytes(request, limit))
 
 
 def validated(model: type[Model], data: Any, where: str = "body") -> Model:

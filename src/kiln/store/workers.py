@@ -10,7 +10,7 @@ later. A worker that stops cleanly deletes its row.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kiln.models import iso
 from kiln.store.rows import dumps
@@ -81,19 +81,8 @@ class WorkerOps(Ops):
         """Register ``worker`` or renew its row (listed for ``ttl_s`` from now); the rows
         of workers gone long ago are deleted on the way."""
         now = self.clock()
-        seen = WorkerRecord(
-            id=worker.id,
-            host=worker.host,
-            pid=worker.pid,
-            version=worker.version,
-            kinds=worker.kinds,
-            slots=worker.slots,
-            running=worker.running,
-            resources=worker.resources,
-            models=worker.models,
-            started_at=worker.started_at or now,
-            seen_at=now,
-            expires_at=now + ttl_s,
+        seen = replace(
+            worker, started_at=worker.started_at or now, seen_at=now, expires_at=now + ttl_s
         )
         args = (
             seen.id,
