@@ -166,7 +166,13 @@ async def test_a_worker_killed_in_the_middle_of_a_batch_loses_and_repeats_nothin
         workers.start_supervisor()
         # When it is SIGKILLed while a batch generates
         await wait_for_status(app.store, ids[0], Status.GENERATING, timeout_s=30)
-        generating = [t for t in ids if (await app.get(t)).status is Status.GENERATING]
+        # (the batch's members reach GENERATING in one claim, but the read may come between
+        # their writes: read until the batch shows, within a deadline)
+        deadline = asyncio.get_running_loop().time() + 10
+        generating: list[str] = []
+        while len(generating) < 2 and asyncio.get_running_loop().time() < deadline:
+            generating = [t for t in ids if (await app.get(t)).status is Status.GENERATING]
+            await asyncio.sleep(0.01)
         workers.kill(victim)
         # And another worker takes over
         workers.start("--concurrency", "1")
