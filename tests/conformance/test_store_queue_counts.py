@@ -27,7 +27,7 @@ from .backends import Backend, Row
 from .factories import KIND, SettableClock, make_new_task, step_change
 from .queue_counts import assert_kept_counts_agree
 
-LONG = 2 * FIRST_LIMIT + 90  # a level longer than two first counts
+LONG = 600  # a level longer than twice the first count, and than the second
 
 
 async def submit_all(store: Store, news: Sequence[Any]) -> list[Task]:
@@ -219,3 +219,18 @@ async def test_a_position_is_read_from_the_kept_counts_not_counted_over_the_line
     assert await store.queue_position(new) == 56
     backend.execute(store, "UPDATE queue_counts SET n = n - 5 WHERE priority = 1")
     assert await store.queue_position(new) == 51
+
+
+async def test_a_task_and_its_position_are_read_together(
+    store: Store, clock: SettableClock
+) -> None:
+    # Given queued tasks of two priorities, and one claimed
+    tasks = await submit_all(store, [make_new_task({"n": i}, priority=i % 2) for i in range(6)])
+    (claimed,) = await store.claim(worker_id="w", kinds=[KIND], limit=1, lease_ttl_s=30)
+    # Then each read gives the task as it is now and the position queue_position gives
+    for task in tasks:
+        found, position = await store.read_standing(task.id)
+        assert found is not None and found.status == (await store.get(task.id)).status
+        assert position == await store.queue_position(found)
+        assert (position is None) == (task.id == claimed.id)
+    assert await store.read_standing("tsk_none") == (None, None)

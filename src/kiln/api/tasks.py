@@ -134,8 +134,17 @@ def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
 # Answers --------------------------------------------------------------------------------
 
 
-async def standing(state: ApiState, task: Task) -> Standing:
-    position = await state.app.queue_position(task)
+class Unread:
+    """A queue position not read yet."""
+
+
+UNREAD = Unread()
+
+
+async def standing(state: ApiState, task: Task, position: int | Unread | None = UNREAD) -> Standing:
+    """Where the task stands; ``position`` when it was read with the task."""
+    if isinstance(position, Unread):
+        position = await state.app.queue_position(task)
     steps = await state.app.pipeline_steps(task) if task.kind == pipelines.KIND else None
     return Standing(task, position, await state.app.pool_wait(task), steps)
 
@@ -333,7 +342,8 @@ async def submit_task(
 )
 async def get_task(task_id: str, request: Request, principal: Caller) -> Response:
     state = api_state(request)
-    return await task_response(state, await state.app.get(task_id, principal.scope))
+    task, position = await state.app.standing(task_id, principal.scope)  # one store read
+    return standing_response(await standing(state, task, position))
 
 
 @router.get(

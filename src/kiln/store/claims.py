@@ -444,9 +444,25 @@ class ClaimOps(Ops):
         turns, an estimate from the task's place in its tenant's line), while it is ready."""
 
         now = self.clock()
-        if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
+        if not _queued_and_due(task, now):
             return None
         return await self._read(lambda tx: self._position(tx, task, policy, now))
+
+    async def read_standing(
+        self, task_id: str, policy: ClaimPolicy | None = None
+    ) -> tuple[Task | None, int | None]:
+        """The task and its :meth:`queue_position`, in one read (a GET's one round trip)."""
+
+        async def read(tx: Tx) -> tuple[Task | None, int | None]:
+            row = await tx.one(self.q.get_task, (task_id,))
+            if row is None:
+                return None, None
+            task, now = task_from_row(row), self.clock()
+            if not _queued_and_due(task, now):
+                return task, None
+            return task, await self._position(tx, task, policy, now)
+
+        return await self._read(read)
 
     async def queue_positions(
         self, tasks: Sequence[Task], policy: ClaimPolicy | None = None
@@ -457,7 +473,7 @@ class ClaimOps(Ops):
         the level's first one and one pass over the level from it to its last; under aging
         or fair turns, task by task."""
         now = self.clock()
-        ready = [t for t in tasks if t.status in CLAIMABLE and t.ready_at <= now < t.deadline_at]
+        ready = [t for t in tasks if _queued_and_due(t, now)]
         if not ready:
             return {}
         if policy is not None and (policy.fair or policy.aging_s is not None):
@@ -491,6 +507,10 @@ class ClaimOps(Ops):
         others = [r[0] for r in await tx.all(self.q.ready_tenants) if r[0] != task.tenant]
         depths = [await places.depth(task.kind, other) for other in others]
         return fair_position(own, depths)
+
+
+def _queued_and_due(task: Task, now: float) -> bool:
+    return task.status in CLAIMABLE and task.ready_at <= now < task.deadline_at
 
 
 async def _each(

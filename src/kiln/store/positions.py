@@ -33,7 +33,7 @@ from kiln.store.tx import Tx
 BELOW_ALL = -(2**62)
 #: The first limit of a count from either end of a level; each further try counts 16 times
 #: as far, from the front.
-FIRST_LIMIT = 256
+FIRST_LIMIT = 32
 
 
 def place_args(
