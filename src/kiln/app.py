@@ -20,6 +20,7 @@ from typing import Any
 
 from kiln import bulk_actions, pipelines
 from kiln.app_actions import Actions, rerun_request
+from kiln.app_counts import BatchedCounts
 from kiln.app_engine import EngineParts
 from kiln.app_kinds import KindRegistry
 from kiln.app_parts import Operations, Schedules
@@ -110,6 +111,8 @@ class App(KindRegistry, EngineParts, TaskReads):
         self._breakers: Breakers | None = None
         self._actions = Actions(self.engine)
         self._streams = Streams(self.engine)
+        #: The dedup hits of single-flight copies, written together (a burst's copies).
+        self._dedup_hits = BatchedCounts(self.engine.count_dedup_hits)
 
     @property
     def breakers(self) -> Breakers:
@@ -329,7 +332,7 @@ class App(KindRegistry, EngineParts, TaskReads):
         """The answer to a copy of a submission that an identical concurrent one in this
         process answered (single-flight): what the store would have said, counted as the
         store would have counted it (a replay of the key, or a content-dedup hit)."""
-        await self.engine.count_dedup_hit("idempotency" if replayed else "content")
+        await self._dedup_hits.add("idempotency" if replayed else "content")
         return SubmitResult(
             result.task, created=False, replayed=replayed, deduplicated=not replayed
         )

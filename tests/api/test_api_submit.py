@@ -138,6 +138,29 @@ async def test_concurrent_answers_count_as_dedup_hits_in_the_store(api: ApiUnder
     assert counters.get(("dedup_hits", "content"), 0) == 19
 
 
+async def test_a_bursts_copies_count_their_hits_in_a_few_writes_not_one_each(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every write of the store counted
+    store = api.kiln.store
+    writes: list[object] = []
+    write = store._write
+
+    async def counted(op: Any) -> Any:
+        writes.append(op)
+        return await write(op)
+
+    monkeypatch.setattr(store, "_write", counted)
+    # When 200 identical submissions arrive at once
+    responses = await asyncio.gather(*(api.submit() for _ in range(200)))
+    # Then one task answers them all and each copy is a dedup hit in the store
+    assert {r.json()["id"] for r in responses} == {responses[0].json()["id"]}
+    counters = await store.counters()
+    assert counters[("dedup_hits", "content")] == 199
+    # And the 199 hits took a handful of writes (those in flight together share one)
+    assert len(writes) < 20
+
+
 async def test_single_flight_shares_one_call_among_concurrent_callers() -> None:
     flights: SingleFlight[int] = SingleFlight()
     release = asyncio.Event()
