@@ -314,14 +314,27 @@ async def submit_task(
     state = api_state(request)
     if media_type(request) == "multipart/form-data":
         submitted = await submit_upload(request, state, principal, idempotency_key)
+        return submitted_response(submitted)
+    raw = await json_bytes(request, state.settings.max_body_bytes)
+    return await submit_json(state, principal, raw, idempotency_key)
+
+
+async def submit_json(
+    state: ApiState, principal: Principal, raw: bytes, idempotency_key: str | None
+) -> Response:
+    """A JSON submission's body (as sent) checked, stored and answered: the route's work,
+    also done by :mod:`kiln.api.hot_paths` without the router."""
+    body = validated(SubmitRequest, parse_json(raw))
+    checked = submission(state, principal, body, idempotency_key)
+    if checked.references:  # inputs named by reference (docs/uploads.md)
+        submitted = await submit_with_inputs(state, checked)
     else:
-        body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
-        checked = submission(state, principal, body, idempotency_key)
-        if checked.references:  # inputs named by reference (docs/uploads.md)
-            submitted = await submit_with_inputs(state, checked)
-        else:
-            await state.app.admit(checked)
-            submitted = await submit(state, checked)
+        await state.app.admit(checked)
+        submitted = await submit(state, checked)
+    return submitted_response(submitted)
+
+
+def submitted_response(submitted: Submitted) -> Response:
     status_code, headers = _submit_answer(submitted.result)
     return standing_response(
         submitted.standing,
