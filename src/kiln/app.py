@@ -45,7 +45,7 @@ from kiln.kinds import (
     TaskKind,
     call_review,
 )
-from kiln.models import JSON, SubmitResult, Task, Timeouts
+from kiln.models import JSON, NewTask, SubmitResult, Task, Timeouts
 from kiln.states import Event, Status
 from kiln.storage import Storage
 from kiln.store import LeaderToken, Store
@@ -218,13 +218,20 @@ class App(KindRegistry, EngineParts, TaskReads):
             )
         )
 
-    async def enter(self, submission: Submission) -> SubmitResult:
+    async def enter(self, submission: Submission, new: NewTask | None = None) -> SubmitResult:
         """Store a :class:`Submission` (checked when it was made, not again): the task it
-        creates, or the one an earlier identical request made."""
+        creates, or the one an earlier identical request made. ``new``: its task row when
+        :meth:`task_row` made it already."""
+        if new is None:
+            new = self.task_row(submission)
+        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+
+    def task_row(self, submission: Submission) -> NewTask:
+        """The task row a submission inserts (its id, fingerprint and dedup key), in the
+        trace context of the caller when tracing is on."""
         tracing = self.engine.tracing  # the API's request span, when tracing is on
         trace = tracing.current() if tracing is not None else None
-        new = submission.new_task(self.kind(submission.kind), trace)
-        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+        return submission.new_task(self.kind(submission.kind), trace)
 
     async def admit(self, submission: Submission) -> None:
         """Take the tenant's rate-limit tokens for a submission, one per task it creates

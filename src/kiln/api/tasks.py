@@ -18,7 +18,7 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, pipelines, wire
+from kiln import pipelines, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
@@ -226,15 +226,16 @@ async def submit(state: ApiState, submission: Submission) -> Submitted:
     """Store a submission; identical concurrent requests share one round trip, and the
     reading of where the task stands."""
     app = state.app
+    new = app.task_row(submission)  # its fingerprint is the flight's key: digested once
 
     async def call() -> Submitted:
-        result = await app.enter(submission)
+        result = await app.enter(submission, new)
         return Submitted(result, await standing(state, result.task))
 
     key = submission.idempotency_key
     if key is None and not submission.dedup:
         return await call()
-    flight = (submission.tenant, key, canonical.digest(submission.body()))
+    flight = (submission.tenant, key, new.fingerprint)
     first, led = await state.submissions.run(flight, call)
     if led:
         return first
