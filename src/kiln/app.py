@@ -226,6 +226,21 @@ class App(KindRegistry, EngineParts, TaskReads):
             new = self.task_row(submission)
         return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
 
+    async def dedup_hit(self, new: NewTask) -> tuple[SubmitResult, int | None] | None:
+        """The answer to a submission without an Idempotency-Key whose content a live or
+        successful task holds (a content-dedup hit), with that task's queue position, from
+        one read of the store and a counted hit (written with the hits that come with it);
+        None when no task holds it (:meth:`enter` then inserts or gets it)."""
+        if new.idempotency_key is not None or new.dedup_key is None or new.kind == pipelines.KIND:
+            return None
+        task, position = await self.engine.store.read_dedup(
+            new.tenant, new.dedup_key, self.engine.claim_policy
+        )
+        if task is None:
+            return None
+        await self._dedup_hits.add("content")
+        return SubmitResult(task, created=False, deduplicated=True), position
+
     def task_row(self, submission: Submission) -> NewTask:
         """The task row a submission inserts (its id, fingerprint and dedup key), in the
         trace context of the caller when tracing is on."""

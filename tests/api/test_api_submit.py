@@ -388,3 +388,32 @@ async def test_a_task_shows_the_model_it_needs(api: ApiUnderTest) -> None:
     plain = (await api.submit(image_body("a plain fox"))).json()
     assert named["model"] == "sdxl-base" and named["params"]["model"] == "sdxl-base"
     assert plain["model"] is None and "model" not in plain["params"]
+
+
+async def test_a_content_dedup_hit_is_read_not_inserted(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task, and every insert-or-get of the store counted from now on
+    first = await api.submit(image_body("a held fox"))
+    store = api.kiln.store
+    inserts: list[object] = []
+    submit = store.submit
+
+    async def counted(new: Any) -> Any:
+        inserts.append(new)
+        return await submit(new)
+
+    monkeypatch.setattr(store, "submit", counted)
+    # When the same content comes again, one request after another
+    again = [await api.submit(image_body("a held fox")) for _ in range(3)]
+    # Then each is answered with the task, its position and the dedup flag, from a read
+    for hit in again:
+        assert hit.status_code == 200
+        assert hit.json() == {**first.json(), "deduplicated": True}
+    assert inserts == []
+    counters = await store.counters()
+    assert counters[("dedup_hits", "content")] == 3
+    # While new content is still inserted, and a key still goes through the store
+    await api.submit(image_body("a new fox"))
+    await api.submit(image_body("a held fox"), headers={"Idempotency-Key": "k-1"})
+    assert len(inserts) == 2

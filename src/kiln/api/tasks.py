@@ -229,6 +229,9 @@ async def submit(state: ApiState, submission: Submission) -> Submitted:
     new = app.task_row(submission)  # its fingerprint is the flight's key: digested once
 
     async def call() -> Submitted:
+        hit = await app.dedup_hit(new)  # a content-dedup hit: one read, no insert
+        if hit is not None:
+            return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
         result = await app.enter(submission, new)
         return Submitted(result, await standing(state, result.task))
 

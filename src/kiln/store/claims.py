@@ -453,16 +453,26 @@ class ClaimOps(Ops):
     ) -> tuple[Task | None, int | None]:
         """The task and its :meth:`queue_position`, in one read (a GET's one round trip)."""
 
-        async def read(tx: Tx) -> tuple[Task | None, int | None]:
-            row = await tx.one(self.q.get_task, (task_id,))
-            if row is None:
-                return None, None
-            task, now = task_from_row(row), self.clock()
-            if not _queued_and_due(task, now):
-                return task, None
-            return task, await self._position(tx, task, policy, now)
+        return await self._read(lambda tx: self._standing(tx, self.q.get_task, (task_id,), policy))
 
-        return await self._read(read)
+    async def read_dedup(
+        self, tenant: str, dedup_key: str, policy: ClaimPolicy | None = None
+    ) -> tuple[Task | None, int | None]:
+        """The live or successful task holding a dedup key, and its :meth:`queue_position`,
+        in one read: what a submission of that content is answered with (no write)."""
+        args = (tenant, dedup_key)
+        return await self._read(lambda tx: self._standing(tx, self.q.dedup_lookup, args, policy))
+
+    async def _standing(
+        self, tx: Tx, sql: str, args: tuple[str, ...], policy: ClaimPolicy | None
+    ) -> tuple[Task | None, int | None]:
+        row = await tx.one(sql, args)
+        if row is None:
+            return None, None
+        task, now = task_from_row(row), self.clock()
+        if not _queued_and_due(task, now):
+            return task, None
+        return task, await self._position(tx, task, policy, now)
 
     async def queue_positions(
         self, tasks: Sequence[Task], policy: ClaimPolicy | None = None
