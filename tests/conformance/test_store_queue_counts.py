@@ -234,3 +234,19 @@ async def test_a_task_and_its_position_are_read_together(
         assert position == await store.queue_position(found)
         assert (position is None) == (task.id == claimed.id)
     assert await store.read_standing("tsk_none") == (None, None)
+
+
+async def test_the_task_holding_a_content_is_read_with_its_position(
+    store: Store, engine: Any
+) -> None:
+    # Given two queued tasks, the second holding some content
+    await submit_all(store, [make_new_task({"n": "before"})])
+    (held,) = await submit_all(store, [make_new_task({"n": "held"})])
+    assert held.dedup_key is not None
+    # Then a read of that content finds the task and its position
+    found, position = await store.read_dedup(held.tenant, held.dedup_key)
+    assert found is not None and found.id == held.id and position == 2
+    assert await store.read_dedup("another-tenant", held.dedup_key) == (None, None)
+    # And once the task is cancelled, nothing holds the content any more
+    await engine.cancel(held.id)
+    assert await store.read_dedup(held.tenant, held.dedup_key) == (None, None)
