@@ -18,24 +18,12 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def digest(value: Any, texts: dict[str, str] | None = None) -> str:
-    """The sha256 of ``value``'s canonical JSON; ``texts``: the canonical JSON of some of
-    the top-level values of a dict ``value``, made once by the caller (the same bytes)."""
-    text = canonical_json(value) if texts is None else _with_texts(value, texts)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _with_texts(value: dict[str, Any], texts: dict[str, str]) -> str:
-    """``canonical_json(value)``, taking the text of the keys in ``texts`` as given."""
-    parts = [
-        f"{canonical_json(key)}:{texts[key] if key in texts else canonical_json(value[key])}"
-        for key in sorted(value)
-    ]
-    return "{" + ",".join(parts) + "}"
+def digest(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
 def request_fingerprints(
-    body: dict[str, Any], *, older: bool = True, texts: dict[str, str] | None = None
+    body: dict[str, Any], *, older: bool = True
 ) -> tuple[str, tuple[str, ...]]:
     """The ``Idempotency-Key`` fingerprint of a submission's ``body`` (``deadline_s`` and
     ``timeouts`` in it), and the older fingerprints that still match it.
@@ -46,12 +34,12 @@ def request_fingerprints(
     ``deadline_s`` left out was the integer 86400, one given a float (timeouts were
     floats either way). The body as given and with a whole ``deadline_s`` as an integer
     are those older forms (computed only with ``older``: a request without a key needs
-    none). ``texts``: as :func:`digest` takes them (the params' text, made once)."""
+    none)."""
     deadline_s, timeouts = body["deadline_s"], [float(t) for t in body["timeouts"]]
-    main = digest({**body, "deadline_s": float(deadline_s), "timeouts": timeouts}, texts)
+    main = digest({**body, "deadline_s": float(deadline_s), "timeouts": timeouts})
     if not older:
         return main, ()
-    found = [digest(body, texts), digest({**body, "deadline_s": _whole(deadline_s)}, texts)]
+    found = [digest(body), digest({**body, "deadline_s": _whole(deadline_s)})]
     return main, tuple(dict.fromkeys(d for d in found if d != main))
 
 
@@ -59,13 +47,9 @@ def _whole(value: float) -> float | int:
     return int(value) if float(value).is_integer() else value
 
 
-def dedup_key(
-    kind: str, params: dict[str, Any], input_hashes: list[str], params_text: str | None = None
-) -> str:
-    """Same kind, same canonical params and same input bytes: same work. ``params_text``:
-    ``canonical_json(params)`` when the caller made it already."""
-    value = {"kind": kind, "params": params, "inputs": sorted(input_hashes)}
-    return digest(value, None if params_text is None else {"params": params_text})
+def dedup_key(kind: str, params: dict[str, Any], input_hashes: list[str]) -> str:
+    """Same kind, same canonical params and same input bytes: same work."""
+    return digest({"kind": kind, "params": params, "inputs": sorted(input_hashes)})
 
 
 class _IdClock:

@@ -111,11 +111,10 @@ class Submission:
         if self.due_at is not None and self.due_at > self.made_at:
             # A delayed task shares content only with one of the same content and moment.
             contents = [*contents, f"run_at:{round(self.due_at * 1000)}"]
-        clean = self.params
-        params_text = canonical.canonical_json(clean)  # once, for both digests
         fingerprint, older = canonical.request_fingerprints(
-            self.body(), older=bool(self.idempotency_key), texts={"params": params_text}
+            self.body(), older=bool(self.idempotency_key)
         )
+        clean = self.params
         return NewTask(
             id=canonical.new_task_id(),
             tenant=self.tenant,
@@ -124,9 +123,7 @@ class Submission:
             fingerprint=fingerprint,
             older_fingerprints=older,
             idempotency_key=self.idempotency_key,
-            dedup_key=(
-                canonical.dedup_key(self.kind, clean, contents, params_text) if self.dedup else None
-            ),
+            dedup_key=canonical.dedup_key(self.kind, clean, contents) if self.dedup else None,
             priority=self.priority,
             max_attempts=self.max_attempts,
             deadline_s=self.deadline_s,

@@ -18,6 +18,7 @@ from api_support import (
     running_api,
 )
 
+from kiln import canonical
 from kiln.api.schemas import TaskOut
 from kiln.api.singleflight import SingleFlight
 from kiln.config import Settings
@@ -417,3 +418,23 @@ async def test_a_content_dedup_hit_is_read_not_inserted(
     await api.submit(image_body("a new fox"))
     await api.submit(image_body("a held fox"), headers={"Idempotency-Key": "k-1"})
     assert len(inserts) == 2
+
+
+async def test_a_new_submission_is_digested_once_per_stored_key(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every canonical text counted
+    made: list[Any] = []
+    canonical_json = canonical.canonical_json
+
+    def counted(value: Any) -> str:
+        made.append(value)
+        return canonical_json(value)
+
+    monkeypatch.setattr(canonical, "canonical_json", counted)
+    # When a new task is submitted with content dedup on
+    answer = await api.submit(image_body("digested"))
+    # Then its params went into two texts: the fingerprint's body and the dedup key's
+    # (the single-flight key is the fingerprint, not a third digest)
+    assert answer.status_code == 201
+    assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 2
