@@ -226,27 +226,31 @@ class App(KindRegistry, EngineParts, TaskReads):
             new = self.task_row(submission)
         return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
 
-    async def dedup_hit(self, new: NewTask) -> tuple[SubmitResult, int | None] | None:
-        """The answer to a submission without an Idempotency-Key whose content a live or
-        successful task holds (a content-dedup hit), with that task's queue position, from
-        one read of the store and a counted hit (written with the hits that come with it);
-        None when no task holds it (:meth:`enter` then inserts or gets it)."""
-        if new.idempotency_key is not None or new.dedup_key is None or new.kind == pipelines.KIND:
+    async def dedup_hit(
+        self, submission: Submission, content: str
+    ) -> tuple[SubmitResult, int | None] | None:
+        """The answer to a submission without an Idempotency-Key whose content (``content``:
+        its :meth:`~kiln.submission.Submission.content_key`) a live or successful task
+        holds (a content-dedup hit), with that task's queue position, from one read of
+        the store and a counted hit (written with the hits that come with it); None when
+        no task holds it (:meth:`enter` then inserts or gets it)."""
+        if submission.idempotency_key is not None or submission.kind == pipelines.KIND:
             return None
         task, position = await self.engine.store.read_dedup(
-            new.tenant, new.dedup_key, self.engine.claim_policy
+            submission.tenant, content, self.engine.claim_policy
         )
         if task is None:
             return None
         await self._dedup_hits.add("content")
         return SubmitResult(task, created=False, deduplicated=True), position
 
-    def task_row(self, submission: Submission) -> NewTask:
+    def task_row(self, submission: Submission, content_key: str | None = None) -> NewTask:
         """The task row a submission inserts (its id, fingerprint and dedup key), in the
-        trace context of the caller when tracing is on."""
+        trace context of the caller when tracing is on; ``content_key``: its dedup key
+        when the caller made it already."""
         tracing = self.engine.tracing  # the API's request span, when tracing is on
         trace = tracing.current() if tracing is not None else None
-        return submission.new_task(self.kind(submission.kind), trace)
+        return submission.new_task(self.kind(submission.kind), trace, content_key)
 
     async def admit(self, submission: Submission) -> None:
         """Take the tenant's rate-limit tokens for a submission, one per task it creates

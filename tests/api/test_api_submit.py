@@ -435,6 +435,11 @@ async def test_a_new_submission_is_digested_once_per_stored_key(
     # When a new task is submitted with content dedup on
     answer = await api.submit(image_body("digested"))
     # Then its params went into two texts: the fingerprint's body and the dedup key's
-    # (the single-flight key is the fingerprint, not a third digest)
+    # (the single-flight key is the dedup key, not a third digest)
     assert answer.status_code == 201
     assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 2
+    # And a content-dedup hit needs only its dedup key
+    made.clear()
+    again = await api.submit(image_body("digested"))
+    assert again.json()["deduplicated"] is True
+    assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 1

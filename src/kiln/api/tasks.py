@@ -224,21 +224,26 @@ def submission(
 
 async def submit(state: ApiState, submission: Submission) -> Submitted:
     """Store a submission; identical concurrent requests share one round trip, and the
-    reading of where the task stands."""
+    reading of where the task stands. Those are identical that the store would answer
+    alike: the same Idempotency-Key and fingerprint, or (without a key) the same content,
+    each digested once."""
     app = state.app
-    new = app.task_row(submission)  # its fingerprint is the flight's key: digested once
+    key = submission.idempotency_key
+    content = submission.content_key() if key is None else None  # None: no content dedup
+    new = app.task_row(submission) if key is not None else None
 
     async def call() -> Submitted:
-        hit = await app.dedup_hit(new)  # a content-dedup hit: one read, no insert
-        if hit is not None:
-            return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
-        result = await app.enter(submission, new)
+        if content is not None:
+            hit = await app.dedup_hit(submission, content)  # one read, no insert
+            if hit is not None:
+                return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
+        row = new if new is not None else app.task_row(submission, content)
+        result = await app.enter(submission, row)
         return Submitted(result, await standing(state, result.task))
 
-    key = submission.idempotency_key
-    if key is None and not submission.dedup:
+    if key is None and content is None:  # no key, no content dedup: nothing to share
         return await call()
-    flight = (submission.tenant, key, new.fingerprint)
+    flight = (submission.tenant, key, new.fingerprint if new is not None else content)
     first, led = await state.submissions.run(flight, call)
     if led:
         return first
