@@ -23,6 +23,7 @@ depth come from the per-tenant counts.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kiln.models import Task
@@ -52,6 +53,13 @@ def due_above_args(kind: str, tenant: str | None, priority: int, now: float) -> 
     return (now, now, *key, now, *key)
 
 
+@functools.lru_cache(maxsize=8)
+def _above_and_place(above: str, place: str) -> str:
+    """One statement: the due tasks of the levels above (``above``), then the task's own
+    level's columns (``place``), so a position in the default order is one read."""
+    return f"SELECT ({above}), own.* FROM ({place}) AS own"
+
+
 class Places:
     """Positions in the lines of one read transaction, at ``now``."""
 
@@ -72,10 +80,17 @@ class Places:
         return await self._number(sql, due_above_args(kind, tenant, priority, self.now))
 
     async def before(
-        self, kind: str, tenant: str | None, level: int, ready_at: float, task_id: str
+        self,
+        kind: str,
+        tenant: str | None,
+        level: int,
+        ready_at: float,
+        task_id: str,
+        limit: int = FIRST_LIMIT,
     ) -> int:
-        """Due tasks of one level of the line before the key (ready_at, task_id)."""
-        now, limit = self.now, FIRST_LIMIT
+        """Due tasks of one level of the line before the key (ready_at, task_id), counted
+        from either end up to ``limit`` first."""
+        now = self.now
         key: tuple[Any, ...] = (kind, level) if tenant is None else (kind, tenant, level)
         sql = self.q.queue_place if tenant is None else self.q.queue_place_of_tenant
         while True:
@@ -98,17 +113,37 @@ class Places:
 
     async def ahead(self, task: Task, tenant: str | None, aging_s: float | None) -> int:
         """Due tasks of the task's line (of one tenant, or all) claimed before it: in the
-        default order, every level above its own and those before it in its own; under
-        aging, on each level those before the ready time at which the level ties with it."""
+        default order, every level above its own and those before it in its own (one
+        statement, unless its level must be counted further); under aging, on each level
+        those before the ready time at which the level ties with it."""
         kind = task.kind
         if aging_s is None:
-            above = await self.due_above(kind, tenant, task.priority)
-            return above + await self.before(kind, tenant, task.priority, task.ready_at, task.id)
+            return await self._ahead_in_order(task, tenant)
         found = 0
         for level in await self.levels(kind, tenant):
             bound = task.ready_at + (level - task.priority) * aging_s
             found += await self.before(kind, tenant, level, bound, task.id)
         return found
+
+    async def _ahead_in_order(self, task: Task, tenant: str | None) -> int:
+        kind, priority, q = task.kind, task.priority, self.q
+        if tenant is None:
+            sql = _above_and_place(q.queue_due_above, q.queue_place)
+            key: tuple[Any, ...] = (kind, priority)
+        else:
+            sql = _above_and_place(q.queue_due_above_of_tenant, q.queue_place_of_tenant)
+            key = (kind, tenant, priority)
+        above_args = due_above_args(kind, tenant, priority, self.now)
+        place = place_args(key, task.ready_at, task.id, self.now, FIRST_LIMIT)
+        row = await self.tx.one(sql, (*above_args, *place))
+        assert row is not None
+        above, due, after, before = int(row[0] or 0), int(row[1] or 0), int(row[2]), int(row[3])
+        if after < FIRST_LIMIT:
+            return above + max(due - after, 0)
+        if before < FIRST_LIMIT:
+            return above + before
+        further = FIRST_LIMIT * 16  # both ends were further than the first limit
+        return above + await self.before(kind, tenant, priority, task.ready_at, task.id, further)
 
     async def depth(self, kind: str, tenant: str) -> int:
         """How many due tasks a tenant's line holds."""
