@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kiln import logs
@@ -400,6 +400,13 @@ class Engine:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.store.queue_position(task, self.claim_policy)
 
+    async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
+        """:meth:`get` and :meth:`queue_position` in one read of the store."""
+        task, position = await self.store.read_standing(task_id, self.claim_policy)
+        if task is None or (tenant is not None and task.tenant != tenant):
+            raise NotFound(f"no task {task_id!r}")
+        return task, position
+
     async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
         """The queue positions of many tasks by id (those with none left out), as
         :meth:`queue_position` gives each, counted together (a listing's page)."""
@@ -530,6 +537,11 @@ class Engine:
         """Count a submission answered with an existing task (``idempotency`` or
         ``content``) without the store's insert-or-get having seen it."""
         await self.store.bump(DEDUP_HITS, how)
+
+    async def count_dedup_hits(self, hits: Mapping[str, int]) -> None:
+        """:meth:`count_dedup_hit` for many at once: one store write per ``how``."""
+        for how, n in sorted(hits.items()):
+            await self.store.bump(DEDUP_HITS, how, n)
 
 
 def _log_transitions(events: Sequence[TaskEvent]) -> None:

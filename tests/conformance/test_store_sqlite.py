@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kiln.errors import StoreUnavailable
+from kiln.store.positions import BELOW_ALL, due_above_args, place_args
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlite import SqliteStore, connect, migrate
 from kiln.store.sqlstore import purge_candidates
@@ -99,21 +100,31 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("tasks_claim_tenant",),
     ),
     "priority_levels": (Q.levels, ("kind.1", "kind.1"), ("tasks_claim",)),
-    "queue_position_aging_level": (
-        Q.queue_ahead_of_level,
-        ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
-        ("tasks_claim",),
-    ),
     "queue_positions_of_level": (
         Q.queue_places_of_level,
         ("kind.1", 1, NOW - 500, "tsk_00000500", NOW - 400, "tsk_00000600", NOW, NOW, "[]"),
         ("tasks_claim",),
     ),
     "record_usage": (Q.record_usage, USAGE_ARGS, ("events_task",)),
-    "queue_position": (
-        Q.queue_ahead,
-        ("kind.1", 1, NOW, NOW, "kind.1", 1, NOW - 500, "tsk_00000500", NOW, NOW),
-        ("tasks_claim", "tasks_ready"),
+    "queue_position_levels_above": (
+        Q.queue_due_above,
+        due_above_args("kind.1", None, 1, NOW),
+        ("tasks_claim", "tasks_due"),
+    ),
+    "queue_position_in_level": (
+        Q.queue_place,
+        place_args(("kind.1", 1), NOW - 500, "tsk_00000500", NOW, 256),
+        ("tasks_claim", "tasks_due"),
+    ),
+    "queue_position_in_a_tenants_level": (
+        Q.queue_place_of_tenant,
+        place_args(("kind.1", "t1", 1), NOW - 500, "tsk_00000500", NOW, 256),
+        ("tasks_claim_tenant", "tasks_due"),
+    ),
+    "queue_depth_of_a_tenant": (
+        Q.queue_due_above_of_tenant,
+        due_above_args("kind.1", "t1", BELOW_ALL, NOW),
+        ("tasks_claim_tenant", "tasks_due"),
     ),
     # The autoscaling signals (store/load.py): live tasks only, whatever the history.
     "autoscaling_ready_by_kind": (Q.ready_by_kind, (NOW,), ("tasks_claim",)),
