@@ -34,6 +34,7 @@ from kiln.store.bulk import BulkFilter, BulkPage, Plan
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
+from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlstore import Store
 from kiln.store.tx import Counting, EventRow, Op, Refused, Row, Tally, Tx, run_sync, violation
 
@@ -43,6 +44,8 @@ T = TypeVar("T")
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: The longest pause after a bulk page (it pauses as long as the page took).
 BULK_PAUSE_MAX_S = 1.0
+#: How long a connection waits for SQLite's own lock (by polling) before it gives up.
+BUSY_TIMEOUT_MS = 30_000
 
 
 def sqlite_path(url: str) -> str:
@@ -61,7 +64,7 @@ def connect(path: str, *, synchronous: str = "FULL") -> sqlite3.Connection:
     )
     _use_wal(conn)
     conn.execute(f"PRAGMA synchronous={synchronous}")
-    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     # Not temp_store=MEMORY: that keeps the savepoint journal in memory, and at the end of
     # every statement that wrote, SQLite cuts that in-memory journal back by walking it
     # from its start, so each write costs more the more the enclosing savepoint (the group
@@ -157,15 +160,24 @@ class _DbThread(threading.Thread):
     """Runs queued operations on its own connection; the writer batches them."""
 
     def __init__(
-        self, name: str, open_conn: Callable[[], sqlite3.Connection], *, writer: bool
+        self,
+        name: str,
+        open_conn: Callable[[], sqlite3.Connection],
+        *,
+        writer: bool,
+        lock: WriteLock | None = None,
+        wakeups: Wakeups | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._open_conn = open_conn
         self._writer = writer
+        self.lock = lock
+        self.wakeups = wakeups
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.max_batch = 512
         self.batches = 0
         self.operations = 0
+        self.reruns = 0  # batches run again with a savepoint per operation
 
     def put(self, job: _Job | None) -> None:
         self._jobs.put(job)
@@ -203,14 +215,7 @@ class _DbThread(threading.Thread):
         self.operations += len(batch)
         outcomes: list[tuple[_Job, Any, BaseException | None]]
         if self._writer:
-            try:
-                outcomes = self._run_transaction(conn, batch)
-            except Exception as exc:  # the transaction itself broke: fail the whole batch
-                log.exception("sqlite_batch_failed", extra={"operations": len(batch)})
-                with contextlib.suppress(sqlite3.Error):
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                outcomes = [(job, None, exc) for job in batch]
+            outcomes = self._locked_transaction(conn, batch)
         else:
             outcomes = []
             for job in batch:
@@ -226,31 +231,76 @@ class _DbThread(threading.Thread):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
 
-    @staticmethod
-    def _run_transaction(
-        conn: sqlite3.Connection, batch: list[_Job]
+    def _locked_transaction(
+        self, conn: sqlite3.Connection, batch: list[_Job]
     ) -> list[tuple[_Job, Any, BaseException | None]]:
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        """The batch's transaction under the processes' file lock (when there is one),
+        then the wake-up of the other processes when it made work claimable."""
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            outcomes = self._run_transaction(conn, batch)
+        except Exception as exc:  # the transaction itself broke: fail the whole batch
+            log.exception("sqlite_batch_failed", extra={"operations": len(batch)})
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            outcomes = [(job, None, exc) for job in batch]
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        ready = _connection(conn)
+        if ready.ready:
+            ready.ready = False
+            if self.wakeups is not None:
+                self.wakeups.notify()
+        return outcomes
+
+    def _begin(self, conn: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE``: at once under the file lock; only when a writer outside
+        it holds SQLite's lock, waited for by ``busy_timeout``, and counted."""
+        if self.lock is None:
+            conn.execute("BEGIN IMMEDIATE")
+            return
         try:
             conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "") != "SQLITE_BUSY":
+                raise
+            self.lock.busy_waits += 1
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            finally:
+                conn.execute("PRAGMA busy_timeout=0")
+
+    def _run_transaction(
+        self, conn: sqlite3.Connection, batch: list[_Job]
+    ) -> list[tuple[_Job, Any, BaseException | None]]:
+        """The batch in one transaction, each operation its own compare-and-set.
+
+        First without a savepoint per operation (two statements each, inside the lock):
+        an operation that fails before it changed a row needs none. Only when one fails
+        after it changed rows is the transaction rolled back and the whole batch run again,
+        each operation in its own savepoint, so that one rolls back alone (operations are
+        functions of the transaction, run again after any rollback, as on PostgreSQL).
+        """
+        try:
+            self._begin(conn)
         except sqlite3.Error as exc:
             return [(job, None, exc) for job in batch]
-        tally = _tally(conn)
-        committed = Tally()
-        for job in batch:
-            conn.execute("SAVEPOINT op")
-            tally.clear()
+        done = _run_operations(conn, batch, savepoints=False)
+        if done is None:
+            self.reruns += 1
+            conn.execute("ROLLBACK")
+            _connection(conn).ready = False
             try:
-                result = job.fn(conn)
-            except Exception as exc:
-                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
-                conn.execute("RELEASE op")
-                outcomes.append((job, None, exc))
-                continue
-            conn.execute("RELEASE op")
-            committed.update(tally)
-            outcomes.append((job, result, None))
-        tally.clear()
+                self._begin(conn)
+            except sqlite3.Error as exc:
+                return [(job, None, exc) for job in batch]
+            done = _run_operations(conn, batch, savepoints=True)
+        assert done is not None
+        outcomes, committed = done
         try:
             flush_tally(conn, committed)
             conn.execute("COMMIT")
@@ -259,6 +309,39 @@ class _DbThread(threading.Thread):
                 conn.execute("ROLLBACK")
             return [(job, None, exc) for job in batch]
         return outcomes
+
+
+def _run_operations(
+    conn: sqlite3.Connection, batch: list[_Job], *, savepoints: bool
+) -> tuple[list[tuple[_Job, Any, BaseException | None]], Tally] | None:
+    """Run the batch's operations in the open transaction: their outcomes and the counter
+    deltas of those that succeeded; None when, without savepoints, one failed after it
+    changed rows (``total_changes`` moved), which only a rollback can undo."""
+    outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+    tally = _tally(conn)
+    committed = Tally()
+    for job in batch:
+        if savepoints:
+            conn.execute("SAVEPOINT op")
+        changes = conn.total_changes
+        tally.clear()
+        try:
+            result = job.fn(conn)
+        except Exception as exc:
+            if savepoints:
+                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
+                conn.execute("RELEASE op")
+            elif conn.total_changes != changes:
+                tally.clear()
+                return None
+            outcomes.append((job, None, exc))
+            continue
+        if savepoints:
+            conn.execute("RELEASE op")
+        committed.update(tally)
+        outcomes.append((job, result, None))
+    tally.clear()
+    return outcomes, committed
 
 
 # One transaction as the store's operations see it ------------------------------------------
@@ -280,11 +363,16 @@ class Connection(sqlite3.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tally = Tally()
+        self.ready = False  # an operation of this transaction made work claimable
+
+
+def _connection(conn: sqlite3.Connection) -> Connection:
+    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
+    return conn
 
 
 def _tally(conn: sqlite3.Connection) -> Tally:
-    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
-    return conn.tally
+    return _connection(conn).tally
 
 
 def flush_tally(conn: sqlite3.Connection, tally: Tally) -> None:
@@ -393,7 +481,9 @@ class SqliteTx(Counting):
         return False
 
     async def notify_ready(self) -> None:
-        """Workers in other processes on the same file find new work by polling."""
+        """After the commit, the writer wakes the other processes' workers
+        (:class:`~kiln.store.sqlite_share.Wakeups`)."""
+        _connection(self.conn).ready = True
 
 
 # The store ------------------------------------------------------------------------------
@@ -423,8 +513,15 @@ class SqliteStore(Store):
                 f"cannot open the SQLite database {path}: {exc} (restore it from a backup,"
                 " or point KILN_DATABASE_URL at another file)"
             ) from None
+        shared = path != ":memory:" and not path.startswith("file:")
+        self._lock = WriteLock(path) if shared else None
+        self._wakeups = Wakeups(path) if shared else None
         self._writer = _DbThread(
-            "kiln-sqlite-writer", lambda: connect(path, synchronous=synchronous), writer=True
+            "kiln-sqlite-writer",
+            lambda: self._writer_connection(path, synchronous),
+            writer=True,
+            lock=self._lock,
+            wakeups=self._wakeups,
         )
         self._reader = _DbThread(
             "kiln-sqlite-reader", lambda: connect(path, synchronous=synchronous), writer=False
@@ -432,6 +529,23 @@ class SqliteStore(Store):
         self._writer.start()
         self._reader.start()
         self._closed = False
+
+    def _writer_connection(self, path: str, synchronous: str) -> sqlite3.Connection:
+        conn = connect(path, synchronous=synchronous)
+        if self._lock is not None:  # SQLite's lock is free whenever the file lock is ours
+            conn.execute("PRAGMA busy_timeout=0")
+        return conn
+
+    def watch_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when a writer of another process made work claimable."""
+        if self._wakeups is not None:
+            self._wakeups.watch(callback)
+
+    def lock_stats(self) -> dict[str, float]:
+        """How this process's writer used the file lock: times taken, times it blocked
+        because another process held it, seconds blocked, and times it had to wait on
+        SQLite's ``busy_timeout`` (a writer outside the lock)."""
+        return {} if self._lock is None else self._lock.stats()
 
     def _job(self, op: Callable[[Tx], Awaitable[Any]]) -> Callable[[sqlite3.Connection], Any]:
         q = self.q
@@ -507,6 +621,10 @@ class SqliteStore(Store):
         self._reader.put(None)
         await asyncio.to_thread(self._writer.join)
         await asyncio.to_thread(self._reader.join)
+        if self._wakeups is not None:
+            self._wakeups.close()
+        if self._lock is not None:
+            self._lock.close()
 
 
 __all__ = ["SqliteStore", "connect", "migrate", "sqlite_path"]
