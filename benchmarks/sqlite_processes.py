@@ -22,13 +22,14 @@ from typing import Any
 from harness import Figure, build_app, submit_all, transitions_of, wait_for_success
 
 import kiln
+from kiln.cli.worker_processes import usable_cores
 from kiln.store import open_store
 
 
 def auto_processes() -> int:
-    """As ``kiln serve``'s ``KILN_WORKER_PROCESSES=auto`` on SQLite: one per core beyond
-    the first."""
-    return max((os.cpu_count() or 1) - 1, 0)
+    """As ``kiln serve``'s ``KILN_WORKER_PROCESSES=auto`` on SQLite: one per usable core
+    beyond the first."""
+    return max(usable_cores() - 1, 0)
 
 
 def worker_process(

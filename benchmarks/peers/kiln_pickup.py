@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -35,6 +34,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from common import PICKUP, count_lines, emit, open_loop, pickup_figures, record  # noqa: E402
 
 import kiln  # noqa: E402
+from kiln.cli.worker_processes import usable_cores  # noqa: E402
 from kiln.config import Settings  # noqa: E402
 from kiln.store import open_store  # noqa: E402
 
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument(
         "--worker-processes",
         type=int,
-        default=max((os.cpu_count() or 1) - 1, 0),
+        default=max(usable_cores() - 1, 0),
         help="SQLite: worker processes beside this one (default: one per core beyond the first)",
     )
     args = parser.parse_args()

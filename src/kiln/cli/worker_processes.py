@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import kiln
 from kiln.config import Settings
@@ -46,7 +48,23 @@ def process_count(settings: Settings, cores: int | None = None) -> int:
         return settings.worker_processes
     if not settings.resolved_database_url.startswith("sqlite:"):
         return 0
-    return max((cores if cores is not None else os.cpu_count() or 1) - 1, 0)
+    return max((cores if cores is not None else usable_cores()) - 1, 0)
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on, capped by a cgroup v2 CPU quota (a container's
+    ``--cpus``): ``os.cpu_count()`` counts the host's."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(min(cores, math.ceil(int(quota) / int(period))), 1)
 
 
 def kinds_without_gpu(app: kiln.App) -> list[str]:
