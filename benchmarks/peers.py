@@ -7,7 +7,10 @@ once) and each figure is the median over the rounds, so the machine's drift hits
 system alike:
 
 - kiln on SQLite, full no-op lifecycles (submit included) per second,
-  ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``;
+  ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``, as ``kiln serve``
+  runs it (``KILN_WORKER_PROCESSES=auto``: the submitting process with its own worker, and
+  one worker process per core beyond the first, on the same file), CPU per lifecycle of
+  all those processes; and at ``FULL`` in one process (``--worker-processes 0``), beside;
 - kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
   on a throwaway cluster (fsync and synchronous_commit on);
 - every peer: the drain rate (N jobs queued before the worker starts) and the enqueue +
@@ -212,6 +215,11 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         run = last_json([*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600)
         figures[f"kiln_sqlite_{level.lower()}"] = run["lifecycles_per_s"]
         figures[f"kiln_sqlite_{level.lower()}_cpu_us"] = run["cpu_us_per_lifecycle"]
+        figures["kiln_sqlite_worker_processes"] = run.get("worker_processes", 0)
+    one = [*lifecycle, "--tasks", str(args.tasks), "--synchronous", "FULL"]
+    run = last_json([*one, "--worker-processes", "0"], 600)
+    figures["kiln_sqlite_full_one_process"] = run["lifecycles_per_s"]
+    figures["kiln_sqlite_full_one_process_cpu_us"] = run["cpu_us_per_lifecycle"]
     run = last_json(
         [
             *lifecycle,
@@ -276,6 +284,9 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
     ratios = {
         "sqlite_normal_vs_dramatiq": ratio(median["kiln_sqlite_normal"], median["dramatiq"]),
         "sqlite_full_vs_dramatiq": ratio(median["kiln_sqlite_full"], median["dramatiq"]),
+        "sqlite_full_one_process_vs_dramatiq": ratio(
+            median["kiln_sqlite_full_one_process"], median["dramatiq"]
+        ),
         "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
         "postgres_vs_procrastinate_enqueue_drain": ratio(
             median["kiln_postgres"], median["procrastinate_enqueue_drain"]
@@ -330,6 +341,7 @@ def table(body: dict[str, Any]) -> list[str]:
     rows = (
         ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
         ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
+        ("  in one process", "kiln_sqlite_full_one_process", None, None),
         ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),

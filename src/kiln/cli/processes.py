@@ -221,8 +221,7 @@ def serve(
     opened(app)
     listening = _listen(settings.host, settings.port)  # before any worker can claim
     try:
-        with started_beside(app):
-            _serve(app, api, listening)
+        _serve(app, api, listening)
     finally:
         listening.close()
 
@@ -270,7 +269,8 @@ async def _served(
     for sig in SIGNALS:
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
-    await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
+    with started_beside(app):  # once the database and the storage answer
+        await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
 
 
 def _listen(host: str, port: int) -> socket.socket:
