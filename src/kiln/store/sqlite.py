@@ -1,11 +1,15 @@
 """SQLite driver: WAL, stdlib ``sqlite3``, group commit on one writer thread.
 
 All writes of a process go through one writer thread that drains its queue and runs what
-it found in one ``BEGIN IMMEDIATE`` transaction, each operation in its own savepoint and
-each still its own compare-and-set: concurrent workers share one commit (and one fsync
+it found in one ``BEGIN IMMEDIATE`` transaction, each operation still its own
+compare-and-set (a savepoint each when one fails after it wrote, see
+:meth:`_DbThread._run_transaction`): concurrent workers share one commit (and one fsync
 with ``synchronous=FULL``) without sharing fate. Reads run on a second thread with its
 own connection; WAL lets them proceed while the writer commits. Other processes on the
-same file serialize through SQLite's write lock (``busy_timeout``).
+same file take turns at a file lock around each transaction, waiting in the kernel, and
+wake each other's workers after a commit that made work claimable
+(:mod:`kiln.store.sqlite_share`); SQLite's own lock and ``busy_timeout`` remain for a
+writer that does not take that lock.
 
 The store's operations (:mod:`kiln.store.sqlstore`) are async functions of a transaction;
 here they run to their end on the thread that owns the connection (:func:`run_sync`),
@@ -600,9 +604,10 @@ class SqliteStore(Store):
         """A page of a bulk action (:mod:`kiln.store.bulk`), then a pause as long as it
         took (up to :data:`BULK_PAUSE_MAX_S`) before the next page can start: a run of
         pages holds the file's write lock at most half the time. This process's own writes
-        queue behind a page in order, but other processes on the file (workers renewing
-        their leases) wait for SQLite's lock by polling (``busy_timeout``: every 100 ms at
-        most), and back-to-back pages would leave them only the moments between two."""
+        queue behind a page in order; other processes on the file (workers renewing their
+        leases) wait for the file lock (:class:`~kiln.store.sqlite_share.WriteLock`), which
+        is not handed over in arrival order, and back-to-back pages would leave them only
+        the moments between two."""
         started = time.monotonic()
         page = await super().bulk_page(found, after, limit, plan, rows)
         await asyncio.sleep(min(time.monotonic() - started, BULK_PAUSE_MAX_S))
