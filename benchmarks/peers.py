@@ -220,6 +220,8 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     run = last_json([*one, "--worker-processes", "0"], 600)
     figures["kiln_sqlite_full_one_process"] = run["lifecycles_per_s"]
     figures["kiln_sqlite_full_one_process_cpu_us"] = run["cpu_us_per_lifecycle"]
+    if args.baseline_src:
+        figures.update(baseline_figures(args))
     run = last_json(
         [
             *lifecycle,
@@ -239,6 +241,22 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     figures["kiln_postgres"] = run["lifecycles_per_s"]
     figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
     return figures
+
+
+def baseline_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """kiln on SQLite (FULL) as another checkout runs it (``--baseline-src``: its
+    ``benchmarks/lifecycle.py`` on its ``src``), in the same round."""
+    src = Path(args.baseline_src).resolve()
+    run = last_json(
+        [sys.executable, str(src / "benchmarks" / "lifecycle.py"), "--output-bytes", "0",
+         "--json-only", "--tasks", str(args.tasks), "--synchronous", "FULL"],
+        600,
+        {"PYTHONPATH": str(src / "src")},
+    )  # fmt: skip
+    return {
+        "kiln_sqlite_full_baseline": run["lifecycles_per_s"],
+        "kiln_sqlite_full_baseline_cpu_us": run["cpu_us_per_lifecycle"],
+    }
 
 
 def one_round(
@@ -287,6 +305,11 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
         "sqlite_full_one_process_vs_dramatiq": ratio(
             median["kiln_sqlite_full_one_process"], median["dramatiq"]
         ),
+        "sqlite_full_baseline_vs_dramatiq": ratio(
+            median["kiln_sqlite_full_baseline"], median["dramatiq"]
+        )
+        if "kiln_sqlite_full_baseline" in median
+        else None,
         "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
         "postgres_vs_procrastinate_enqueue_drain": ratio(
             median["kiln_postgres"], median["procrastinate_enqueue_drain"]
@@ -342,12 +365,15 @@ def table(body: dict[str, Any]) -> list[str]:
         ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
         ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
         ("  in one process", "kiln_sqlite_full_one_process", None, None),
+        ("  --baseline-src", "kiln_sqlite_full_baseline", None, None),
         ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
         ("PgQueuer", "pgqueuer", "pgqueuer_enqueue_drain", "pgqueuer"),
     )
     for label, key, both, pick in rows:
+        if key not in median:
+            continue
         drain = "-" if both is None else f"{median[key]:,.0f}"
         lifecycle = f"{median[both or key]:,.0f}"
         cpu = f"{median[key + '_cpu_us']:,.0f}" if f"{key}_cpu_us" in median else "-"
@@ -367,6 +393,13 @@ def main() -> None:
     parser.add_argument("--pg-slots", type=int, default=64, help="slots per kiln worker on PG")
     parser.add_argument("--rate", type=float, default=500.0, help="pickup: offered tasks/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="pickup: how long")
+    parser.add_argument(
+        "--baseline-src",
+        default=None,
+        metavar="DIR",
+        help="another checkout of kiln (git worktree add DIR REV): its SQLite FULL figure,"
+        " one process as it runs it, in every round beside this tree's",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -49,6 +49,8 @@ class WriteLock:
         self.taken = 0  # times this process took it
         self.waited = 0  # of those, times another process held it, so this one blocked
         self.wait_s = 0.0  # the time spent blocked
+        self.held_s = 0.0  # the time it was held
+        self._since = 0.0
         self.busy_waits = 0  # times SQLite's lock was held by a writer outside this lock
 
     def acquire(self) -> None:
@@ -60,8 +62,10 @@ class WriteLock:
             self.wait_s += time.monotonic() - started
             self.waited += 1
         self.taken += 1
+        self._since = time.monotonic()
 
     def release(self) -> None:
+        self.held_s += time.monotonic() - self._since
         fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
@@ -73,6 +77,7 @@ class WriteLock:
             "taken": self.taken,
             "waited": self.waited,
             "wait_s": round(self.wait_s, 6),
+            "held_s": round(self.held_s, 6),
             "busy_waits": self.busy_waits,
         }
 
