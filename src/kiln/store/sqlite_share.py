@@ -50,7 +50,8 @@ class WriteLock:
         self.waited = 0  # of those, times another process held it, so this one blocked
         self.wait_s = 0.0  # the time spent blocked
         self.held_s = 0.0  # the time it was held
-        self._since = 0.0
+        self.held_cpu_s = 0.0  # of which the holding thread ran (the rest: waits, the GIL)
+        self._since = self._cpu = 0.0
         self.busy_waits = 0  # times SQLite's lock was held by a writer outside this lock
 
     def acquire(self) -> None:
@@ -62,10 +63,11 @@ class WriteLock:
             self.wait_s += time.monotonic() - started
             self.waited += 1
         self.taken += 1
-        self._since = time.monotonic()
+        self._since, self._cpu = time.monotonic(), time.thread_time()
 
     def release(self) -> None:
         self.held_s += time.monotonic() - self._since
+        self.held_cpu_s += time.thread_time() - self._cpu
         fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
@@ -78,6 +80,7 @@ class WriteLock:
             "waited": self.waited,
             "wait_s": round(self.wait_s, 6),
             "held_s": round(self.held_s, 6),
+            "held_cpu_s": round(self.held_cpu_s, 6),
             "busy_waits": self.busy_waits,
         }
 
