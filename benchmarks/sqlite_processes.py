@@ -114,17 +114,17 @@ async def _drive(
         worker = app.worker(concurrency=concurrency) if concurrency else None
         running = kiln.app.running(worker.run()) if worker else _nothing()
         async with running:
-            await app.store.counters()
+            await app.engine.store.counters()
             cpu = os.times()
             started = time.perf_counter()
             created = await submit_all(app, tasks)
             submitted = time.perf_counter()
             finished, _ = await wait_for_success(app, created, timeout_s=max(120.0, tasks / 10))
             end = os.times()
-        stats = await app.store.stats(tenant=None, ghost_after_s=60)
-        moved = transitions_of(await app.store.counters())
-        lock = getattr(app.store, "lock_stats", None)
-        batches = getattr(app.store, "write_batches", (0, 0))
+        stats = await app.engine.store.stats(tenant=None, ghost_after_s=60)
+        moved = transitions_of(await app.engine.store.counters())
+        lock = getattr(app.engine.store, "lock_stats", None)
+        batches = getattr(app.engine.store, "write_batches", (0, 0))
     cpu_s = end.user + end.system - cpu.user - cpu.system
     figure = Figure(
         tasks=created, output_bytes=output_bytes, concurrency=concurrency,

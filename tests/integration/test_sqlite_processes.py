@@ -50,7 +50,7 @@ SUBMITTER = textwrap.dedent(
             return None
 
         async with app:
-            await app.store.counters()
+            await app.engine.store.counters()
             open(f"{go}.ready.{os.getpid()}", "w").close()
             while not os.path.exists(go):
                 await asyncio.sleep(0.005)
@@ -58,7 +58,7 @@ SUBMITTER = textwrap.dedent(
                 await asyncio.gather(*(app.submit("t.noop", {"n": i, "pid": os.getpid()},
                                                   dedup=False)
                                        for i in range(start, start + 25)))
-            print(json.dumps(app.store.lock_stats()), flush=True)
+            print(json.dumps(app.engine.store.lock_stats()), flush=True)
 
     asyncio.run(main())
     """
@@ -117,7 +117,7 @@ async def test_a_writer_outside_the_file_lock_is_waited_for_and_counted(
     # sqlite3 shell would)
     app = _app(settings)
     async with app:
-        await app.store.counters()
+        await app.engine.store.counters()
         outside = sqlite3.connect(settings.resolved_database_url.removeprefix("sqlite:///"))
         outside.isolation_level = None
         outside.execute("BEGIN IMMEDIATE")
@@ -125,7 +125,7 @@ async def test_a_writer_outside_the_file_lock_is_waited_for_and_counted(
             # When the store writes, it waits on busy_timeout, and says so
             submit = asyncio.ensure_future(app.submit("t.noop", {}, dedup=False))
             await wait_until(
-                lambda: _true(app.store.lock_stats()["busy_waits"] == 1),  # type: ignore[attr-defined]
+                lambda: _true(app.engine.store.lock_stats()["busy_waits"] == 1),  # type: ignore[attr-defined]
                 what="the writer to find SQLite's lock held",
             )
             assert not submit.done()
@@ -149,8 +149,8 @@ async def test_a_submission_wakes_the_workers_of_another_store_on_the_file(
     watcher, submitter = _app(settings), _app(settings)
     async with watcher, submitter:
         heard = asyncio.Event()
-        watcher.store.watch_ready(heard.set)
-        await submitter.store.counters()
+        watcher.engine.store.watch_ready(heard.set)
+        await submitter.engine.store.counters()
         db = settings.resolved_database_url.removeprefix("sqlite:///")
         dead = Path(f"{db}-kiln-wake") / "999999999-0"
         dead.parent.mkdir(exist_ok=True)
@@ -179,7 +179,7 @@ async def test_a_sigkilled_worker_process_on_one_sqlite_file_loses_nothing_and_d
     demo.register(app)
     try:
         async with app:
-            await app.store.counters()
+            await app.engine.store.counters()
             victim = group.start()
             group.start()
             ids = [
@@ -209,7 +209,7 @@ async def test_a_sigkilled_worker_process_on_one_sqlite_file_loses_nothing_and_d
                 await wait_until(all_done, timeout_s=90, what="every task to succeed")
             expired = 0
             for task_id in ids:
-                events = await assert_one_final_state(app.store, task_id)
+                events = await assert_one_final_state(app.engine.store, task_id)
                 assert len(successes(events)) == 1
                 expired += sum(1 for e in events if e.event is Event.EXPIRE)
                 task = await app.get(task_id)
