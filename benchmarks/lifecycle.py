@@ -264,6 +264,20 @@ def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
 # Main ---------------------------------------------------------------------------------------
 
 
+def postgres_options(postgres: argparse._ArgumentGroup) -> None:
+    postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
+    postgres.add_argument(
+        "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
+    )  # fmt: skip
+    postgres.add_argument(
+        "--clients", type=int, default=None,
+        help="pgbench clients (default: the connections the engine held)",
+    )  # fmt: skip
+    postgres.add_argument(
+        "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
+    )  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -296,18 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="SQLite: worker processes beside the submitting one, which runs a worker too"
         " (default: as kiln serve's auto, one per core beyond the first)",
     )  # fmt: skip
-    postgres = parser.add_argument_group("PostgreSQL only")
-    postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
-    postgres.add_argument(
-        "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
-    )  # fmt: skip
-    postgres.add_argument(
-        "--clients", type=int, default=None,
-        help="pgbench clients (default: the connections the engine held)",
-    )  # fmt: skip
-    postgres.add_argument(
-        "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
-    )  # fmt: skip
+    postgres_options(parser.add_argument_group("PostgreSQL only"))
     parser.add_argument(
         "--raw-seconds", type=float, default=RAW_SECONDS,
         help=f"how long the raw loop runs at most (default {RAW_SECONDS}; {RAW_MAX_TX} tx at most)",
