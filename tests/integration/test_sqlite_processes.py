@@ -297,3 +297,56 @@ def _healthy(port: int) -> bool:
             return bool(answer.status == 200)
     except OSError:
         return False
+
+
+def _blocked_on(path: Path) -> bool:
+    """Whether some process waits for a flock on ``path`` (a ``->`` line of /proc/locks)."""
+    inode = os.stat(path).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
+            return True
+    return False
+
+
+async def test_writes_queued_while_another_process_holds_the_lock_share_one_commit(
+    settings: Settings,
+) -> None:
+    # Given another process's turn at the file lock (taken here, as it would take it), and
+    # this store's writer waiting for it with one submission
+    import fcntl
+
+    app = _app(settings)
+    async with app:
+        store = app.engine.store
+        await store.counters()
+        db = settings.resolved_database_url.removeprefix("sqlite:///")
+        holder = os.open(f"{db}-kiln-lock", os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        before = store.write_batches  # type: ignore[attr-defined]
+        try:
+            first = asyncio.ensure_future(app.submit("t.noop", {"n": 0}, dedup=False))
+
+            async def writer_waits() -> bool:
+                return _blocked_on(Path(f"{db}-kiln-lock"))
+
+            await wait_until(writer_waits, what="the writer to wait for the file lock")
+            # When nine more are queued meanwhile, and the lock is let go
+            rest = [
+                asyncio.ensure_future(app.submit("t.noop", {"n": i}, dedup=False))
+                for i in range(1, 10)
+            ]
+
+            async def nine_queued() -> bool:
+                return bool(store._writer._jobs.qsize() == 9)  # type: ignore[attr-defined]
+
+            await wait_until(nine_queued, what="the nine to reach the writer's queue")
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+        done = [await first, *[await r for r in rest]]
+
+        # Then all ten were committed in the one transaction that waited
+        assert all(d.created for d in done)
+        after = store.write_batches  # type: ignore[attr-defined]
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 10)

@@ -197,28 +197,29 @@ class _DbThread(threading.Thread):
                 if job is None:
                     return
                 batch = [job]
-                stop = False
-                while len(batch) < self.max_batch:
-                    try:
-                        more = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stop = True
-                        break
-                    batch.append(more)
-                self._run(conn, batch)
-                if stop:
+                if self._run(conn, batch, stop=self._fill(batch)):
                     return
         finally:
             conn.close()
 
-    def _run(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
-        self.batches += 1
-        self.operations += len(batch)
+    def _fill(self, batch: list[_Job]) -> bool:
+        """Add what is queued to ``batch``, up to :attr:`max_batch`; whether the stop
+        sentinel came."""
+        while len(batch) < self.max_batch:
+            try:
+                more = self._jobs.get_nowait()
+            except queue.Empty:
+                return False
+            if more is None:
+                return True
+            batch.append(more)
+        return False
+
+    def _run(self, conn: sqlite3.Connection, batch: list[_Job], *, stop: bool) -> bool:
+        """Run the batch and answer its callers; whether the thread is to stop."""
         outcomes: list[tuple[_Job, Any, BaseException | None]]
         if self._writer:
-            outcomes = self._locked_transaction(conn, batch)
+            outcomes, stop = self._locked_transaction(conn, batch, stop=stop)
         else:
             outcomes = []
             for job in batch:
@@ -233,14 +234,19 @@ class _DbThread(threading.Thread):
             # RuntimeError: the caller's loop is closed, and nobody waits for the answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
+        self.batches += 1
+        self.operations += len(batch)
+        return stop
 
     def _locked_transaction(
-        self, conn: sqlite3.Connection, batch: list[_Job]
-    ) -> list[tuple[_Job, Any, BaseException | None]]:
+        self, conn: sqlite3.Connection, batch: list[_Job], *, stop: bool
+    ) -> tuple[list[tuple[_Job, Any, BaseException | None]], bool]:
         """The batch's transaction under the processes' file lock (when there is one),
-        then the wake-up of the other processes when it made work claimable."""
-        if self.lock is not None:
-            self.lock.acquire()
+        then the wake-up of the other processes when it made work claimable. What was
+        queued while another process held the lock joins the batch (one commit, one
+        turn at the lock, for all of it)."""
+        if self.lock is not None and self.lock.acquire() and not stop:
+            stop = self._fill(batch)
         try:
             outcomes = self._run_transaction(conn, batch)
         except Exception as exc:  # the transaction itself broke: fail the whole batch
@@ -257,7 +263,7 @@ class _DbThread(threading.Thread):
             ready.ready = False
             if self.wakeups is not None:
                 self.wakeups.notify()
-        return outcomes
+        return outcomes, stop
 
     def _begin(self, conn: sqlite3.Connection) -> None:
         """``BEGIN IMMEDIATE``: at once under the file lock; only when a writer outside

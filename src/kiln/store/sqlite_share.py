@@ -54,7 +54,9 @@ class WriteLock:
         self._since = self._cpu = 0.0
         self.busy_waits = 0  # times SQLite's lock was held by a writer outside this lock
 
-    def acquire(self) -> None:
+    def acquire(self) -> bool:
+        """Take the lock; whether another process held it, so this one waited."""
+        waited = False
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -62,8 +64,10 @@ class WriteLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks in the kernel, not in a sleep
             self.wait_s += time.monotonic() - started
             self.waited += 1
+            waited = True
         self.taken += 1
         self._since, self._cpu = time.monotonic(), time.thread_time()
+        return waited
 
     def release(self) -> None:
         self.held_s += time.monotonic() - self._since
