@@ -264,7 +264,15 @@ def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
 # Main ---------------------------------------------------------------------------------------
 
 
-def postgres_options(postgres: argparse._ArgumentGroup) -> None:
+def backend_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--worker-processes",
+        type=int,
+        default=None,
+        help="SQLite: worker processes beside the submitting one, which runs a worker too"
+        " (default: as kiln serve's auto, one per core beyond the first)",
+    )
+    postgres = parser.add_argument_group("PostgreSQL only")
     postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
     postgres.add_argument(
         "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
@@ -305,12 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--start-postgres", action="store_true",
         help="run on a throwaway PostgreSQL cluster (fsync and synchronous_commit on)",
     )  # fmt: skip
-    parser.add_argument(
-        "--worker-processes", type=int, default=None,
-        help="SQLite: worker processes beside the submitting one, which runs a worker too"
-        " (default: as kiln serve's auto, one per core beyond the first)",
-    )  # fmt: skip
-    postgres_options(parser.add_argument_group("PostgreSQL only"))
+    backend_options(parser)
     parser.add_argument(
         "--raw-seconds", type=float, default=RAW_SECONDS,
         help=f"how long the raw loop runs at most (default {RAW_SECONDS}; {RAW_MAX_TX} tx at most)",
@@ -387,15 +390,26 @@ def sqlite_figure(
     url = dbs.figure("" if size == 0 else "-1k")
     if args.worker_processes == 0:
         figure = asyncio.run(
-            run_figure(url, scratch, tasks=args.tasks, synchronous=args.synchronous,
-                       concurrency=args.concurrency, output_bytes=size)
-        )  # fmt: skip
+            run_figure(
+                url,
+                scratch,
+                tasks=args.tasks,
+                synchronous=args.synchronous,
+                concurrency=args.concurrency,
+                output_bytes=size,
+            )
+        )
         return figure, {}
     figure, seen = run_sqlite_processes(
-        url, scratch, tasks=args.tasks, synchronous=args.synchronous,
-        concurrency=args.concurrency, output_bytes=size, processes=args.worker_processes,
+        url,
+        scratch,
+        tasks=args.tasks,
+        synchronous=args.synchronous,
+        concurrency=args.concurrency,
+        output_bytes=size,
+        processes=args.worker_processes,
         local_concurrency=args.concurrency,
-    )  # fmt: skip
+    )
     total: dict[str, float] = {}
     for lock in seen["locks"]:
         for key, value in lock.items():

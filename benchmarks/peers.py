@@ -70,6 +70,12 @@ PEERS = (
 #: Oban for Python (PyPI ``oban``): every release needs Python >= 3.12, newer than this
 #: machine's, so it is not installed nor run; the JSON says so.
 OBAN = "oban==0.7.0"
+#: kiln's SQLite figures beside the default one, and their ratios to Dramatiq's drain
+#: (None when the figure did not run).
+BESIDE_DRAMATIQ = (
+    ("kiln_sqlite_full_one_process", "sqlite_full_one_process_vs_dramatiq"),
+    ("kiln_sqlite_full_baseline", "sqlite_full_baseline_vs_dramatiq"),
+)
 #: kiln's worker slots on SQLite, as benchmarks/lifecycle.py runs it.
 SQLITE_SLOTS = 256
 
@@ -248,11 +254,20 @@ def baseline_figures(args: argparse.Namespace) -> dict[str, Any]:
     ``benchmarks/lifecycle.py`` on its ``src``), in the same round."""
     src = Path(args.baseline_src).resolve()
     run = last_json(
-        [sys.executable, str(src / "benchmarks" / "lifecycle.py"), "--output-bytes", "0",
-         "--json-only", "--tasks", str(args.tasks), "--synchronous", "FULL"],
+        [
+            sys.executable,
+            str(src / "benchmarks" / "lifecycle.py"),
+            "--output-bytes",
+            "0",
+            "--json-only",
+            "--tasks",
+            str(args.tasks),
+            "--synchronous",
+            "FULL",
+        ],
         600,
         {"PYTHONPATH": str(src / "src")},
-    )  # fmt: skip
+    )
     return {
         "kiln_sqlite_full_baseline": run["lifecycles_per_s"],
         "kiln_sqlite_full_baseline_cpu_us": run["cpu_us_per_lifecycle"],
@@ -302,14 +317,6 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
     ratios = {
         "sqlite_normal_vs_dramatiq": ratio(median["kiln_sqlite_normal"], median["dramatiq"]),
         "sqlite_full_vs_dramatiq": ratio(median["kiln_sqlite_full"], median["dramatiq"]),
-        "sqlite_full_one_process_vs_dramatiq": ratio(
-            median["kiln_sqlite_full_one_process"], median["dramatiq"]
-        ),
-        "sqlite_full_baseline_vs_dramatiq": ratio(
-            median["kiln_sqlite_full_baseline"], median["dramatiq"]
-        )
-        if "kiln_sqlite_full_baseline" in median
-        else None,
         "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
         "postgres_vs_procrastinate_enqueue_drain": ratio(
             median["kiln_postgres"], median["procrastinate_enqueue_drain"]
@@ -320,6 +327,8 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
         ),
         "postgres_vs_oban_drain": None,
     }
+    for key, name in BESIDE_DRAMATIQ:
+        ratios[name] = ratio(median[key], median["dramatiq"]) if key in median else None
     systems = ("kiln_sqlite", "kiln_postgres", "dramatiq", "procrastinate", "pgqueuer")
     pickup = {
         name: {

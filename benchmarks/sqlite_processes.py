@@ -33,9 +33,13 @@ def auto_processes() -> int:
 
 
 def worker_process(
-    url: str, results: Path, synchronous: str, output_bytes: int, concurrency: int,
+    url: str,
+    results: Path,
+    synchronous: str,
+    output_bytes: int,
+    concurrency: int,
     pipe: Connection,
-) -> None:  # fmt: skip
+) -> None:
     """One worker process: say "ready", claim and run until told "stop", send its CPU."""
     import sys
 
@@ -45,9 +49,13 @@ def worker_process(
 
 
 async def _serve(
-    url: str, results: Path, synchronous: str, output_bytes: int, concurrency: int,
+    url: str,
+    results: Path,
+    synchronous: str,
+    output_bytes: int,
+    concurrency: int,
     pipe: Connection,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     store = open_store(url, synchronous=synchronous)
     app = build_app(url, results, synchronous, output_bytes, store=store)
     async with app:
@@ -76,8 +84,12 @@ class Workers:
         spawn = multiprocessing.get_context("spawn")
         for i in range(count):
             mine, theirs = spawn.Pipe()
-            process = spawn.Process(target=worker_process, args=(*args, theirs),
-                                    name=f"kiln-bench-worker-{i}", daemon=True)  # fmt: skip
+            process = spawn.Process(
+                target=worker_process,
+                args=(*args, theirs),
+                name=f"kiln-bench-worker-{i}",
+                daemon=True,
+            )
             process.start()
             theirs.close()
             self.pipes.append(mine)
@@ -106,9 +118,14 @@ class Workers:
 
 
 async def _drive(
-    url: str, results: Path, *, tasks: int, synchronous: str, concurrency: int,
+    url: str,
+    results: Path,
+    *,
+    tasks: int,
+    synchronous: str,
+    concurrency: int,
     output_bytes: int,
-) -> tuple[Figure, dict[str, Any]]:  # fmt: skip
+) -> tuple[Figure, dict[str, Any]]:
     app = build_app(url, results, synchronous, output_bytes)
     async with app:
         worker = app.worker(concurrency=concurrency) if concurrency else None
@@ -127,11 +144,17 @@ async def _drive(
         batches = getattr(app.engine.store, "write_batches", (0, 0))
     cpu_s = end.user + end.system - cpu.user - cpu.system
     figure = Figure(
-        tasks=created, output_bytes=output_bytes, concurrency=concurrency,
-        wall_s=finished - started, submit_s=submitted - started,
-        transitions=created + sum(moved.values()), succeeded=stats.counts["SUCCESS"],
-        cpu_s=cpu_s, thread_cpu_s={"serving process": cpu_s}, by_transition=moved,
-    )  # fmt: skip
+        tasks=created,
+        output_bytes=output_bytes,
+        concurrency=concurrency,
+        wall_s=finished - started,
+        submit_s=submitted - started,
+        transitions=created + sum(moved.values()),
+        succeeded=stats.counts["SUCCESS"],
+        cpu_s=cpu_s,
+        thread_cpu_s={"serving process": cpu_s},
+        by_transition=moved,
+    )
     return figure, {"batches": batches, "lock": lock() if callable(lock) else None}
 
 
@@ -146,9 +169,16 @@ class _nothing:
 
 
 def run_sqlite_processes(
-    url: str, scratch: Path, *, tasks: int, synchronous: str, concurrency: int,
-    output_bytes: int, processes: int, local_concurrency: int,
-) -> tuple[Figure, dict[str, Any]]:  # fmt: skip
+    url: str,
+    scratch: Path,
+    *,
+    tasks: int,
+    synchronous: str,
+    concurrency: int,
+    output_bytes: int,
+    processes: int,
+    local_concurrency: int,
+) -> tuple[Figure, dict[str, Any]]:
     """One figure: ``processes`` worker processes of ``concurrency`` slots beside this
     process, which submits and runs ``local_concurrency`` slots of its own (0: none)."""
     results = scratch / f"results-{output_bytes}"
@@ -157,9 +187,15 @@ def run_sqlite_processes(
     try:
         running.start(processes, url, results, synchronous, output_bytes, concurrency)
         figure, seen = asyncio.run(
-            _drive(url, results, tasks=tasks, synchronous=synchronous,
-                   concurrency=local_concurrency, output_bytes=output_bytes)
-        )  # fmt: skip
+            _drive(
+                url,
+                results,
+                tasks=tasks,
+                synchronous=synchronous,
+                concurrency=local_concurrency,
+                output_bytes=output_bytes,
+            )
+        )
         reports = running.stop()
     finally:
         running.kill_leftovers()

@@ -170,11 +170,20 @@ async def test_a_sigkilled_worker_process_on_one_sqlite_file_loses_nothing_and_d
 ) -> None:
     # Given two `kiln worker` processes on one SQLite file, running tasks this process
     # submits (a third process on the file)
-    group = CliWorkers(tmp_path / "group", f"sqlite:///{tmp_path / 'kiln.db'}",
-                       KILN_LEASE_TTL_S="1", KILN_CONCURRENCY="4")  # fmt: skip
-    settings = Settings(data_dir=tmp_path, database_url=group.database_url,
-                        storage_url=group.storage_url, lease_ttl_s=1.0,
-                        retry_base_s=0.01, retry_max_s=0.05)  # fmt: skip
+    group = CliWorkers(
+        tmp_path / "group",
+        f"sqlite:///{tmp_path / 'kiln.db'}",
+        KILN_LEASE_TTL_S="1",
+        KILN_CONCURRENCY="4",
+    )
+    settings = Settings(
+        data_dir=tmp_path,
+        database_url=group.database_url,
+        storage_url=group.storage_url,
+        lease_ttl_s=1.0,
+        retry_base_s=0.01,
+        retry_max_s=0.05,
+    )
     app = kiln.App(settings=settings)
     demo.register(app)
     try:
@@ -183,10 +192,11 @@ async def test_a_sigkilled_worker_process_on_one_sqlite_file_loses_nothing_and_d
             victim = group.start()
             group.start()
             ids = [
-                (await app.submit("image.generate", demo_params(f"p{i}", steps=10, step_ms=20)))
-                .task.id
+                (
+                    await app.submit("image.generate", demo_params(f"p{i}", steps=10, step_ms=20))
+                ).task.id
                 for i in range(40)
-            ]  # fmt: skip
+            ]
 
             # When one of them is SIGKILLed while it runs some
             async def victim_runs() -> bool:
@@ -207,20 +217,27 @@ async def test_a_sigkilled_worker_process_on_one_sqlite_file_loses_nothing_and_d
                     return all(t.status is Status.SUCCESS for t in found)
 
                 await wait_until(all_done, timeout_s=90, what="every task to succeed")
-            expired = 0
-            for task_id in ids:
-                events = await assert_one_final_state(app.engine.store, task_id)
-                assert len(successes(events)) == 1
-                expired += sum(1 for e in events if e.event is Event.EXPIRE)
-                task = await app.get(task_id)
-                assert task.result is not None and task.result_prefix is not None
-                for output in (StoredOutput.from_json(o) for o in task.result["outputs"]):
-                    assert await verify(app.storage, output)
-                keys = await object_keys(app.storage, f"tasks/{task_id}/")
-                assert all(k.startswith(f"{task.result_prefix}/") for k in keys), keys
+            expired = await _each_succeeded_once(app, ids)
             assert expired >= 1  # the victim's attempts were taken back, not lost
     finally:
         group.stop()
+
+
+async def _each_succeeded_once(app: kiln.App, ids: list[str]) -> int:
+    """Every task in one final state, SUCCESS once, its outputs verified and only at its
+    final attempt's place; how many expiries their logs hold."""
+    expired = 0
+    for task_id in ids:
+        events = await assert_one_final_state(app.engine.store, task_id)
+        assert len(successes(events)) == 1
+        expired += sum(1 for e in events if e.event is Event.EXPIRE)
+        task = await app.get(task_id)
+        assert task.result is not None and task.result_prefix is not None
+        for output in (StoredOutput.from_json(o) for o in task.result["outputs"]):
+            assert await verify(app.storage, output)
+        keys = await object_keys(app.storage, f"tasks/{task_id}/")
+        assert all(k.startswith(f"{task.result_prefix}/") for k in keys), keys
+    return expired
 
 
 def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> None:
@@ -231,10 +248,12 @@ def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> No
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--port", str(port),
-             "--worker-processes", "2"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-        )  # fmt: skip
+            [sys.executable, "-m", "kiln", "serve", "--port", str(port), "--worker-processes", "2"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     try:
         # Then two `kiln worker` children run once it answers
         children: list[int] = []
