@@ -319,3 +319,41 @@ async def test_a_damaged_database_file_is_refused_with_what_to_do(tmp_path: Path
     assert str(path) in message and "KILN_DATABASE_URL" in message
     assert "file is not a database" in message
     assert refused.value.__cause__ is None  # no sqlite3 error chained behind it
+
+
+async def test_an_operation_that_fails_after_it_wrote_rolls_back_alone(tmp_path: Path) -> None:
+    """A batch runs without a savepoint per operation; one that fails after it changed a
+    row sends the batch round again with a savepoint each, and rolls back alone (I11)."""
+    store = SqliteStore(str(tmp_path / "kiln.db"), clock=lambda: NOW)
+    try:
+        await store._write(lambda tx: tx.run("CREATE TABLE t (n INTEGER)"))
+
+        def put(n: int) -> Any:
+            async def op(tx: Any) -> int:
+                return await tx.run("INSERT INTO t VALUES (?)", (n,))
+
+            return op
+
+        async def put_then_refuse(tx: Any) -> None:
+            await tx.run("INSERT INTO t VALUES (99)")
+            raise ValueError("refused after it wrote")
+
+        async def refuse(tx: Any) -> None:
+            raise ValueError("refused before it wrote")
+
+        # Given a batch in which one operation fails before it writes: no second round
+        done = await store._write_many([put(1), refuse, put(2)])
+        assert [type(d) for d in done] == [int, ValueError, int]
+        assert store._writer.reruns == 0
+
+        # When one fails after it wrote
+        done = await store._write_many([put(3), put_then_refuse, put(4)])
+
+        # Then its row is gone, the others' rows are there, and its error is its own
+        assert [type(d) for d in done] == [int, ValueError, int]
+        assert str(done[1]) == "refused after it wrote"
+        rows = await store._read(lambda tx: tx.all("SELECT n FROM t ORDER BY n"))
+        assert [r[0] for r in rows] == [1, 2, 3, 4]
+        assert store._writer.reruns == 1
+    finally:
+        await store.close()
