@@ -52,6 +52,8 @@ PIPELINE_RETRY_SHARE = 0.5
 REUSE_SHARE = 0.25
 #: Chance, between two batches, of a transform of an earlier SUCCESS output by reference.
 REF_SHARE = 0.5
+#: How many of the oldest sources one look at them reads.
+REF_LOOK = 4
 
 
 @dataclass(frozen=True)
@@ -438,17 +440,15 @@ class Submitter:
 
     async def _by_reference(self) -> None:
         """Transform, by reference, the output of an earlier plain task that succeeded
-        (one look at a few candidates; a source is used once)."""
-        for _ in range(3):
-            task_id = self._sources[self._ref_rng.randrange(len(self._sources))]
+        (one look at the oldest few candidates, the likeliest to have ended, whatever the
+        backlog; a source is used once)."""
+        for task_id in self._sources[:REF_LOOK]:
             task = await self.app.get(task_id)
             if not task.final:
                 continue
             self._sources.remove(task_id)
             if task.status is Status.SUCCESS:
                 await self._submit_reference(task)
-                return
-            if not self._sources:
                 return
 
     async def _submit_reference(self, source: Task) -> None:
