@@ -87,7 +87,10 @@ class Draft:
 
     def fact(self, kind: type[F]) -> F | None:
         """The caller's fact of ``kind``, or None."""
-        return next((f for f in self.facts if isinstance(f, kind)), None)
+        for fact in self.facts:
+            if isinstance(fact, kind):
+                return fact
+        return None
 
     @property
     def failure_code(self) -> str | None:
@@ -108,7 +111,10 @@ class Host(Protocol):
 
 
 class Contribution:
-    """A feature's part in every status change; both hooks do nothing unless overridden."""
+    """A feature's part in every status change; both hooks do nothing unless overridden
+    (``acts_after``: whether :meth:`committed` does anything)."""
+
+    acts_after = False
 
     def effects(self, draft: Draft) -> Iterable[Effect]:
         """The effects the change takes in its transaction."""
@@ -130,10 +136,12 @@ class Counters(Contribution):
     per-minute bucket (the stats' last hour)."""
 
     def effects(self, draft: Draft) -> Iterable[Effect]:
-        given = draft.fact(Counts)
+        given, code = draft.fact(Counts), draft.failure_code
+        if given is None and code is None:
+            return ()
         counted = list(given.counts if given is not None else ())
-        if draft.failure_code is not None:
-            counted.append(failure(draft.task, draft.failure_code))
+        if code is not None:
+            counted.append(failure(draft.task, code))
         minute = int(draft.now // 60)
         counted += [
             (FAILURES_BY_MINUTE, f"{minute:010d}:{labels}")
@@ -178,6 +186,8 @@ class Pipelines(Contribution):
     """A step's final change advances its pipeline in its transaction; once committed,
     streams and workers look for the steps it made ready."""
 
+    acts_after = True
+
     def effects(self, draft: Draft) -> Iterable[Effect]:
         pipeline_id = draft.task.pipeline_id
         return () if pipeline_id is None else (PipelineStep(pipeline_id),)
@@ -193,6 +203,8 @@ class Traces(Contribution):
     """With tracing on, a change that ends an attempt (or a review) emits its spans, built
     from the task's event rows. Tracing never fails a change: what goes wrong is logged
     and the change stands."""
+
+    acts_after = True
 
     async def committed(
         self, host: Host, draft: Draft, task: Task, events: list[TaskEvent]
@@ -221,4 +233,16 @@ CONTRIBUTIONS: tuple[Contribution, ...] = (
 
 def effects_of(draft: Draft, contributions: Sequence[Contribution]) -> tuple[Effect, ...]:
     """Every effect the ``contributions`` add to the drafted change."""
-    return tuple(effect for c in contributions for effect in c.effects(draft))
+    found: list[Effect] = []
+    for contribution in contributions:
+        found += contribution.effects(draft)
+    return tuple(found)
+
+
+async def committed(
+    host: Host, draft: Draft, task: Task, events: Events, contributions: Sequence[Contribution]
+) -> None:
+    """Run the ``contributions`` that act after the commit of the drafted change."""
+    for contribution in contributions:
+        if contribution.acts_after:
+            await contribution.committed(host, draft, task, events)

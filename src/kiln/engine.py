@@ -24,7 +24,14 @@ from kiln import logs
 from kiln.autoscaling import Autoscaling, signals
 from kiln.bus import EventHub, ProgressEvent
 from kiln.config import Settings
-from kiln.contributions import CONTRIBUTIONS, Contribution, Draft, Retry, effects_of
+from kiln.contributions import (
+    CONTRIBUTIONS,
+    Contribution,
+    Draft,
+    Retry,
+    committed,
+    effects_of,
+)
 from kiln.counters import (
     DEDUP_HITS,
     ILLEGAL_TRANSITIONS,
@@ -241,8 +248,7 @@ class Engine:
         )
         _log_transitions(events)
         self.written(events)
-        for contribution in self.contributions:
-            await contribution.committed(self, draft, updated, events)
+        await committed(self, draft, updated, events, self.contributions)
         return updated
 
     async def _plan_retry(self, draft: Draft, retry: Retry) -> dict[str, Any]:

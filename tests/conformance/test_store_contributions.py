@@ -45,6 +45,8 @@ class Marking(Contribution):
     """Adds :class:`Marked` to the changes whose caller passed a :class:`Mark`, and keeps
     what it saw committed."""
 
+    acts_after = True
+
     def __init__(self) -> None:
         self.committed_events: list[tuple[str, list[str]]] = []
 
