@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from kiln.counters import FAILURES, FAILURES_BY_MINUTE
@@ -84,18 +84,20 @@ class Draft:
     retry: Retry | None
     facts: Sequence[object]
     now: float
+    failure_code: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        error = None if self.retry is None else self.retry.error
+        self.failure_code = None if error is None else str(error.get("code"))
 
     def fact(self, kind: type[F]) -> F | None:
         """The caller's fact of ``kind``, or None."""
+        if not self.facts:
+            return None
         for fact in self.facts:
             if isinstance(fact, kind):
                 return fact
         return None
-
-    @property
-    def failure_code(self) -> str | None:
-        error = None if self.retry is None else self.retry.error
-        return None if error is None else str(error.get("code"))
 
 
 class Host(Protocol):

@@ -420,10 +420,9 @@ class TaskOps(Ops):
         task = task_from_row(row)
         dwell: float = now - current[3]
         applied = Applied(change, task, current[5], current[1], dwell, now)
-        for effect in effects:
-            await effect.before_events(self, tx, applied)
         rows = event_rows(change, task, current[2], dwell, now)
         for effect in effects:
+            await effect.before_events(self, tx, applied)
             effect.amend(rows)
         for step in rows:
             tx.bump(names.TRANSITIONS, f"{step.source}>{step.target}")
