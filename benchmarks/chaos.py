@@ -192,7 +192,7 @@ class Chaos:
     async def restart_supervisor(self, app: kiln.App, total: int) -> None:
         """Once about 40% of the tasks are final: SIGKILL the supervisor, start another."""
         while not self.done.is_set():
-            counts = (await app.store.stats(tenant=None, ghost_after_s=60)).counts
+            counts = (await app.engine.store.stats(tenant=None, ghost_after_s=60)).counts
             final = sum(n for status, n in counts.items() if Status(status) not in ACTIVE)
             if final >= 0.4 * total:
                 assert self.fleet.supervisor is not None
@@ -230,7 +230,7 @@ async def until_all_final(
         if any(loop.done() and loop.exception() for loop in loops):
             return False
         if submitter.settled and comfy.finished:
-            counts = (await app.store.stats(tenant=None, ghost_after_s=60)).counts
+            counts = (await app.engine.store.stats(tenant=None, ghost_after_s=60)).counts
             if not any(counts.get(str(status), 0) for status in ACTIVE):
                 return True
         await asyncio.sleep(POLL_S)
@@ -281,7 +281,9 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
     comfy_workflow.register(app, url="http://127.0.0.1:9")  # it validates, never runs a job
     rng = random.Random(args.seed)
     async with app:
-        await app.store.stats(tenant=None, ghost_after_s=60)  # the schema exists before they start
+        await app.engine.store.stats(
+            tenant=None, ghost_after_s=60
+        )  # the schema exists before they start
         fleet = Fleet(run_dir, env, args)
         chaos = Chaos(fleet, random.Random(rng.random()), args)
         submitter = Submitter(app, random.Random(rng.random()), args.tasks, args.backlog)
@@ -309,7 +311,7 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
             submitter.created, submitter.permanent, submitter.problems,
             submitter.permanent_steps, submitter.cancelled_pipelines, submitter.by_reference,
         )  # fmt: skip
-        snap = await load(app.store)
+        snap = await load(app.engine.store)
         integrity = sqlite_integrity(database_url)
         deadlocks = postgres_deadlocks(database_url)
         checks = await check_all(app, expected, integrity=integrity)

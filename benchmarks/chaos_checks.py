@@ -613,7 +613,7 @@ async def check_all(
 ) -> list[Check]:
     """Every check on one snapshot, in DESIGN.md's order. Reconciliation, which deletes
     orphans, runs after the outputs were verified."""
-    snap = await load(app.store)
+    snap = await load(app.engine.store)
     verified = await check_verified_success(snap, app.storage)
     step_inputs = await check_step_inputs(snap, app.storage)
     by_reference = await check_by_reference(snap, app.storage, expected)

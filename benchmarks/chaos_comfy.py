@@ -163,7 +163,7 @@ class ComfyFleet:
         machine, then lies behind the run, not in its first seconds)."""
         pids = {i.worker.pid for i in self.instances if i.worker is not None}
         deadline = time.monotonic() + READY_S
-        while not pids <= {w.pid for w in await app.store.workers()}:
+        while not pids <= {w.pid for w in await app.engine.store.workers.live()}:
             if time.monotonic() > deadline:
                 raise RuntimeError("the comfy.workflow workers did not register")
             await asyncio.sleep(0.1)

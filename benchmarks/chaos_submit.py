@@ -223,7 +223,7 @@ class Submitter:
 
     async def _room(self) -> bool:
         while not self._stopping:
-            counts = (await self.app.store.stats(tenant=None, ghost_after_s=60)).counts
+            counts = (await self.app.engine.store.stats(tenant=None, ghost_after_s=60)).counts
             if counts.get(str(Status.PENDING), 0) < self.backlog:
                 return True
             await asyncio.sleep(POLL_S)
@@ -457,7 +457,7 @@ class Submitter:
                                   {"op": "resize", "width": 40, "height": 40},
                                   {"op": "convert", "format": "webp"}))  # fmt: skip
         refs = {transform.INPUT: inputs.referenced(f"sha256:{output['sha256']}")}
-        store, storage = self.app.store, self.app.storage
+        store, storage = self.app.engine.store, self.app.storage
         try:
             records, held = await inputs.refer(
                 store, storage, source.tenant, refs,

@@ -110,7 +110,7 @@ async def wait_for_success(
     deadline = time.perf_counter() + timeout_s
     polls = 0
     while True:
-        moved = transitions_of(await app.store.counters())
+        moved = transitions_of(await app.engine.store.counters())
         polls += 1
         if sum(n for label, n in moved.items() if label.endswith(">SUCCESS")) >= tasks:
             return time.perf_counter(), polls

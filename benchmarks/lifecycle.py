@@ -194,9 +194,9 @@ async def run_figure(
             finished, _ = await wait_for_success(app, created, timeout_s=max(120.0, tasks / 10))
             cpu_s = time.process_time() - cpu_before
             threads = thread_cpu()
-        stats = await app.store.stats(tenant=None, ghost_after_s=60)
-        moved = transitions_of(await app.store.counters())
-        batches = getattr(app.store, "write_batches", None)
+        stats = await app.engine.store.stats(tenant=None, ghost_after_s=60)
+        moved = transitions_of(await app.engine.store.counters())
+        batches = getattr(app.engine.store, "write_batches", None)
     return Figure(
         tasks=created,
         output_bytes=output_bytes,

@@ -182,8 +182,8 @@ async def drive(
         cpu_s = cpu_end.user + cpu_end.system - cpu.user - cpu.system
         at_finish, machine_after = cluster.snapshot(name, postmaster), machine_cpu()
         connections = cluster.connections(name)
-        stats = await app.store.stats(tenant=None, ghost_after_s=60)
-        moved = transitions_of(await app.store.counters())
+        stats = await app.engine.store.stats(tenant=None, ghost_after_s=60)
+        moved = transitions_of(await app.engine.store.counters())
     figure = Figure(
         tasks=created, output_bytes=output_bytes, concurrency=0, wall_s=finished - started,
         submit_s=submitted - started, transitions=created + sum(moved.values()),

@@ -82,7 +82,7 @@ def worker_process(url: str, scratch: Path, done: Path, concurrency: int, pipe: 
         async with app:
             worker = app.worker(concurrency=concurrency)
             async with kiln.app.running(worker.run()):
-                await app.store.counters()  # the pool is open
+                await app.engine.store.counters()  # the pool is open
                 pipe.send("ready")
                 await asyncio.to_thread(pipe.recv)
 

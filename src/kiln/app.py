@@ -252,7 +252,7 @@ class App(KindRegistry, EngineParts, TaskReads):
         inputs named by reference found and checked, its files (sha256, bytes) kept, all
         pinned while the block runs (:func:`kiln.submission.holding`)."""
         return holding(
-            self.store,
+            self.engine.store,
             self.storage,
             submission,
             self.kind,
@@ -265,7 +265,7 @@ class App(KindRegistry, EngineParts, TaskReads):
         self, files: Sequence[tuple[str, bytes]], *, drop: bool = True
     ) -> contextlib.AbstractAsyncContextManager[None]:
         """Input files (sha256, bytes) kept and pinned while the block runs."""
-        return pinned(self.store, self.storage, files, drop=drop)
+        return pinned(self.engine.store, self.storage, files, drop=drop)
 
     async def rerun(
         self,

@@ -4,8 +4,6 @@ and closes it."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 from collections.abc import Callable
 from typing import Self
 
@@ -13,15 +11,20 @@ from kiln.bus import EventHub
 from kiln.config import Settings
 from kiln.engine import Engine
 from kiln.kinds import TaskKind
-from kiln.retry import RetryPolicy
 from kiln.storage import Storage
-from kiln.store import Store
 
 __all__ = ["EngineParts"]
 
 
 class EngineParts:
-    """What :class:`kiln.App` shows of its :attr:`engine`, and its opening and closing."""
+    """What :class:`kiln.App` shows of its :attr:`engine`, and its opening and closing.
+
+    Only what the faces and the library's users read of the engine is shown here: the
+    settings and the storage (docs/uploads.md, docs/scheduling.md), the kinds, the hub,
+    the clock's ``now()`` and the cancel listeners (the faces reach the engine through the
+    App: docs/design.md, "One way in"). Anything else is the engine's: ``app.engine``
+    (``app.engine.store``, ``app.engine.illegal_transitions``, ...).
+    """
 
     engine: Engine
 
@@ -38,29 +41,8 @@ class EngineParts:
         return self.engine.kinds
 
     @property
-    def clock(self) -> Callable[[], float] | None:
-        return self.engine.clock
-
-    @property
-    def rng(self) -> random.Random:
-        return self.engine.rng
-
-    @property
-    def retry_policy(self) -> RetryPolicy:
-        return self.engine.retry_policy
-
-    @property
-    def illegal_transitions(self) -> int:
-        """Transitions the state table refused in this process."""
-        return self.engine.illegal_transitions
-
-    @property
     def cancel_listeners(self) -> list[Callable[[str], None]]:
         return self.engine.cancel_listeners
-
-    @property
-    def store(self) -> Store:
-        return self.engine.store
 
     @property
     def storage(self) -> Storage:
@@ -69,11 +51,6 @@ class EngineParts:
     @property
     def hub(self) -> EventHub:
         return self.engine.hub
-
-    @property
-    def wake(self) -> asyncio.Event:
-        """Set when work became claimable; workers in this process wait on it."""
-        return self.engine.wake
 
     def now(self) -> float:
         return self.engine.now()

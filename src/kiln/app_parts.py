@@ -43,20 +43,20 @@ class Schedules:
 
     async def get(self, schedule_id: str, scope: str | None = None) -> ScheduleRecord:
         """The schedule, or NotFound, also when it belongs to another tenant."""
-        found = await self.engine.store.schedule(schedule_id)
+        found = await self.engine.store.schedules.get(schedule_id)
         if found is None or (scope is not None and found.tenant != scope):
             raise NotFound(f"no schedule {schedule_id!r}")
         return found
 
     async def create(self, schedule: ScheduleRecord, *, most: int | None = None) -> ScheduleRecord:
         """Store a new schedule; with ``most``, TooManySchedules past that many a tenant."""
-        return await self.engine.store.create_schedule(schedule, most=most)
+        return await self.engine.store.schedules.create(schedule, most=most)
 
     async def list(
         self, *, scope: str | None, limit: int = 50, after: str | None = None
     ) -> list[ScheduleRecord]:
         """Up to ``limit`` schedules, oldest first, after the schedule id ``after``."""
-        return await self.engine.store.schedules(tenant=scope, limit=limit, after=after)
+        return await self.engine.store.schedules.page(tenant=scope, limit=limit, after=after)
 
     async def set_paused(
         self, schedule_id: str, *, paused: bool, scope: str | None = None
@@ -70,7 +70,7 @@ class Schedules:
         if not paused:
             next_at = Cron(found.cron, found.timezone).next_after(self.engine.now())
         store = self.engine.store
-        changed = await store.set_schedule_paused(schedule_id, paused=paused, next_at=next_at)
+        changed = await store.schedules.set_paused(schedule_id, paused=paused, next_at=next_at)
         if changed is None:
             raise NotFound(f"no schedule {schedule_id!r}")
         return changed
@@ -78,7 +78,7 @@ class Schedules:
     async def delete(self, schedule_id: str, scope: str | None = None) -> None:
         """Delete a schedule (the tasks it made stay); NotFound as :meth:`get`."""
         await self.get(schedule_id, scope)
-        if not await self.engine.store.delete_schedule(schedule_id):
+        if not await self.engine.store.schedules.delete(schedule_id):
             raise NotFound(f"no schedule {schedule_id!r}")
 
 
@@ -106,4 +106,4 @@ class Operations:
     ) -> list[UsageSum]:
         """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
         store = self.engine.store
-        return await store.usage(since=since, until=until, group_by=group_by, tenant=tenant)
+        return await store.usage.report(since=since, until=until, group_by=group_by, tenant=tenant)

@@ -59,7 +59,7 @@ class TaskReads:
         """The task's webhook deliveries in event order (at most ``MAX_DELIVERIES_SHOWN``);
         NotFound as :meth:`get`."""
         task = await self.get(task_id, tenant)
-        return await self.engine.store.webhook_deliveries(
+        return await self.engine.store.outbox.deliveries(
             task_id=task.id, limit=MAX_DELIVERIES_SHOWN
         )
 
@@ -70,7 +70,7 @@ class TaskReads:
         whatever its status; NotFound for an unknown task or delivery. A delivery that had
         used up its attempts gets one more; one that had attempts left keeps its backoff."""
         task = await self.get(task_id, tenant)
-        found = await self.engine.store.webhook_redeliver(delivery_id, task_id=task.id)
+        found = await self.engine.store.outbox.redeliver(delivery_id, task_id=task.id)
         if found is None:
             raise NotFound(f"task {task.id} has no webhook delivery {delivery_id!r}")
         log.info(

@@ -8,7 +8,7 @@ its line, and the slots of the live workers whose kinds take it. ``/metrics`` sh
 ``kiln_queue_*``, ``kiln_worker_slots`` and ``kiln_pool_*``; ``/v1/stats`` (admin) as
 ``autoscaling``. docs/autoscaling.md turns them into a worker count.
 
-Everything here is pure: the numbers come from one read (:meth:`Store.queue_load`), the
+Everything here is pure: the numbers come from one read (``store.load.read()``), the
 worker registry and the pools' usage, all read once per scrape.
 """
 

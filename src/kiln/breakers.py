@@ -191,14 +191,14 @@ class Breakers:
     async def _sync(self) -> None:
         try:
             while self._pending:
-                await self.engine.store.save_breaker(self._pending[0])
+                await self.engine.store.limits.save_breaker(self._pending[0])
                 self._pending.pop(0)
             now = self.engine.now()
             if now - self._read_at < READ_EVERY_S:
                 return
             self._read_at = now
             changes = {name: shared.changes for name, shared in self.breakers.items()}
-            rows = await self.engine.store.breakers()
+            rows = await self.engine.store.limits.breakers()
         except StoreUnavailable as exc:
             log.warning("breaker_sync_failed", extra={"error": exc.message})
             return
@@ -231,7 +231,7 @@ class Breakers:
         until = now + self.settings.breaker_open_s
         record = BreakerRecord(name, "half_open", until, now, self.owner)
         try:
-            won = await self.engine.store.save_breaker(record, only_if_due=True)
+            won = await self.engine.store.limits.save_breaker(record, only_if_due=True)
         except StoreUnavailable:
             return False
         if not won:

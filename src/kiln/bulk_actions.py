@@ -196,7 +196,7 @@ async def bulk_action(
     done = DONE_FIELD[action]
     answer: JSON = {"action": action, "dry_run": dry_run}
     if dry_run:
-        matched = await engine.store.bulk_count(found, cursor)
+        matched = await engine.store.bulk.count(found, cursor)
         answer.update(matched=matched, skipped=0, cursor=None, **{done: 0})
         if action == "cancel":
             answer["cancel_requested"] = 0

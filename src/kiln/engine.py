@@ -335,7 +335,7 @@ class Engine:
         ``KILN_BULK_PAGE_ROWS`` rows changed (:mod:`kiln.store.bulk`), then what
         :meth:`apply` and :meth:`request_cancel` do after theirs: the log lines, the wake-up
         of this process's streams, and the cancel listeners of its workers."""
-        page = await self.store.bulk_page(
+        page = await self.store.bulk.page(
             found, after, limit, plan, rows=self.settings.bulk_page_rows
         )
         _log_transitions(page.events)
@@ -358,7 +358,7 @@ class Engine:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
         if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:
             return None
-        return await self.store.pool_wait(task.id)
+        return await self.store.pools.wait(task.id)
 
     @property
     def ghost_after_s(self) -> float:
@@ -388,26 +388,26 @@ class Engine:
 
     async def pools(self) -> list[PoolUsage]:
         """The shared resource pools: capacity, units held, tasks waiting."""
-        return await self.store.pools()
+        return await self.store.pools.usage()
 
     async def shared_breakers(self) -> list[BreakerRecord]:
         """The circuit breakers' states as every process shares them."""
-        return await self.store.breakers()
+        return await self.store.limits.breakers()
 
     async def workers(self) -> list[WorkerRecord]:
         """The worker processes whose beat has not lapsed (the worker registry)."""
-        return await self.store.workers()
+        return await self.store.workers.live()
 
     async def gpu_seconds(
         self, *, since: float = 0.0, until: float = FOREVER
     ) -> dict[tuple[str, str, str, str], float]:
         """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
         ``[since, until)``."""
-        return await self.store.gpu_seconds(since=since, until=until)
+        return await self.store.usage.gpu_seconds(since=since, until=until)
 
     async def webhook_pending(self) -> int:
         """Webhook deliveries not yet delivered or given up."""
-        return await self.store.webhook_pending()
+        return await self.store.outbox.pending()
 
     async def autoscaling(
         self,
@@ -417,7 +417,7 @@ class Engine:
     ) -> Autoscaling:
         """The autoscaling signals of every kind (registered or seen) and pool; pass the
         live workers and the pools when already read, so a scrape reads each once."""
-        load = await self.store.queue_load()
+        load = await self.store.load.read()
         if workers is None:
             workers = await self.workers()
         if pools is None:
@@ -439,7 +439,7 @@ class Engine:
         rate = self.settings.tenant_limit(tenant).rate
         if rate is None:
             return
-        wait_s = await self.store.take_token(rate_bucket(tenant), rate, tasks)
+        wait_s = await self.store.limits.take_token(rate_bucket(tenant), rate, tasks)
         if wait_s > 0:
             await self.count_rate_limited()
             what = "this request's task" if tasks == 1 else f"this request's {tasks} tasks"

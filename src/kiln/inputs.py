@@ -223,7 +223,7 @@ async def hold(store: Store, storage: Storage, files: Sequence[tuple[str, bytes]
     written: list[str] = []
     deadline = asyncio.get_running_loop().time() + HOLD_WAIT_S
     while pending:
-        pins = await store.pin_inputs(pending)
+        pins = await store.inputs.pin(pending)
         for sha256 in (s for s in pending if s not in pins.busy):
             pinned.append(sha256)
             if sha256 in pins.write:
@@ -243,9 +243,9 @@ async def hold(store: Store, storage: Storage, files: Sequence[tuple[str, bytes]
 async def release(store: Store, storage: Storage, held: Held, *, drop: bool = False) -> None:
     """Unpin what :func:`hold` pinned. ``drop``: the request was refused, so the inputs it
     wrote go again at once, unless a task or another upload uses them by now."""
-    await store.unpin_inputs(held.sha256s)
+    await store.inputs.unpin(held.sha256s)
     if drop and held.written:
-        deletion = await store.claim_unused_inputs(used_before=0.0, among=held.written)
+        deletion = await store.inputs.claim_unused(used_before=0.0, among=held.written)
         await delete(store, storage, deletion)
 
 
@@ -260,7 +260,7 @@ async def delete(store: Store, storage: Storage, deletion: Deletion) -> int:
             log.warning("input_delete_failed", extra={"sha256": sha256}, exc_info=True)
             continue
         gone.append(sha256)
-    await store.forget_inputs(deletion, gone)
+    await store.inputs.forget(deletion, gone)
     return len(gone)
 
 
@@ -308,7 +308,7 @@ async def refer(
     found: dict[str, KnownObject] = {}
     for name, sha256 in refs.items():
         if sha256 not in found:
-            known = await store.find_object(tenant, sha256)
+            known = await store.inputs.find_object(tenant, sha256)
             if known is None:
                 raise unknown_reference(name, sha256)
             found[sha256] = known
@@ -340,7 +340,7 @@ async def _pin(
     fresh: set[str] = set()
     deadline = asyncio.get_running_loop().time() + HOLD_WAIT_S
     while pending:
-        pins = await store.pin_inputs(pending)
+        pins = await store.inputs.pin(pending)
         pinned += [sha256 for sha256 in pending if sha256 not in pins.busy]
         fresh |= pins.write
         pending = sorted(pins.busy)

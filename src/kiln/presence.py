@@ -76,9 +76,9 @@ async def keep_present(
     try:
         while True:
             try:
-                await store.worker_seen(record(), ttl_s=ttl_s)
+                await store.workers.seen(record(), ttl_s=ttl_s)
                 if peers is not None:
-                    peers(await store.workers())
+                    peers(await store.workers.live())
             except Exception as exc:  # the next beat tries again; the claims go on meanwhile
                 error = exc.message if isinstance(exc, StoreUnavailable) else repr(exc)
                 log.warning("worker_beat_failed", extra={"error": error})
@@ -86,6 +86,6 @@ async def keep_present(
     finally:
         try:
             async with asyncio.timeout(GONE_TIMEOUT_S):
-                await store.worker_gone(worker_id)
+                await store.workers.gone(worker_id)
         except Exception as exc:  # a store closed or away: the row lapses by itself
             log.debug("worker_gone_failed", extra={"error": str(exc) or type(exc).__name__})

@@ -349,7 +349,7 @@ async def _check_inputs(
 ) -> None:
     """Inputs the store does not know and no task refers to are orphans."""
     names = {info.key: info.key.rsplit("/", 1)[-1] for info in batch}
-    known = await engine.store.known_inputs(sorted(set(names.values())))
+    known = await engine.store.inputs.known(sorted(set(names.values())))
     for info in batch:
         if names[info.key] not in known:
             await _found_orphan(

@@ -83,7 +83,7 @@ async def purge(
     if policy.inputs_s is not None:  # after the tasks: theirs may be unused now
         await _drain_inputs(store, storage, report, page, now - policy.inputs_s)
     if policy.keys_s is not None:
-        while gone := await store.expire_keys(created_before=now - policy.keys_s, limit=page):
+        while gone := await store.keys.expire(created_before=now - policy.keys_s, limit=page):
             report.keys += gone
             if gone < page:
                 break
@@ -97,7 +97,7 @@ async def _drain_inputs(
     store: Store, storage: Storage, report: RetentionReport, page: int, used_before: float
 ) -> None:
     while True:
-        deletion = await store.claim_unused_inputs(used_before=used_before, limit=page)
+        deletion = await store.inputs.claim_unused(used_before=used_before, limit=page)
         report.inputs += await inputs.delete(store, storage, deletion)
         if len(deletion.sha256s) < page:
             return

@@ -56,7 +56,7 @@ async def retry_slot(store: Store, task: Task, due: float, rate_per_s: float) ->
     outage that ends are spread out instead of arriving at once. Only scheduling a retry
     takes a slot (one small write); nothing else touches the clock.
     """
-    slot = await store.reserve_retry(due, 1.0 / rate_per_s)
+    slot = await store.limits.reserve_retry(due, 1.0 / rate_per_s)
     return slot if slot < task.deadline_at else None
 
 

@@ -1,8 +1,8 @@
 """The scheduler: the leading supervisor fires the due ticks of recurring schedules.
 
 Every sweep of the leader reads the schedules whose next tick has come
-(:meth:`Store.due_schedules`) and hands each tick to the store
-(:meth:`Store.handle_tick`), which submits its task and moves the schedule on in one
+(``store.schedules.due``) and hands each tick to the store
+(``store.schedules.handle_tick``), which submits its task and moves the schedule on in one
 transaction, under the leader's token (see :mod:`kiln.store.schedules`). The policy lives
 here:
 
@@ -121,7 +121,7 @@ class Scheduler:
         schedule). A lost leadership raises NotLeader and stops the pass."""
         report = PassReport()
         try:
-            for schedule in await self.engine.store.due_schedules(limit=self.batch):
+            for schedule in await self.engine.store.schedules.due(limit=self.batch):
                 await self._schedule_pass(schedule, token, report)
         finally:
             self.totals.add(report)
@@ -137,7 +137,7 @@ class Scheduler:
             if tick is None:
                 return
             tick = replace(tick, rate=rate, tasks=tasks)
-            done = await self.engine.store.handle_tick(tick, token)
+            done = await self.engine.store.schedules.handle_tick(tick, token)
             if done is None:  # moved on meanwhile (paused, deleted, handled elsewhere)
                 return
             if done.outcome != "rate_limited":  # put off: nothing was counted yet

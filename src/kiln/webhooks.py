@@ -474,7 +474,7 @@ class Dispatcher:
     async def enqueue(self) -> bool:
         """One page of the log into the outbox; True when the page was full."""
         store = self.engine.store
-        scan = await store.webhook_scan(limit=SCAN_PAGE)
+        scan = await store.outbox.scan(limit=SCAN_PAGE)
         if scan.last <= scan.cursor:
             return False
         now = self.engine.now()
@@ -494,7 +494,7 @@ class Dispatcher:
             for event, task in scan.events
             if wants(task.webhook, event)
         ]
-        added = await store.webhook_enqueue(deliveries, cursor=scan.last)
+        added = await store.outbox.enqueue(deliveries, cursor=scan.last)
         if added:
             log.info("webhooks_queued", extra={"deliveries": added, "seq": scan.last})
         return scan.read >= SCAN_PAGE
@@ -504,7 +504,7 @@ class Dispatcher:
         free = self.settings.webhook_concurrency - len(self.inflight)
         if free <= 0:
             return 0
-        due = await self.engine.store.webhook_due(limit=free + len(self.inflight))
+        due = await self.engine.store.outbox.due(limit=free + len(self.inflight))
         started = 0
         for delivery in due:
             if started == free:
@@ -517,7 +517,7 @@ class Dispatcher:
     async def _deliver(self, delivery: WebhookDelivery) -> None:
         try:
             attempt = await self.attempt(delivery)
-            await self.engine.store.webhook_record(attempt)
+            await self.engine.store.outbox.record(attempt)
             self.outcomes[attempt.outcome] += 1
             _log_attempt(delivery, attempt)
         except asyncio.CancelledError:

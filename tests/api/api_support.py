@@ -113,7 +113,7 @@ class ApiUnderTest:
         )
 
     async def task_count(self) -> int:
-        tasks, _ = await self.kiln.store.list_tasks(tenant=None, limit=10_000)
+        tasks, _ = await self.kiln.engine.store.list_tasks(tenant=None, limit=10_000)
         return len(tasks)
 
 

@@ -60,7 +60,7 @@ async def _retry_later(store: Store, due_at: float) -> None:
 async def _in_the_pool(store: Store, name: str, *, acquired: bool) -> None:
     """A task of KIND that took the pool's one slot (then GENERATING), or waits for it."""
     task = await drive(store, make_new_task({"n": name}, kind=KIND), Status.WAITING_FOR_RESOURCE)
-    wait = await store.acquire_slots(task.id, task.epoch, {POOL: 1}, {POOL: 1})
+    wait = await store.pools.acquire(task.id, task.epoch, {POOL: 1}, {POOL: 1})
     assert (wait is None) is acquired
     if acquired:
         await store.apply(step_change(task, Event.ACQUIRE))
@@ -70,7 +70,7 @@ async def test_signals_count_every_state_and_the_registered_workers(
     scaled_api: ApiUnderTest, clock: Any
 ) -> None:
     # Given tasks of one kind in every state, submitted 10 s apart
-    store = scaled_api.kiln.store
+    store = scaled_api.kiln.engine.store
     started = clock.now
     await drive(store, make_new_task({"n": "done"}, kind=KIND), Status.SUCCESS)
     await drive(store, make_new_task({"n": "up"}, kind=KIND), Status.UPLOADING)
@@ -83,9 +83,9 @@ async def test_signals_count_every_state_and_the_registered_workers(
     await drive(store, make_new_task({"n": "p1"}, kind=KIND), Status.PENDING)
     clock.advance(5)
     # And two live workers (one serves the kind through the pool), one gone
-    await store.worker_seen(_worker("a", slots=3, resources={KIND: {POOL: 1}}), ttl_s=60)
-    await store.worker_seen(_worker("b", slots=2, kinds=(KIND, "image.generate")), ttl_s=60)
-    await store.worker_seen(_worker("gone", slots=8), ttl_s=1)
+    await store.workers.seen(_worker("a", slots=3, resources={KIND: {POOL: 1}}), ttl_s=60)
+    await store.workers.seen(_worker("b", slots=2, kinds=(KIND, "image.generate")), ttl_s=60)
+    await store.workers.seen(_worker("gone", slots=8), ttl_s=1)
     clock.advance(2)
 
     # When the admin reads the stats and Prometheus scrapes

@@ -336,7 +336,7 @@ async def test_a_key_stored_with_an_older_fingerprint_still_replays(
         "deadline_s": 86400, "dedup": True, "timeouts": [600.0, 600.0, 120.0],
         "metadata": {}, "inputs": [],
     }  # fmt: skip
-    stored = await app.store.submit(
+    stored = await app.engine.store.submit(
         NewTask(
             id=canonical.new_task_id(), tenant="default", kind="image.generate", params=params,
             fingerprint=canonical.digest(body), idempotency_key="k-old", dedup_key=None,

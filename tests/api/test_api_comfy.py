@@ -122,7 +122,9 @@ def error_of(response: httpx.Response, status: int, code: str) -> dict[str, Any]
 
 
 async def jobs_of(api: ApiUnderTest) -> int:
-    tasks, _ = await api.kiln.store.list_tasks(tenant=None, kind="comfy.workflow", limit=1000)
+    tasks, _ = await api.kiln.engine.store.list_tasks(
+        tenant=None, kind="comfy.workflow", limit=1000
+    )
     return len(tasks)
 
 
@@ -504,7 +506,7 @@ async def test_a_cancel_asked_through_another_api_node_reaches_an_open_stream(
     # Given a job a worker elsewhere runs (claimed on the shared store), its stream open
     _, api = queued_only
     job_id = (await api.client.post("/api/v2/jobs", json={"workflow": graph(14)})).json()["id"]
-    [claimed] = await api.kiln.store.claim(
+    [claimed] = await api.kiln.engine.store.claim(
         worker_id="gpu-node-2", kinds=["comfy.workflow"], limit=1, lease_ttl_s=600
     )
     assert claimed.id == job_id
@@ -514,7 +516,7 @@ async def test_a_cancel_asked_through_another_api_node_reaches_an_open_stream(
         seen = [await anext(events)]
         # When another API node asks the cancel (written to the store: this process's
         # engine hears nothing of it)
-        await api.kiln.store.request_cancel(job_id)
+        await api.kiln.engine.store.request_cancel(job_id)
         async with asyncio.timeout(30):
             async for event in events:
                 seen.append(event)
@@ -526,7 +528,7 @@ async def test_a_cancel_asked_through_another_api_node_reaches_an_open_stream(
     # And a new connection says it too, its id derived from the last status change
     history = await _sse_until(api.client, job_id, _says("canceling"))
     seq, dot, n = history[-1]["id"].partition(".")
-    last_seq = max(e.seq for e in await api.kiln.store.events(task_id=job_id))
+    last_seq = max(e.seq for e in await api.kiln.engine.store.events(task_id=job_id))
     assert (int(seq), dot) == (last_seq, ".") and n.isdigit()
 
 

@@ -68,7 +68,7 @@ async def dispatch(dispatcher: Dispatcher) -> None:
 
 
 async def rows(api: ApiUnderTest, task_id: str) -> list[WebhookDelivery]:
-    return await api.kiln.store.webhook_deliveries(task_id=task_id)
+    return await api.kiln.engine.store.outbox.deliveries(task_id=task_id)
 
 
 async def a_task_with_a_tried_delivery(api: ApiUnderTest, receiver: Receiver) -> str:
@@ -167,7 +167,7 @@ async def test_refused_redeliveries_change_nothing(api: ApiUnderTest, receiver: 
     for response, status, code in refusals:
         assert_error(response, status, code)
     assert await rows(api, task_id) == [before]
-    assert await api.kiln.store.webhook_deliveries(task_id=bobs) == []
+    assert await api.kiln.engine.store.outbox.deliveries(task_id=bobs) == []
 
 
 async def test_the_admin_redelivers_a_delivered_webhook_with_the_same_id(

@@ -72,14 +72,14 @@ async def test_a_waiting_task_shows_its_place_in_the_pool_line(settings: Setting
     pooled = settings.with_(pools={"gpu-a100": 1})
     async with running_api(pooled) as api:
         ids = [(await api.submit(image_body(f"fox {i}"))).json()["id"] for i in range(3)]
-        store = api.kiln.store
+        store = api.kiln.engine.store
         claimed = await store.claim(
             worker_id="w-1", kinds=["image.generate"], limit=3, lease_ttl_s=60
         )
         by_id = {t.id: t for t in claimed}
         for task_id in ids:  # in submission order: the first takes the slot
             task = by_id[task_id]
-            await store.acquire_slots(task.id, task.epoch, {"gpu-a100": 1}, {"gpu-a100": 1})
+            await store.pools.acquire(task.id, task.epoch, {"gpu-a100": 1}, {"gpu-a100": 1})
         holder, first, second = [(await api.client.get(f"/v1/tasks/{i}")).json() for i in ids]
         assert holder["status"] == Status.WAITING_FOR_RESOURCE and holder["resource_wait"] is None
         assert first["resource_wait"] == {

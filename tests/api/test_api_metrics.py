@@ -71,7 +71,7 @@ async def test_metrics_match_the_store_after_a_scripted_run(working_api: ApiUnde
 
     samples = await scrape(working_api)
 
-    store = working_api.kiln.store
+    store = working_api.kiln.engine.store
     stats = await store.stats(tenant=None, ghost_after_s=60)
     counters = await store.counters()
     tasks = labelled(samples, "kiln_tasks", "status")
@@ -139,7 +139,7 @@ async def test_the_loops_of_kiln_serve_report_on_the_api_metrics(settings: Setti
 async def test_preemptions_are_counted_per_pool(keyed_api: ApiUnderTest) -> None:
     # Given two requests to yield in one pool, counted by the store as the supervisor does
     for _ in range(2):
-        await keyed_api.kiln.store.bump(PREEMPTIONS, "gpu-a100")
+        await keyed_api.kiln.engine.store.bump(PREEMPTIONS, "gpu-a100")
     keyed_api.client.headers.pop("Authorization")
 
     samples = await scrape(keyed_api)

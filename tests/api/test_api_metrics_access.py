@@ -143,7 +143,7 @@ async def test_a_wrong_key_is_401_and_a_tenant_key_gets_the_operational_series(
     keyed_api: ApiUnderTest,
 ) -> None:
     # Given a failure of alice's task, counted by the store
-    await keyed_api.kiln.store.bump(FAILURES, "alice:boom")
+    await keyed_api.kiln.engine.store.bump(FAILURES, "alice:boom")
     # When /metrics is asked with a key that is none of the configured ones, or another scheme
     for headers in (
         {"Authorization": "Bearer not-a-key-at-all"},
@@ -219,7 +219,7 @@ async def test_a_configured_model_keeps_its_own_series_when_no_worker_holds_it(
 async def test_failure_codes_past_the_most_frequent_are_other(api: ApiUnderTest) -> None:
     # Given failures under more codes than /metrics names (as a handler, or the demo's
     # simulate.fail_code, may say any), the first code the most frequent
-    store = api.kiln.store
+    store = api.kiln.engine.store
     for _ in range(3):
         await store.bump(FAILURES, "default:code-most")
     for n in range(MAX_FAILURE_CODES + 9):

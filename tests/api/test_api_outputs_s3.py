@@ -48,7 +48,7 @@ async def test_proxy_mode_streams_the_bytes_of_an_output_stored_on_s3(
         assert response.headers["content-type"] == "image/png"
         assert response.content.startswith(b"\x89PNG")
         assert again.status_code == 304 and again.content == b""
-        record = await api.kiln.store.get(task["id"])
+        record = await api.kiln.engine.store.get(task["id"])
         assert record is not None and record.result is not None
         stored = StoredOutput.from_json(record.result["outputs"][0])
         assert stored.key.startswith(f"tasks/{task['id']}/")

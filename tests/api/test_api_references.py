@@ -71,7 +71,7 @@ async def stored_keys(api: ApiUnderTest) -> list[str]:
 
 async def pins(api: ApiUnderTest) -> list[tuple[str, int]]:
     """Every input the store knows, with its pin count."""
-    store = api.kiln.store
+    store = api.kiln.engine.store
     return sorted(await store._rows(store.q.sql("SELECT sha256, pins FROM inputs"), (), tuple))
 
 
@@ -101,7 +101,7 @@ async def test_a_reference_to_an_upload_is_the_same_input_and_dedups_alike(
     assert referred.inputs[0]["width"] == 40 and referred.inputs[0]["height"] == 30
     assert await stored_keys(keyed) == [input_key(sha256_hex(data))]
     # ... which retention counts as used by both tasks, with no pin left
-    assert await keyed.kiln.store.known_inputs([sha256_hex(data)]) == {sha256_hex(data)}
+    assert await keyed.kiln.engine.store.inputs.known([sha256_hex(data)]) == {sha256_hex(data)}
     assert await pins(keyed) == [(sha256_hex(data), 0)]
 
 

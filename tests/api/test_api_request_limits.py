@@ -147,7 +147,7 @@ async def test_a_tenant_past_its_schedule_cap_gets_409_and_the_admin_is_exempt(
         error = assert_error(refused, 409, "too_many_schedules")
         assert "KILN_MAX_SCHEDULES_PER_TENANT" in error["message"]
         assert (error["details"][0]["count"], error["details"][0]["limit"]) == (2, 2)
-        assert len(await api.kiln.store.schedules(tenant="alice")) == 2
+        assert len(await api.kiln.engine.store.schedules.page(tenant="alice")) == 2
         # The admin key is not capped
         for _ in range(3):
             admin = await api.client.post(
@@ -164,4 +164,4 @@ async def test_a_schedule_whose_ticks_pass_the_task_cap_is_refused(settings: Set
         body = {"cron": "* * * * *", "task": repeated(60)}
         response = await api.client.post("/v1/schedules", json=body)
         assert_error(response, 413, "too_many_tasks")
-        assert await api.kiln.store.schedules(tenant=None) == []
+        assert await api.kiln.engine.store.schedules.page(tenant=None) == []

@@ -37,7 +37,7 @@ def schedule_body(cron: str = "0 9 * * 1-5", **fields: Any) -> dict[str, Any]:
 
 
 async def schedule_count(api: ApiUnderTest) -> int:
-    return len(await api.kiln.store.schedules(tenant=None, limit=1000))
+    return len(await api.kiln.engine.store.schedules.page(tenant=None, limit=1000))
 
 
 async def test_a_schedule_is_created_read_listed_paused_resumed_and_deleted(
@@ -189,10 +189,10 @@ async def test_a_delayed_upload_is_scheduled(upload_api: ApiUnderTest) -> None:
 async def test_fired_ticks_are_counted_in_metrics(keyed_api: ApiUnderTest) -> None:
     created = await keyed_api.client.post("/v1/schedules", json=schedule_body("* * * * * *"))
     schedule_id = created.json()["id"]
-    store = keyed_api.kiln.store
+    store = keyed_api.kiln.engine.store
     sup = keyed_api.kiln.supervisor(owner="metrics-test")
     deadline = time.monotonic() + 10
-    while (await store.schedule(schedule_id)).fired < 1:  # type: ignore[union-attr]
+    while (await store.schedules.get(schedule_id)).fired < 1:  # type: ignore[union-attr]
         assert time.monotonic() < deadline
         await sup.sweep()
     samples = await scrape(keyed_api)

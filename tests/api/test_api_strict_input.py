@@ -118,7 +118,7 @@ async def test_admin_listing_survives_a_stored_task_that_cannot_be_rendered(
         priority=0, max_attempts=3, deadline_s=3600, timeouts=Timeouts(),
         metadata={"a": float("inf"), "b": float("nan")}, inputs=[], webhook=None,
     )  # fmt: skip
-    await keyed_api.kiln.store.submit(bad)
+    await keyed_api.kiln.engine.store.submit(bad)
 
     # When the tenant, and the admin, list tasks and read the task
     mine = await keyed_api.client.get("/v1/tasks")

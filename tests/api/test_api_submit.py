@@ -133,7 +133,7 @@ async def test_fifty_concurrent_requests_with_one_key_make_one_task(api: ApiUnde
 async def test_concurrent_answers_count_as_dedup_hits_in_the_store(api: ApiUnderTest) -> None:
     await asyncio.gather(*(api.submit() for _ in range(20)))
 
-    counters = await api.kiln.store.counters()
+    counters = await api.kiln.engine.store.counters()
 
     assert counters.get(("dedup_hits", "content"), 0) == 19
 

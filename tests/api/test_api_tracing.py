@@ -48,7 +48,7 @@ async def test_a_submission_s_request_span_is_the_submitter_s_child_and_the_task
     assert attributes["http.route"] == "/v1/tasks"
     assert attributes["http.response.status_code"] == 201
     # And the task keeps that span's context, with the submitter's tracestate
-    stored = await api.kiln.store.trace(task_id)
+    stored = await api.kiln.engine.store.trace(task_id)
     assert stored is not None and stored.tracestate == "acme=7"
     assert parse_traceparent(stored.traceparent) == (TRACE, span.context.span_id, 1)
 
@@ -67,7 +67,7 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_a_batch_keeps_
     assert span.name == "POST /v1/tasks/batch" and span.parent is None
     assert span.context is not None
     for task_id in ids:
-        stored = await api.kiln.store.trace(task_id)
+        stored = await api.kiln.engine.store.trace(task_id)
         assert stored is not None
         assert parse_traceparent(stored.traceparent) == (
             span.context.trace_id, span.context.span_id, 1,
@@ -81,7 +81,7 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_a_batch_keeps_
     rerun_span, read_span = memory.get_finished_spans()
     assert rerun_span.name == "POST /v1/tasks/{task_id}/rerun"
     assert rerun_span.context is not None
-    stored = await api.kiln.store.trace(rerun.json()["id"])
+    stored = await api.kiln.engine.store.trace(rerun.json()["id"])
     assert stored is not None
     assert parse_traceparent(stored.traceparent) == (
         rerun_span.context.trace_id, rerun_span.context.span_id, 1,
@@ -96,4 +96,4 @@ async def test_with_tracing_off_the_api_stores_no_trace_context(api: ApiUnderTes
     headers = {"traceparent": f"00-{TRACE:032x}-{SUBMITTER:016x}-01"}
     answer = await api.submit(headers=headers)
     assert answer.status_code == 201
-    assert await api.kiln.store.trace(answer.json()["id"]) is None
+    assert await api.kiln.engine.store.trace(answer.json()["id"]) is None

@@ -38,11 +38,11 @@ async def test_a_tenant_sees_its_own_usage_which_matches_the_event_log(
     assert {item["tenant"] for item in body["items"]} == {"alice"}
     assert all(item["kind"] == "image.generate" and item["attempts"] == 1 for item in body["items"])
     # And the ledger's seconds are the event log's dwell times
-    store = working_api.kiln.store
+    store = working_api.kiln.engine.store
     events = await store.events(task_id=mine)
     generating = [e.dwell_s for e in events if e.from_status is Status.GENERATING]
     waiting = [e.dwell_s for e in events if e.from_status is Status.WAITING_FOR_RESOURCE]
-    rows = await store.usage_of_task(mine)
+    rows = await store.usage.of_task(mine)
     assert [r.generating_s for r in rows] == generating
     assert [r.waiting_s for r in rows] == waiting
     total = sum(item["generating_s"] for item in body["items"])

@@ -134,7 +134,7 @@ async def test_metrics_show_webhook_outcomes_and_what_is_pending(api: ApiUnderTe
     dispatcher = Dispatcher(api.kiln, owner="metrics")
     assert await dispatcher.lead()
     await dispatcher.enqueue()
-    await api.kiln.store.bump("webhook_deliveries", "delivered")
+    await api.kiln.engine.store.bump("webhook_deliveries", "delivered")
     # When Prometheus scrapes
     text = (await api.client.get("/metrics")).text
     # Then the outcomes and the pending count are there

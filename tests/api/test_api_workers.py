@@ -24,11 +24,11 @@ async def test_the_admin_lists_the_live_workers_and_metrics_count_them(
     working_api: ApiUnderTest,
 ) -> None:
     # Given the API's in-process worker, and another process's worker that holds a model
-    store = working_api.kiln.store
+    store = working_api.kiln.engine.store
     other = WorkerRecord(id="gpu-box:77:w", host="gpu-box", pid=77, version="9.9.9",
                          kinds=("image.generate",), slots=2, running=1,
                          resources={"image.generate": {"gpu": 1}}, models=("sdxl",))  # fmt: skip
-    await store.worker_seen(other, ttl_s=60)
+    await store.workers.seen(other, ttl_s=60)
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
     found: list[dict[str, object]] = []

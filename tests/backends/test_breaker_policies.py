@@ -80,7 +80,7 @@ async def submit(app: kiln.App, n: int, *, max_attempts: int, seed: int = 0) -> 
 
 async def claimed_at(app: kiln.App, task_id: str) -> float:
     """When the task was first claimed (its first WAITING_FOR_RESOURCE event)."""
-    events = await app.store.events(task_id=task_id)
+    events = await app.engine.store.events(task_id=task_id)
     return min(e.at for e in events if str(e.status) == "WAITING_FOR_RESOURCE")
 
 
@@ -162,7 +162,7 @@ async def test_pause_holds_the_kind_on_every_worker_until_a_probe_closes_the_bre
 
         # Then the breaker opens in the store, and both workers hold it open
         async def stored_open() -> Any:
-            rows = {r.name: r for r in await app.store.breakers()}
+            rows = {r.name: r for r in await app.engine.store.limits.breakers()}
             row = rows.get(GENERATOR)
             return row if row is not None and row.state == "open" else None
 
@@ -193,10 +193,12 @@ async def test_pause_holds_the_kind_on_every_worker_until_a_probe_closes_the_bre
             assert await claimed_at(app, task_id) >= opened.opened_until
         leftovers = [t for t in await final(app, tripping) if t.status is Status.SUCCESS]
         assert openai_fake.calls == calls_when_open + 6 + len(leftovers)
-        counters = await app.store.counters()
+        counters = await app.engine.store.counters()
         assert counters[("breaker_transitions", f"{GENERATOR}>half_open")] == 1
         assert counters[("breaker_transitions", f"{GENERATOR}>closed")] == 1
-        assert {r.name: r.state for r in await app.store.breakers()}[GENERATOR] == "closed"
+        assert {r.name: r.state for r in await app.engine.store.limits.breakers()}[
+            GENERATOR
+        ] == "closed"
     for port in worker_ports:
         await until(lambda port=port: _gauge_is(port, 0), f"worker :{port} to close")  # type: ignore[misc]
     text = await scrape(worker_ports[0]) + await scrape(worker_ports[1])
@@ -245,7 +247,7 @@ async def test_fail_fast_ends_claimed_tasks_at_once_without_retries(
         assert (task.error["code"], task.error["retryable"]) == ("upstream_unavailable", False)
         assert "circuit breaker 'openai-images' is open" in task.error["message"]
     assert openai_fake.calls == 2
-    rows = {r.name: r.state for r in await app.store.breakers()}
+    rows = {r.name: r.state for r in await app.engine.store.limits.breakers()}
     assert rows == {GENERATOR: "open"}
 
 
@@ -309,5 +311,5 @@ async def test_the_storage_breaker_trips_on_failing_writes_and_pauses_claiming(
 
 
 async def _row(app: kiln.App, name: str, state: str) -> BreakerRecord | None:
-    found = {r.name: r for r in await app.store.breakers()}.get(name)
+    found = {r.name: r for r in await app.engine.store.limits.breakers()}.get(name)
     return found if found is not None and found.state == state else None

@@ -88,7 +88,7 @@ async def test_one_process_opens_the_other_follows_and_one_probe_closes_both(
     first = await one.breakers.claimable([KIND])
     second = await two.breakers.claimable([KIND])
     assert (first, second) == (([], [KIND]), ([], []))
-    [record] = await one.store.breakers()
+    [record] = await one.engine.store.limits.breakers()
     assert (record.state, record.by) == ("half_open", "one")
 
     # When the probe succeeds in process one
@@ -104,7 +104,7 @@ async def test_one_process_opens_the_other_follows_and_one_probe_closes_both(
     await two.breakers.sync()
     assert (one.breakers.state(KIND), two.breakers.state(KIND)) == ("closed", "closed")
     assert await two.breakers.claimable([KIND]) == ([KIND], [])
-    counters = await one.store.counters()
+    counters = await one.engine.store.counters()
     transitions = {k[1]: n for k, n in counters.items() if k[0] == "breaker_transitions"}
     assert transitions == {f"{KIND}>open": 1, f"{KIND}>half_open": 1, f"{KIND}>closed": 1}
 

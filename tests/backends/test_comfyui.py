@@ -95,7 +95,7 @@ async def test_a_server_error_on_queueing_is_retried(
     fake.script = ["500"]
     async with kiln_on(kiln_settings(tmp_path, comfyui_env(url, workflow_path))) as (app, _):
         task, _ = await run_task(app, PARAMS, max_attempts=2)
-        events = await app.store.events(task_id=task.id, after=0, limit=100)
+        events = await app.engine.store.events(task_id=task.id, after=0, limit=100)
     assert (task.status, task.attempt, fake.calls) == (Status.SUCCESS, 2, 2)
     [failure] = [e for e in events if e.event is Event.FAIL]
     assert failure.error is not None and failure.error["code"] == "upstream_unavailable"

@@ -126,7 +126,7 @@ async def test_rate_limit_and_server_error_are_retried_then_succeed(
     async with kiln_on(kiln_settings(tmp_path, openai_env(openai_fake))) as (app, _):
         # When a task with three attempts runs
         task, _ = await run_task(app, PARAMS, max_attempts=3)
-        events = await app.store.events(task_id=task.id, after=0, limit=100)
+        events = await app.engine.store.events(task_id=task.id, after=0, limit=100)
 
     # Then the third attempt succeeded, after one failure of each retryable kind
     assert (task.status, task.attempt, openai_fake.calls) == (Status.SUCCESS, 3, 3)
@@ -178,7 +178,7 @@ async def test_a_slow_upstream_times_out_and_the_next_attempt_succeeds(
     async with kiln_on(kiln_settings(tmp_path, env)) as (app, handler):
         # When a task with two attempts runs
         task, _ = await run_task(app, PARAMS, max_attempts=2)
-        events = await app.store.events(task_id=task.id, after=0, limit=100)
+        events = await app.engine.store.events(task_id=task.id, after=0, limit=100)
 
         # Then the first attempt failed as unavailable after the timeout, the second worked
         assert (task.status, task.attempt) == (Status.SUCCESS, 2)
@@ -258,7 +258,7 @@ async def test_the_breaker_opens_fails_fast_probes_and_closes(
         assert (openai_fake.calls, breaker.state) == (5, "closed")
         assert sample(metrics, "kiln_upstream_breaker_open", backend="openai-images") == 0.0
         # And every process sees it closed through the store
-        stored = {record.name: record.state for record in await app.store.breakers()}
+        stored = {record.name: record.state for record in await app.engine.store.limits.breakers()}
         assert stored["openai-images"] == "closed"
 
 

@@ -60,9 +60,9 @@ def stored(data_dir: Path, task_id: str) -> tuple[Task, list[TaskEvent]]:
 
     async def read() -> tuple[Task, list[TaskEvent]]:
         async with kiln.App(settings=kiln.Settings(data_dir=data_dir)) as app:
-            task = await app.store.get(task_id)
+            task = await app.engine.store.get(task_id)
             assert task is not None
-            return task, await app.store.events(task_id=task_id, limit=1000)
+            return task, await app.engine.store.events(task_id=task_id, limit=1000)
 
     return asyncio.run(read())
 

@@ -59,9 +59,9 @@ def final_log(data_dir: Path, ids: list[str]) -> dict[str, tuple[Task, list[Task
         found = {}
         async with kiln.App(settings=kiln.Settings(data_dir=data_dir)) as app:
             for task_id in ids:
-                task = await app.store.get(task_id)
+                task = await app.engine.store.get(task_id)
                 assert task is not None
-                found[task_id] = (task, await app.store.events(task_id=task_id, limit=1000))
+                found[task_id] = (task, await app.engine.store.events(task_id=task_id, limit=1000))
         return found
 
     return asyncio.run(read())

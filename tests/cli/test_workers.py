@@ -26,7 +26,7 @@ def listed(data_dir: Path) -> dict[int, WorkerRecord]:
 
     async def read() -> list[WorkerRecord]:
         async with kiln.App(settings=kiln.Settings(data_dir=data_dir)) as app:
-            return await app.store.workers()
+            return await app.engine.store.workers.live()
 
     return {w.pid: w for w in asyncio.run(read())}
 

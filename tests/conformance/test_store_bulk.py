@@ -127,7 +127,7 @@ async def test_dry_run_count_equals_what_the_run_acts_on(store: Store, bulk_app:
             break
     # Then the count was what the run acted on: the live tasks of the kind
     assert dry["matched"] == done == 5
-    assert await store.bulk_count(found) == 0
+    assert await store.bulk.count(found) == 0
 
 
 async def test_each_filter_field_narrows(
@@ -142,7 +142,7 @@ async def test_each_filter_field_narrows(
     timed_out = await drive(store, new(3), Status.TIMEOUT)
 
     def count(**fields: object) -> object:
-        return store.bulk_count(retry_filter(bulk_app, **fields))
+        return store.bulk.count(retry_filter(bulk_app, **fields))
 
     # Then each field matches only the tasks it names
     assert await count(status=["FAILED"]) == 3
@@ -220,7 +220,7 @@ async def test_a_tenant_acts_on_its_own_tasks_only(store: Store, bulk_app: kiln.
         assert now is not None and now.status is Status.FAILED
     # And the admin narrows to one tenant with ``tenant``
     admin = filter_of("retry", everything, scope=None, everything=False, now=0.0)
-    assert await store.bulk_count(admin) == 2
+    assert await store.bulk.count(admin) == 2
 
 
 async def test_bad_filters_and_cursors_are_refused_and_change_nothing(
@@ -231,7 +231,7 @@ async def test_bad_filters_and_cursors_are_refused_and_change_nothing(
     with pytest.raises(InvalidRequest, match="all"):
         filter_of("retry", FilterIn(), scope="acme", everything=False, now=0.0)
     every = filter_of("retry", FilterIn(), scope="acme", everything=True, now=0.0)
-    assert await store.bulk_count(every) == 1
+    assert await store.bulk.count(every) == 1
     # A status the action does not apply to, a time that is not one
     with pytest.raises(InvalidRequest, match="PENDING"):
         filter_of("retry", FilterIn(status=["PENDING"]), scope=None, everything=False, now=0.0)

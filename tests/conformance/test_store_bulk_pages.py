@@ -62,7 +62,7 @@ async def every_page(app: kiln.App, action: str, **fields: Any) -> list[JSON]:
 
 
 async def events_of(app: kiln.App, task_id: str) -> list[str]:
-    return [str(e.event) for e in await app.store.events(task_id=task_id, limit=1000)]
+    return [str(e.event) for e in await app.engine.store.events(task_id=task_id, limit=1000)]
 
 
 async def test_a_page_of_pipelines_is_cut_by_rows_and_the_next_page_goes_on(

@@ -634,7 +634,7 @@ class StoreMachine(RuleBasedStateMachine):
         stats = self.run(self.store.stats(tenant=None, ghost_after_s=0))
         counted = Counter(t.status for t in self.tasks.values())
         assert stats.counts == {str(s): counted.get(s, 0) for s in Status}
-        assert self.app.illegal_transitions == 0
+        assert self.app.engine.illegal_transitions == 0
 
 
 def test_store_and_engine_follow_the_model(

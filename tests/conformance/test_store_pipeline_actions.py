@@ -104,15 +104,15 @@ async def test_an_output_index_row_goes_when_its_result_is_lost_and_run_again(
         return str(result["outputs"][0]["key"])
 
     first_key = await succeed_with_fixed_content()
-    assert (await app.store.find_object("acme", sha)).output["key"] == first_key  # type: ignore[union-attr]
+    assert (await app.engine.store.inputs.find_object("acme", sha)).output["key"] == first_key  # type: ignore[union-attr]
     # When its result is found lost and it runs again: the old object is no longer named
     [task] = (await app.list_tasks(tenant="acme"))[0]
     await lose_result(app, task, [], ResultLostPolicy.RERUN)
-    assert await app.store.find_object("acme", sha) is None
+    assert await app.engine.store.inputs.find_object("acme", sha) is None
     # And the new run's object is what the index names
     second_key = await succeed_with_fixed_content()
     assert second_key != first_key
-    assert (await app.store.find_object("acme", sha)).output["key"] == second_key  # type: ignore[union-attr]
+    assert (await app.engine.store.inputs.find_object("acme", sha)).output["key"] == second_key  # type: ignore[union-attr]
 
 
 async def test_a_bulk_retry_by_code_retries_the_ended_pipelines_of_the_steps_it_names(

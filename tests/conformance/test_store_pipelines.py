@@ -72,7 +72,7 @@ def output(task: Task) -> JSON:
 
 
 async def claim(app: kiln.App, kind: str) -> Task:
-    claimed = await app.store.claim(worker_id="w-1", kinds=[kind], limit=1, lease_ttl_s=30.0)
+    claimed = await app.engine.store.claim(worker_id="w-1", kinds=[kind], limit=1, lease_ttl_s=30.0)
     assert len(claimed) == 1, f"nothing of {kind} to claim"
     return claimed[0]
 
@@ -133,11 +133,14 @@ async def test_submit_creates_the_pipeline_and_its_first_steps_together(
         Status.PENDING, pipeline.id, "generate", 0,
     )  # fmt: skip
     # And its log is submit then run_steps, written with the step's submit
-    events = [(e.event, e.status) for e in await app.store.events(task_id=pipeline.id)]
+    events = [(e.event, e.status) for e in await app.engine.store.events(task_id=pipeline.id)]
     assert events == [(Event.SUBMIT, Status.PENDING), (Event.RUN_STEPS, Status.GENERATING)]
     assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 2
     # And no worker claims the pipeline itself
-    assert await app.store.claim(worker_id="w", kinds=["pipeline"], limit=5, lease_ttl_s=9) == []
+    assert (
+        await app.engine.store.claim(worker_id="w", kinds=["pipeline"], limit=5, lease_ttl_s=9)
+        == []
+    )
 
 
 async def test_the_supervisor_never_finds_a_running_pipeline_due(app: kiln.App, clock: Any) -> None:
@@ -145,13 +148,13 @@ async def test_the_supervisor_never_finds_a_running_pipeline_due(app: kiln.App, 
     pipeline = await submit(app, chain(), deadline_s=60)
     clock.advance(10_000)
     # Then the sweep's read does not hold it (its step, PENDING, is due for its deadline)
-    due = await app.store.due(limit=100, cancel_grace_s=1)
+    due = await app.engine.store.due(limit=100, cancel_grace_s=1)
     swept = [t.id for group in (due.deadline_passed, due.lease_expired, due.state_expired,
                                 due.cancel_overdue) for t in group]  # fmt: skip
     assert pipeline.id not in swept and len(swept) == 1
     # And it is no ghost, and autoscaling sees no running work of kind pipeline
-    assert await app.store.count_ghosts(older_than_s=0) == 0
-    load = await app.store.queue_load()
+    assert await app.engine.store.count_ghosts(older_than_s=0) == 0
+    load = await app.engine.store.load.read()
     assert [kind for kind, _, _ in load.claimed] == []
     assert [kind for kind, _, _ in load.ready] == [GEN]
     assert (await app.get(pipeline.id)).status is Status.GENERATING
@@ -221,7 +224,7 @@ async def test_each_success_makes_the_next_step_in_its_own_transaction(
     # And the last step's SUCCESS ends the pipeline SUCCESS in the same transaction
     ended = await app.get(pipeline.id)
     assert ended.status is Status.SUCCESS and ended.progress_step == 3
-    log = [e.event for e in await app.store.events(task_id=pipeline.id)]
+    log = [e.event for e in await app.engine.store.events(task_id=pipeline.id)]
     assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_DONE]
     # And no step ever left the input uploads' table (references are not uploads)
     assert truth("SELECT COUNT(*) FROM task_inputs")[0][0] == 0
@@ -299,7 +302,7 @@ async def test_cancel_stops_running_and_pending_steps_and_retry_reruns_only_the_
     assert (await app.get(pipeline.id)).status is Status.SUCCESS
     # And the copy that had succeeded ran once
     assert (await app.get(done.id)).attempt == 1
-    log = [e.event for e in await app.store.events(task_id=pipeline.id)]
+    log = [e.event for e in await app.engine.store.events(task_id=pipeline.id)]
     assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_CANCELLED, Event.RETRY,
                    Event.RUN_STEPS, Event.STEPS_DONE]  # fmt: skip
 
@@ -355,12 +358,12 @@ async def test_retention_keeps_a_pipelines_steps_with_it(
     generate = await succeed(app, await claim(app, GEN))
     clock.advance(100)
     # A step that finished long ago is kept while its pipeline is
-    assert await app.store.purge(finished_before=clock()) == []
+    assert await app.engine.store.purge(finished_before=clock()) == []
     await succeed(app, await claim(app, USE))
     await succeed(app, await claim(app, USE))
     clock.advance(100)
     # When the finished pipeline is purged, its steps go with it, in one transaction
-    purged = await app.store.purge(finished_before=clock())
+    purged = await app.engine.store.purge(finished_before=clock())
     assert {t.id for t in purged} >= {pipeline.id, generate.id}
     assert len(purged) == 4
     assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
@@ -380,19 +383,19 @@ async def test_a_rerun_of_a_pipeline_plans_its_steps_again(app: kiln.App) -> Non
 
 async def test_a_schedule_tick_starts_a_pipeline_with_its_first_steps(app: kiln.App) -> None:
     # Given a schedule whose ticks submit a pipeline, and the leadership
-    now = app.store.clock()
+    now = app.engine.store.clock()
     planned = app.kind("pipeline").validate(chain())
     submission = {"kind": "pipeline", "params": planned, "priority": 0, "max_attempts": 3,
                   "deadline_s": 3600.0, "metadata": {}}  # fmt: skip
-    schedule = await app.store.create_schedule(ScheduleRecord(
+    schedule = await app.engine.store.schedules.create(ScheduleRecord(
         id="sch_pl", tenant="acme", cron="* * * * * *", timezone="UTC", submission=submission,
         overlap="queue", missed="fire_once", paused=False, next_at=now,
     ))  # fmt: skip
-    token = await app.store.lead("supervisor", "s1", 30)
+    token = await app.engine.store.lead("supervisor", "s1", 30)
     assert token is not None
     # When its tick fires
     tick = Tick(schedule.id, now, now + 1, tick_task(schedule, now), now)
-    done = await app.store.handle_tick(tick, token)
+    done = await app.engine.store.schedules.handle_tick(tick, token)
     # Then the pipeline runs with its first step made in that transaction
     assert done is not None and done.task is not None
     assert done.task.kind == "pipeline" and done.task.status is Status.GENERATING
@@ -531,7 +534,7 @@ async def test_many_steps_ending_together_with_a_cancel_never_deadlock(
         return {"steps": [{"name": "g", "kind": GEN, "params": {"prompt": prompt}, "repeat": 8}]}
 
     pipelines = [await submit(app, fan_out(prompt)) for prompt in ("many", "more")]
-    running = await app.store.claim(worker_id="w", kinds=[GEN], limit=16, lease_ttl_s=30)
+    running = await app.engine.store.claim(worker_id="w", kinds=[GEN], limit=16, lease_ttl_s=30)
     assert len(running) == 16
     running = [await app.apply(t, Event.ACQUIRE, fenced=True) for t in running]
     running = [await app.apply(t, Event.GENERATED, fenced=True) for t in running]
@@ -602,12 +605,12 @@ async def test_a_pipeline_is_not_purged_while_one_of_its_steps_still_runs(
     await app.cancel(pipeline.id, "acme")
     clock.advance(10)
     # When a purge runs: nothing goes (the step would be orphaned, never purged)
-    assert await app.store.purge(finished_before=clock()) == []
+    assert await app.engine.store.purge(finished_before=clock()) == []
     assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 2
     # When the step stops, a later purge takes the pipeline with its step
     await app.apply(await app.get(running.id), Event.STOPPED, fenced=True)
     clock.advance(10)
-    purged = await app.store.purge(finished_before=clock())
+    purged = await app.engine.store.purge(finished_before=clock())
     assert sorted(t.id for t in purged) == sorted([pipeline.id, running.id])
     assert truth("SELECT COUNT(*) FROM tasks")[0][0] == 0
     assert counted(truth) == {}
@@ -649,7 +652,7 @@ async def test_a_purge_keeps_a_pipeline_whose_step_a_user_retried_meanwhile(
     PostgresTx.all = spying  # type: ignore[method-assign]
     try:
         # When a purge runs as the step is retried
-        purged = await app.store.purge(finished_before=clock())
+        purged = await app.engine.store.purge(finished_before=clock())
     finally:
         PostgresTx.all = real  # type: ignore[method-assign]
         await other_store.close()
@@ -677,7 +680,7 @@ async def test_a_bulk_page_skips_a_pipeline_gone_meanwhile_and_acts_on_the_other
 
     # When a bulk cancel's page names both, the first deleted before its cancel
     found = BulkFilter(statuses=(Status.GENERATING,), kinds=("pipeline",), tenant="acme")
-    page = await app.store.bulk_page(found, None, 10, plan, rows=app.settings.bulk_page_rows)
+    page = await app.engine.store.bulk.page(found, None, 10, plan, rows=app.settings.bulk_page_rows)
     # Then only that one is skipped (NotFound in its savepoint); the other is cancelled
     assert (page.matched, page.skipped) == (2, 1)
     assert [t.id for t in page.changed] == [kept.id]

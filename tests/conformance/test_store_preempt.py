@@ -32,7 +32,7 @@ async def claim(store: Store, priority: int, *, ttl: float = 600.0) -> Task:
 async def holding(store: Store, capacity: int, priority: int, clock: SettableClock) -> Task:
     """A task of ``priority`` GENERATING with a slot of the pool, started now (then 1 s on)."""
     task = await claim(store, priority)
-    assert await store.acquire_slots(task.id, task.epoch, {POOL: 1}, {POOL: capacity}) is None
+    assert await store.pools.acquire(task.id, task.epoch, {POOL: 1}, {POOL: capacity}) is None
     generating, _ = await store.apply(step_change(task, Event.ACQUIRE))
     clock.advance(1)
     return generating
@@ -40,7 +40,7 @@ async def holding(store: Store, capacity: int, priority: int, clock: SettableClo
 
 async def waiting(store: Store, capacity: int, priority: int) -> Task:
     task = await claim(store, priority)
-    wait = await store.acquire_slots(task.id, task.epoch, {POOL: 1}, {POOL: capacity})
+    wait = await store.pools.acquire(task.id, task.epoch, {POOL: 1}, {POOL: capacity})
     assert wait is not None
     return task
 
@@ -91,7 +91,7 @@ async def test_the_lowest_priority_then_latest_started_holder_is_asked_once_the_
     # b yields (release): the request is cleared and the waiter takes the slot
     back = await release(store, b)
     assert back.status is Status.PENDING and back.yield_requested_at is None
-    assert await store.acquire_slots(high.id, high.epoch, {POOL: 1}, {POOL: 3}) is None
+    assert await store.pools.acquire(high.id, high.epoch, {POOL: 1}, {POOL: 3}) is None
     assert await ask(store) == []  # nobody waits now
     # A second long waiter of higher priority: a is next (priority 0 before c's 1)
     await waiting(store, 3, 5)
@@ -140,7 +140,7 @@ async def test_a_task_waiting_for_its_slot_is_never_asked(
 ) -> None:
     # A holder still in WAITING_FOR_RESOURCE (granted, not yet GENERATING) is not asked
     low = await claim(store, 0)
-    assert await store.acquire_slots(low.id, low.epoch, {POOL: 1}, {POOL: 1}) is None
+    assert await store.pools.acquire(low.id, low.epoch, {POOL: 1}, {POOL: 1}) is None
     await waiting(store, 1, 5)
     clock.advance(AFTER_S + 1)
     assert await ask(store) == []

@@ -53,12 +53,12 @@ async def succeed(store: Store, task: Task, *sha256s: str, to: Status = Status.S
 async def test_an_upload_is_found_for_its_tenant_only(store: Store) -> None:
     task = (await store.submit(with_input(A, "acme"))).task
 
-    found = await store.find_object("acme", A)
+    found = await store.inputs.find_object("acme", A)
 
     assert found is not None and found.output is None
     assert found.record == task.inputs[0]
-    assert await store.find_object("globex", A) is None
-    assert await store.find_object("acme", B) is None
+    assert await store.inputs.find_object("globex", A) is None
+    assert await store.inputs.find_object("acme", B) is None
 
 
 async def test_an_input_kept_elsewhere_by_key_is_not_an_upload(store: Store) -> None:
@@ -66,28 +66,28 @@ async def test_an_input_kept_elsewhere_by_key_is_not_an_upload(store: Store) -> 
              "key": "tasks/tsk_other/image.png"}  # fmt: skip
     await store.submit(replace(make_new_task({"prompt": "keyed"}), inputs=[keyed]))
 
-    assert await store.find_object("acme", A) is None
+    assert await store.inputs.find_object("acme", A) is None
 
 
 async def test_the_outputs_of_a_success_are_found_for_its_tenant_only(store: Store) -> None:
     task = await succeed(store, await uploading(store, "made"), A, B)
 
-    found = await store.find_object("acme", B)
+    found = await store.inputs.find_object("acme", B)
 
     assert found is not None and found.record is None
     assert found.output == {"task_id": task.id, "name": "out1.png",
                             "key": f"tasks/{task.id}/out1.png", "content_type": "image/png",
                             "size": 11}  # fmt: skip
-    assert await store.find_object("globex", B) is None
-    assert await store.find_object("acme", C) is None
+    assert await store.inputs.find_object("globex", B) is None
+    assert await store.inputs.find_object("acme", C) is None
 
 
 async def test_an_output_in_review_is_found_once_approved(store: Store) -> None:
     task = await succeed(store, await uploading(store, "flagged"), A, to=Status.NEEDS_REVIEW)
-    assert await store.find_object("acme", A) is None
+    assert await store.inputs.find_object("acme", A) is None
     await store.apply(step_change(task, Event.APPROVE, fenced=False))
 
-    found = await store.find_object("acme", A)
+    found = await store.inputs.find_object("acme", A)
 
     assert found is not None and found.output is not None
     assert found.output["task_id"] == task.id
@@ -100,7 +100,7 @@ async def test_outputs_of_steps_committed_together_are_all_found(store: Store) -
     await asyncio.gather(*(succeed(store, t, s) for t, s in zip(tasks, (A, B, C), strict=True)))
 
     for task, sha256 in zip(tasks, (A, B, C), strict=True):
-        found = await store.find_object("acme", sha256)
+        found = await store.inputs.find_object("acme", sha256)
         assert found is not None and found.output is not None
         assert found.output["task_id"] == task.id
 
@@ -117,6 +117,6 @@ async def test_a_purged_task_takes_its_outputs_and_uploads_with_it(
     purged = await store.purge(finished_before=clock.now)
 
     assert {t.id for t in purged} == {task.id, cancelled.id}
-    assert await store.find_object("acme", A) is None
-    assert await store.find_object("acme", C) is None
-    assert await store.find_object("acme", B) is not None
+    assert await store.inputs.find_object("acme", A) is None
+    assert await store.inputs.find_object("acme", C) is None
+    assert await store.inputs.find_object("acme", B) is not None

@@ -121,7 +121,7 @@ async def test_the_app_keeps_the_current_span_s_context_for_a_submission_and_a_r
     outside = await app.submit(KIND, {"prompt": "y"}, idempotency_key=f"k{random.random()}")
     # Then the submission and the rerun keep that span's context; outside a span, none
     for task_id in (made.task.id, rerun.task.id):
-        stored = await app.store.trace(task_id)
+        stored = await app.engine.store.trace(task_id)
         assert stored is not None
         assert parse_traceparent(stored.traceparent) == (current.trace_id, current.span_id, 1)
-    assert await app.store.trace(outside.task.id) is None
+    assert await app.engine.store.trace(outside.task.id) is None

@@ -90,7 +90,7 @@ async def test_a_database_of_b501b2a_opens_with_every_task_and_its_log(upgraded:
         "PENDING": 1, "GENERATING": 1, "SUCCESS": 1, "FAILED": 1,
     }  # fmt: skip
     assert stats.failures == {"boom": 1}
-    assert [b.name for b in await upgraded.breakers()] == ["image.generate"]
+    assert [b.name for b in await upgraded.limits.breakers()] == ["image.generate"]
     counters = await upgraded.counters()
     assert counters[("transitions", "UPLOADING>SUCCESS")] == 1
 

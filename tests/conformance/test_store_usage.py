@@ -54,7 +54,7 @@ def attempts_in_log(events: list[TaskEvent]) -> list[tuple[str, float, float]]:
 
 async def assert_ledger_matches_log(store: Store, task_id: str) -> list[UsageRecord]:
     """The task's ledger rows are its attempts, with exactly the log's dwell times."""
-    rows = sorted(await store.usage_of_task(task_id), key=lambda r: r.epoch)
+    rows = sorted(await store.usage.of_task(task_id), key=lambda r: r.epoch)
     in_log = attempts_in_log(await store.events(task_id=task_id))
     assert [(r.waiting_s, r.generating_s) for r in rows] == [(w, g) for _, w, g in in_log]
     return rows
@@ -132,7 +132,7 @@ async def test_every_attempt_of_a_retried_task_counts(
         "retry", 1.0, 4.0, "w-1",
     )  # fmt: skip
     assert (second.outcome, second.attempt, second.worker) == ("success", 2, "w-2")
-    totals = await store.usage(since=0, until=clock() + 1)
+    totals = await store.usage.report(since=0, until=clock() + 1)
     assert totals[0].attempts == 2 and totals[0].generating_s == 4.0 + 2.25
 
 
@@ -191,7 +191,7 @@ async def test_the_supervisor_writes_the_rows_of_the_attempts_it_ends(
     await store.submit(stuck)
     await claim(core)
     clock.advance(1.0)
-    assert await store.acquire_slots(first.id, first.epoch, {"gpu": 1}, {"gpu": 2}) is None
+    assert await store.pools.acquire(first.id, first.epoch, {"gpu": 1}, {"gpu": 2}) is None
     first = await core.apply(first, Event.ACQUIRE, fence=WORKER)
     # When the lease lapses and the supervisor sweeps, then the waiting timeout passes
     clock.advance(40)
@@ -219,7 +219,7 @@ async def test_a_stale_replay_of_the_final_write_adds_nothing(
     with pytest.raises(LeaseLost):
         await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     # Then the ledger still holds one row
-    assert len(await store.usage_of_task(new.id)) == 1
+    assert len(await store.usage.of_task(new.id)) == 1
 
 
 async def test_attempts_ending_together_each_write_their_row(
@@ -258,7 +258,7 @@ async def test_sums_by_group_and_a_tenants_own(
             ran = Ran(loading_s=1.0)
             await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER, facts=[ran])
     # When the ledger is summed by tenant and outcome
-    sums = await store.usage(since=start, until=clock() + 1, group_by=["tenant", "outcome"])
+    sums = await store.usage.report(since=start, until=clock() + 1, group_by=["tenant", "outcome"])
     # Then each group has its attempts and seconds
     found = {(s.group["tenant"], s.group["outcome"]): s for s in sums}
     assert sorted(found) == [("acme", "failed"), ("acme", "success"), ("globex", "success")]
@@ -268,16 +268,16 @@ async def test_sums_by_group_and_a_tenants_own(
     assert found[("acme", "failed")].waiting_s == 1.5
     assert found[("globex", "success")].gpu_seconds == 2.25
     # And a tenant's report holds only its own attempts
-    (own,) = await store.usage(since=start, until=clock() + 1, tenant="globex")
+    (own,) = await store.usage.report(since=start, until=clock() + 1, tenant="globex")
     assert (own.attempts, own.generating_s) == (1, 2.25)
     # And by day, the attempts fall on the day they ended
-    (day,) = await store.usage(since=start, until=clock() + 1, group_by=["day", "kind"])
+    (day,) = await store.usage.report(since=start, until=clock() + 1, group_by=["day", "kind"])
     assert day.group == {"day": "2027-01-15", "kind": KIND} and day.attempts == 3
     # And a window that ends before them holds none
-    (empty,) = await store.usage(since=0, until=start)
+    (empty,) = await store.usage.report(since=0, until=start)
     assert empty.attempts == 0 and empty.gpu_seconds == 0.0
     # And the GPU-seconds by tenant, kind, model and outcome cover the whole ledger
-    assert await store.gpu_seconds() == {
+    assert await store.usage.gpu_seconds() == {
         ("acme", KIND, "", "failed"): 2.25, ("acme", KIND, "", "success"): 2.25,
         ("globex", KIND, "", "success"): 2.25,
     }  # fmt: skip
@@ -296,7 +296,7 @@ async def test_the_retention_purge_keeps_the_ledger(
     assert [t.id for t in await store.purge(finished_before=clock())] == [new.id]
     assert await store.events(task_id=new.id) == []
     # Then its ledger row stays: it is billing data
-    (row,) = await store.usage_of_task(new.id)
+    (row,) = await store.usage.of_task(new.id)
     assert (row.outcome, row.generating_s) == ("success", 2.25)
 
 

@@ -49,11 +49,11 @@ async def fill_outbox(store: Store, now: float) -> int:
     """What the dispatcher does: scan the log after the cursor, queue what is wanted."""
     added = 0
     while True:
-        scan = await store.webhook_scan(limit=100)
+        scan = await store.outbox.scan(limit=100)
         if scan.last <= scan.cursor:
             return added
         wanted = [delivery(e, t, now) for e, t in scan.events if wants(t.webhook, e)]
-        added += await store.webhook_enqueue(wanted, cursor=scan.last)
+        added += await store.outbox.enqueue(wanted, cursor=scan.last)
 
 
 async def test_a_task_keeps_its_webhook(store: Store) -> None:
@@ -81,7 +81,7 @@ async def test_wanted_events_become_one_delivery_each_and_the_cursor_moves_past_
     # When the outbox is filled from the log
     added = await fill_outbox(store, clock())
     # Then the final event of the first task and every event of the second are queued
-    rows = await store.webhook_deliveries()
+    rows = await store.outbox.deliveries()
     every_events = await store.events(task_id=every.id)
     assert {(d.task_id, d.event) for d in rows} == {(final_only.id, "uploaded")} | {
         (every.id, str(e.event)) for e in every_events
@@ -90,7 +90,7 @@ async def test_wanted_events_become_one_delivery_each_and_the_cursor_moves_past_
     assert all(d.status == PENDING and d.attempts == 0 for d in rows)
     assert [d.seq for d in rows] == sorted(d.seq for d in rows)
     # And the cursor stands at the end of the log, so a new scan finds nothing
-    scan = await store.webhook_scan(limit=100)
+    scan = await store.outbox.scan(limit=100)
     assert scan.cursor == await store.last_seq() and scan.read == 0
     assert truth("SELECT seq FROM webhook_cursor") == [(scan.cursor,)]
 
@@ -101,18 +101,18 @@ async def test_queueing_the_same_events_again_adds_nothing_and_never_moves_the_c
     # Given a dispatcher that scanned and queued, and one that read the same scan before
     # it was killed (or a second leader for a moment)
     await drive(store, hooked("a"), Status.SUCCESS)
-    scan = await store.webhook_scan(limit=100)
+    scan = await store.outbox.scan(limit=100)
     wanted = [delivery(e, t, clock()) for e, t in scan.events if wants(t.webhook, e)]
     assert len(wanted) == 1
-    assert await store.webhook_enqueue(wanted, cursor=scan.last) == 1
+    assert await store.outbox.enqueue(wanted, cursor=scan.last) == 1
     later = await drive(store, hooked("b"), Status.SUCCESS)
     assert await fill_outbox(store, clock()) == 1
     # When the stale scan is queued again
-    again = await store.webhook_enqueue(wanted, cursor=scan.last)
+    again = await store.outbox.enqueue(wanted, cursor=scan.last)
     # Then nothing is added twice and the cursor stays past the later task's events
     assert again == 0
-    assert len(await store.webhook_deliveries()) == 2
-    assert (await store.webhook_scan(limit=100)).cursor == (await store.events(task_id=later.id))[
+    assert len(await store.outbox.deliveries()) == 2
+    assert (await store.outbox.scan(limit=100)).cursor == (await store.events(task_id=later.id))[
         -1
     ].seq
 
@@ -126,37 +126,37 @@ async def test_a_tasks_deliveries_are_due_one_at_a_time_in_seq_order(
     )
     await drive(store, hooked("b"), Status.SUCCESS)
     await fill_outbox(store, clock())
-    rows = await store.webhook_deliveries()
+    rows = await store.outbox.deliveries()
     mine = [d for d in rows if d.task_id == first.id]
     other = [d for d in rows if d.task_id != first.id]
     assert len(mine) == 1 and len(other) == 1
     claimed = (await store.claim(worker_id="w", kinds=[first.kind], limit=1, lease_ttl_s=30))[0]
     assert claimed.id == first.id
     await fill_outbox(store, clock())
-    mine = await store.webhook_deliveries(task_id=first.id)
+    mine = await store.outbox.deliveries(task_id=first.id)
     assert [d.event for d in mine] == ["submit", "claim"]
     # When the due deliveries are read
-    due = await store.webhook_due(limit=10)
+    due = await store.outbox.due(limit=10)
     # Then only the first of each task is due
     assert {d.event_id for d in due} == {mine[0].event_id, other[0].event_id}
     # When the first one fails and waits for a retry
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(
             mine[0].event_id, PENDING, "retrying", next_attempt_at=clock() + 60, error="500"
         )
     )
     # Then the task's next one still waits behind it
-    assert {d.event_id for d in await store.webhook_due(limit=10)} == {other[0].event_id}
+    assert {d.event_id for d in await store.outbox.due(limit=10)} == {other[0].event_id}
     # When its retry time comes and it is delivered
     clock.advance(61)
-    assert [d.event_id for d in await store.webhook_due(limit=10) if d.task_id == first.id] == [
+    assert [d.event_id for d in await store.outbox.due(limit=10) if d.task_id == first.id] == [
         mine[0].event_id
     ]
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(mine[0].event_id, DELIVERED, "delivered", response_status=200)
     )
     # Then the next one of that task is due
-    due_now = [d for d in await store.webhook_due(limit=10) if d.task_id == first.id]
+    due_now = [d for d in await store.outbox.due(limit=10) if d.task_id == first.id]
     assert [d.event_id for d in due_now] == [mine[1].event_id]
 
 
@@ -166,24 +166,24 @@ async def test_recording_counts_each_outcome_and_leaves_a_settled_delivery_alone
     # Given a queued delivery
     await drive(store, hooked("a"), Status.SUCCESS)
     await fill_outbox(store, clock())
-    [queued] = await store.webhook_deliveries()
-    assert await store.webhook_pending() == 1
+    [queued] = await store.outbox.deliveries()
+    assert await store.outbox.pending() == 1
     # When one attempt fails, the next is delivered, and a late answer says failed
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(
             queued.event_id, PENDING, "retrying", next_attempt_at=clock() + 5, error="timeout"
         )
     )
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(queued.event_id, DELIVERED, "delivered", response_status=204)
     )
-    await store.webhook_record(WebhookAttempt(queued.event_id, FAILED, "failed", error="late"))
+    await store.outbox.record(WebhookAttempt(queued.event_id, FAILED, "failed", error="late"))
     # Then the delivery stays delivered after two attempts, and nothing is pending
-    [row] = await store.webhook_deliveries()
+    [row] = await store.outbox.deliveries()
     assert (row.status, row.attempts, row.response_status) == (DELIVERED, 2, 204)
     assert row.last_error is None
-    assert await store.webhook_pending() == 0
-    assert await store.webhook_due(limit=10) == []
+    assert await store.outbox.pending() == 0
+    assert await store.outbox.due(limit=10) == []
     # And every outcome was counted
     counters = await store.counters()
     assert [
@@ -198,35 +198,35 @@ async def test_a_settled_delivery_can_be_put_back_in_line_for_its_own_task_only(
     task = await drive(store, hooked("a"), Status.SUCCESS)
     other = await drive(store, hooked("b"), Status.SUCCESS)
     await fill_outbox(store, clock())
-    [failed] = await store.webhook_deliveries(task_id=task.id)
-    await store.webhook_record(
+    [failed] = await store.outbox.deliveries(task_id=task.id)
+    await store.outbox.record(
         WebhookAttempt(failed.event_id, PENDING, "retrying", next_attempt_at=clock() + 5)
     )
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(failed.event_id, FAILED, "failed", error="410", response_status=410)
     )
-    await store.webhook_record(
+    await store.outbox.record(
         WebhookAttempt(
-            (await store.webhook_deliveries(task_id=other.id))[0].event_id, DELIVERED,
+            (await store.outbox.deliveries(task_id=other.id))[0].event_id, DELIVERED,
             "delivered", response_status=200,
         )
     )  # fmt: skip
-    assert await store.webhook_due(limit=10) == []
+    assert await store.outbox.due(limit=10) == []
     # When it is asked for under another task's id
-    assert await store.webhook_redeliver(failed.event_id, task_id=other.id) is None
+    assert await store.outbox.redeliver(failed.event_id, task_id=other.id) is None
     # Then nothing changed
-    assert await store.webhook_due(limit=10) == []
+    assert await store.outbox.due(limit=10) == []
     # When it is asked for under its own task, later
     clock.advance(30)
-    again = await store.webhook_redeliver(failed.event_id, task_id=task.id)
+    again = await store.outbox.redeliver(failed.event_id, task_id=task.id)
     # Then it is pending and due now, its attempts and last answer kept, the same event
     assert again is not None
     assert (again.event_id, again.status, again.attempts) == (failed.event_id, PENDING, 2)
     assert (again.response_status, again.last_error) == (410, "410")
     assert again.next_attempt_at == again.updated_at == clock()
     assert again.payload == failed.payload
-    assert [d.event_id for d in await store.webhook_due(limit=10)] == [failed.event_id]
-    assert await store.webhook_redeliver("tsk_none:1", task_id=task.id) is None
+    assert [d.event_id for d in await store.outbox.due(limit=10)] == [failed.event_id]
+    assert await store.outbox.redeliver("tsk_none:1", task_id=task.id) is None
 
 
 async def test_a_purge_takes_a_tasks_deliveries_along(
@@ -237,7 +237,7 @@ async def test_a_purge_takes_a_tasks_deliveries_along(
     clock.advance(100)
     recent = await drive(store, hooked("b"), Status.FAILED)
     await fill_outbox(store, clock())
-    assert {d.task_id for d in await store.webhook_deliveries()} == {old.id, recent.id}
+    assert {d.task_id for d in await store.outbox.deliveries()} == {old.id, recent.id}
     # When retention purges what finished more than 50 s ago
     assert [t.id for t in await store.purge(finished_before=clock() - 50)] == [old.id]
     # Then the old task's deliveries went with it
@@ -249,15 +249,15 @@ async def test_a_delivery_of_a_task_purged_since_its_event_was_read_is_not_queue
 ) -> None:
     # Given a scan that read a task's final event, then a purge of that task
     done = await drive(store, hooked("a"), Status.SUCCESS)
-    scan = await store.webhook_scan(limit=100)
+    scan = await store.outbox.scan(limit=100)
     wanted = [delivery(e, t, clock()) for e, t in scan.events if wants(t.webhook, e)]
     clock.advance(10)
     assert [t.id for t in await store.purge(finished_before=clock())] == [done.id]
     # When the scan is queued
-    added = await store.webhook_enqueue(wanted, cursor=scan.last)
+    added = await store.outbox.enqueue(wanted, cursor=scan.last)
     # Then nothing is queued for the task that is gone, and the cursor moved on
-    assert added == 0 and await store.webhook_deliveries() == []
-    assert (await store.webhook_scan(limit=100)).cursor == scan.last
+    assert added == 0 and await store.outbox.deliveries() == []
+    assert (await store.outbox.scan(limit=100)).cursor == scan.last
 
 
 @pytest.mark.postgres
@@ -283,12 +283,12 @@ async def test_on_postgres_the_cursor_never_passes_an_event_still_in_flight(
             # When the outbox is filled while that transaction is open
             await fill_outbox(store, time.time())
             # Then only what comes before the gap is queued
-            assert [d.task_id for d in await store.webhook_deliveries()] == [first.id]
+            assert [d.task_id for d in await store.outbox.deliveries()] == [first.id]
             # When the transaction commits and the outbox is filled again
             conn.execute("COMMIT")
         await fill_outbox(store, time.time())
         # Then the held event and the later one are queued too, in seq order, once each
-        rows = await store.webhook_deliveries()
+        rows = await store.outbox.deliveries()
         assert [(d.task_id, d.event) for d in rows] == [
             (first.id, "submit"),
             (first.id, "claim"),

@@ -235,7 +235,7 @@ async def fake_app(
 
 async def claim_one(app: kiln.App, *, lease_ttl_s: float = 60.0, worker_id: str = "w1") -> Task:
     """Claim the next task straight from the store: a worker that never heartbeats."""
-    claimed = await app.store.claim(
+    claimed = await app.engine.store.claim(
         worker_id=worker_id, kinds=list(app.kinds), limit=1, lease_ttl_s=lease_ttl_s
     )
     assert len(claimed) == 1

@@ -93,7 +93,7 @@ async def test_compatible_tasks_run_in_one_call_each_with_its_own_lifecycle(
         assert set(a[:4]) in groups and set(b) in groups
         # And each task has its own events, lease and verified output
         for task in done:
-            events = [e.event for e in await app.store.events(task_id=task.id)]
+            events = [e.event for e in await app.engine.store.events(task_id=task.id)]
             assert events == [Event.SUBMIT, Event.CLAIM, Event.ACQUIRE, Event.GENERATED,
                               Event.UPLOADED]  # fmt: skip
             [output] = task.result["outputs"]  # type: ignore[index]
@@ -115,10 +115,10 @@ async def test_a_member_cancelled_and_a_member_failing_leave_the_others_alone(
         async with running(app.worker(concurrency=1, idle_poll_s=(0.01, 0.05)).run()):
             # Given the four in one call, generating
             for task_id in ids:
-                await wait_for_status(app.store, task_id, Status.GENERATING, timeout_s=10)
+                await wait_for_status(app.engine.store, task_id, Status.GENERATING, timeout_s=10)
             # When one is cancelled while the call runs, then the call ends
             await app.cancel(ids[2])
-            cancelled = await wait_for_status(app.store, ids[2], Status.CANCELLED)
+            cancelled = await wait_for_status(app.engine.store, ids[2], Status.CANCELLED)
             recorder.gate.set()
             done = [await app.wait(t, timeout_s=30) for t in ids]
     # Then the cancelled one stopped at once, the refused one failed for good, and the
@@ -143,7 +143,7 @@ async def test_a_failed_call_retries_each_member_on_its_own(settings: Settings) 
         assert [t.attempt for t in done] == [2, 2, 2]
         assert set(recorder.calls[0]) == set(ids)
         for task in done:
-            events = [e.event for e in await app.store.events(task_id=task.id)]
+            events = [e.event for e in await app.engine.store.events(task_id=task.id)]
             assert events.count(Event.FAIL) == 1, events
 
 
@@ -165,7 +165,7 @@ async def test_a_worker_killed_in_the_middle_of_a_batch_loses_and_repeats_nothin
         victim = workers.start("--concurrency", "1")
         workers.start_supervisor()
         # When it is SIGKILLed while a batch generates
-        await wait_for_status(app.store, ids[0], Status.GENERATING, timeout_s=30)
+        await wait_for_status(app.engine.store, ids[0], Status.GENERATING, timeout_s=30)
         # (the batch's members reach GENERATING in one claim, but the read may come between
         # their writes: read until the batch shows, within a deadline)
         deadline = asyncio.get_running_loop().time() + 10
@@ -176,13 +176,13 @@ async def test_a_worker_killed_in_the_middle_of_a_batch_loses_and_repeats_nothin
         workers.kill(victim)
         # And another worker takes over
         workers.start("--concurrency", "1")
-        done = [await wait_for_status(app.store, t, Status.SUCCESS, Status.FAILED,
+        done = [await wait_for_status(app.engine.store, t, Status.SUCCESS, Status.FAILED,
                                       timeout_s=120) for t in ids]  # fmt: skip
         # Then every task succeeded once, those of the killed batch on a second attempt
         assert [t.status for t in done] == [Status.SUCCESS] * 8
         assert len(generating) >= 2
         for task in done:
-            events = [e.event for e in await app.store.events(task_id=task.id)]
+            events = [e.event for e in await app.engine.store.events(task_id=task.id)]
             assert events.count(Event.UPLOADED) == 1
             assert task.attempt == (2 if task.id in generating else 1), (task.id, events)
             [output] = task.result["outputs"]  # type: ignore[index]

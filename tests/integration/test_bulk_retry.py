@@ -111,16 +111,16 @@ async def test_bulk_retry_by_code_in_pages_while_workers_run(workers: CliWorkers
         assert set(await statuses(app, flaky + busy)) == {Status.SUCCESS}, workers.tail()
         # And every retried task ran exactly once more: two claims, one retry, one success
         for task_id in flaky:
-            events = [str(e.event) for e in await task_events(app.store, task_id)]
+            events = [str(e.event) for e in await task_events(app.engine.store, task_id)]
             assert events.count("claim") == 2, events
             assert events.count("retry") == 1, events
-            assert [str(e.status) for e in await task_events(app.store, task_id)].count(
+            assert [str(e.status) for e in await task_events(app.engine.store, task_id)].count(
                 "SUCCESS"
             ) == 1
             assert (await app.get(task_id)).attempt == 2
         # And the tasks the filter did not name were left alone
         for task_id in broken:
-            events = [str(e.event) for e in await task_events(app.store, task_id)]
+            events = [str(e.event) for e in await task_events(app.engine.store, task_id)]
             assert "retry" not in events and events.count("claim") == 1
         assert set(await statuses(app, broken)) == {Status.FAILED}
         # When the action runs again from the start, nothing is left to retry

@@ -25,7 +25,7 @@ async def test_a_failure_after_a_cancel_from_elsewhere_is_not_retried(
     async def raced(ctx: Context, params: dict[str, Any]) -> None:
         calls.append(ctx.attempt)
         # Another process asks to cancel (the store only: no listener of this one hears)
-        await app.store.request_cancel(ctx.task_id)
+        await app.engine.store.request_cancel(ctx.task_id)
         raise Retryable("upstream went away", code="upstream_unavailable")
 
     async with app:
@@ -33,7 +33,7 @@ async def test_a_failure_after_a_cancel_from_elsewhere_is_not_retried(
         worker = app.worker(concurrency=1, idle_poll_s=(0.01, 0.05))
         async with running(worker.run()):
             done = await app.wait(task.id, timeout_s=30)
-        events = [e.event for e in await app.store.events(task_id=task.id)]
+        events = [e.event for e in await app.engine.store.events(task_id=task.id)]
     # The attempt ended for good: one call, no retry planned, no second claim
     assert calls == [1]
     assert done.status is Status.FAILED and done.attempt == 1
@@ -59,7 +59,7 @@ async def test_a_cancel_heard_after_the_upload_committed_leaves_the_success_alon
 
         async def transition(attempt: Any, event: Event, *args: Any, **kwargs: Any) -> Any:
             if event is Event.UPLOADED:
-                await app.store.request_cancel(attempt.task.id)
+                await app.engine.store.request_cancel(attempt.task.id)
             done = await committed(attempt, event, *args, **kwargs)
             if event is Event.UPLOADED:
                 worker.leases.halt(attempt, "cancel")  # the cancel, heard now
@@ -69,7 +69,7 @@ async def test_a_cancel_heard_after_the_upload_committed_leaves_the_success_alon
         async with running(worker.run()):
             done = await app.wait(task.id, timeout_s=30)
             await worker.stop()
-        events = [e.event for e in await app.store.events(task_id=task.id)]
+        events = [e.event for e in await app.engine.store.events(task_id=task.id)]
     # Then the task stays SUCCESS with its outputs, and the worker tried no change the
     # state table refuses (a `stopped` after SUCCESS)
     assert done.status is Status.SUCCESS

@@ -152,7 +152,7 @@ async def test_a_workflow_runs_a_failing_node_fails_and_a_cancel_interrupts(
 async def a_workflow_runs(pairs: Pairs, app: kiln.App) -> None:
     # When a workflow runs
     done = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=3)})).task
-    task = await wait_for_status(app.store, done.id, Status.SUCCESS, timeout_s=60)
+    task = await wait_for_status(app.engine.store, done.id, Status.SUCCESS, timeout_s=60)
     # Then its saved image is in storage as the instance wrote it, sha256 verified
     [output] = task.result["outputs"]
     data = await app.storage.get(output["key"])
@@ -184,7 +184,7 @@ async def a_failing_node_fails(pairs: Pairs, app: kiln.App) -> None:
     }
     graph["9"]["inputs"]["images"] = ["10", 0]
     bad = (await app.submit(KIND, {"workflow": graph})).task
-    failed = await wait_for_status(app.store, bad.id, Status.FAILED, timeout_s=60)
+    failed = await wait_for_status(app.engine.store, bad.id, Status.FAILED, timeout_s=60)
     # Then it failed for good with the node's id, type and message
     assert failed.attempt == 1 and failed.error is not None
     assert failed.error["code"] == "node_execution_error"
@@ -200,7 +200,7 @@ async def a_cancel_interrupts(pairs: Pairs, app: kiln.App) -> None:
     long = (await app.submit(KIND, {"workflow": txt2img(CKPTS[0], steps=2000)})).task
     index, prompt_id = await running_on(pairs, app, long.id)
     await app.cancel(long.id)
-    await wait_for_status(app.store, long.id, Status.CANCELLED, timeout_s=60)
+    await wait_for_status(app.engine.store, long.id, Status.CANCELLED, timeout_s=60)
     # Then its instance was told to interrupt it and take it off the queue: it is gone
     url = pairs.instances[index].url
     await wait_until(lambda: _true(get(f"{url}/history/{prompt_id}")), timeout_s=30)
@@ -222,8 +222,8 @@ async def test_the_job_of_a_killed_worker_succeeds_on_the_other(pairs: Pairs) ->
         index, _ = await running_on(pairs, app, job.id)
         # When the worker running it is killed
         pairs.workers.kill(pairs.procs[index])
-        done = await wait_for_status(app.store, job.id, Status.SUCCESS, timeout_s=90)
-        events = await task_events(app.store, job.id)
+        done = await wait_for_status(app.engine.store, job.id, Status.SUCCESS, timeout_s=90)
+        events = await task_events(app.engine.store, job.id)
     # Then its lease lapsed and the other worker ran it again, to the end
     assert await pairs.ran(done.id) == 1 - index and done.attempt == 2
     assert [e.event for e in events].count(Event.EXPIRE) == 1
@@ -236,8 +236,8 @@ async def test_the_job_of_a_dead_instance_is_retried_on_the_other(pairs: Pairs) 
         index, _ = await running_on(pairs, app, job.id)
         # When the ComfyUI running it dies
         pairs.instances[index].kill()
-        done = await wait_for_status(app.store, job.id, Status.SUCCESS, timeout_s=90)
-        events = await task_events(app.store, job.id)
+        done = await wait_for_status(app.engine.store, job.id, Status.SUCCESS, timeout_s=90)
+        events = await task_events(app.engine.store, job.id)
         # Then its attempt failed as unavailable, and the other pair ran it again
         failures = [e.error for e in events if e.event is Event.FAIL and e.error]
         assert [f["code"] for f in failures] == ["comfyui_unavailable"]
@@ -249,7 +249,7 @@ async def test_the_job_of_a_dead_instance_is_retried_on_the_other(pairs: Pairs) 
             for n in range(6)
         ]
         for task_id in more:
-            task = await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=60)
+            task = await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=60)
             assert task.attempt == 1 and await pairs.ran(task_id) == 1 - index
     assert pairs.events(index, "claim") == [job.id]
 
@@ -265,7 +265,9 @@ async def test_jobs_of_two_checkpoints_go_mostly_to_the_instance_that_holds_thei
         for n in range(20):
             graph = txt2img(rng.choice(CKPTS), seed=n, steps=2)
             ids.append((await app.submit(KIND, {"workflow": graph})).task.id)
-        done = [await wait_for_status(app.store, i, Status.SUCCESS, timeout_s=120) for i in ids]
+        done = [
+            await wait_for_status(app.engine.store, i, Status.SUCCESS, timeout_s=120) for i in ids
+        ]
         live = await app.engine.workers()
         held = {model for worker in live for model in worker.models}
         for task_id in ids:  # each job's uploaded line is in its worker's log

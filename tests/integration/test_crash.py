@@ -37,7 +37,7 @@ async def assert_succeeded_once(app: kiln.App, task_id: str) -> Task:
     """One final state, one SUCCESS event, and outputs verified at the final attempt's place."""
     task = await app.get(task_id)
     assert task.status is Status.SUCCESS
-    events = await assert_one_final_state(app.store, task_id)
+    events = await assert_one_final_state(app.engine.store, task_id)
     done = successes(events)
     assert len(done) == 1
     assert done[0].event in (Event.UPLOADED, Event.RECOVER)
@@ -60,7 +60,7 @@ async def assert_only_final_attempt_stored(app: kiln.App, task: Task) -> None:
 
 async def assert_store_consistent(app: kiln.App, tasks: list[Task]) -> None:
     """The per-status counts the store keeps agree with the tasks themselves; no ghosts."""
-    stats = await app.store.stats(tenant=None, ghost_after_s=0.0)
+    stats = await app.engine.store.stats(tenant=None, ghost_after_s=0.0)
     expected = {str(status): 0 for status in Status}
     for task in tasks:
         expected[str(task.status)] += 1
@@ -76,7 +76,7 @@ async def test_worker_killed_while_waiting_for_resource_loses_no_task(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given a worker process with one gpu slot holding two tasks: one runs, one waits for it
-    store = crash_app.store
+    store = crash_app.engine.store
     first = (await crash_app.submit("image.generate", demo_params("a fox", **SLOW_STEPS))).task
     second = (await crash_app.submit("image.generate", demo_params("a heron", **SLOW_STEPS))).task
     victim = worker_processes.start("--gpu", "1", "--concurrency", "2")
@@ -113,7 +113,7 @@ async def test_worker_killed_while_generating_is_retried_in_a_new_attempt(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given a worker process that is GENERATING a task and has persisted some progress
-    store = crash_app.store
+    store = crash_app.engine.store
     task = (await crash_app.submit("image.generate", demo_params("an owl", **SLOW_STEPS))).task
     victim = worker_processes.start()
     running_task = await wait_for_task(
@@ -150,7 +150,7 @@ async def test_worker_killed_mid_upload_is_regenerated_without_a_torn_result(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given a worker process that kills itself just before writing the image
-    store = crash_app.store
+    store = crash_app.engine.store
     task = (await crash_app.submit("image.generate", demo_params("a lighthouse"))).task
     victim = worker_processes.start("--kill-before-put", "image.png")
 
@@ -185,7 +185,7 @@ async def test_worker_killed_after_manifest_is_recovered_without_regeneration(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given a worker process that kills itself right after writing the manifest
-    store = crash_app.store
+    store = crash_app.engine.store
     task = (await crash_app.submit("image.generate", demo_params("a windmill"))).task
     victim = worker_processes.start("--kill-after-put", "manifest.json")
     await wait_until(
@@ -231,7 +231,7 @@ async def test_worker_killed_mid_batch_leaves_every_task_finishing_exactly_once(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given eight tasks on a worker process running three at a time
-    store = crash_app.store
+    store = crash_app.engine.store
     params = {"steps": 10, "step_ms": 30}
     ids = [
         (await crash_app.submit("image.generate", demo_params(f"a reef {n}", **params))).task.id

@@ -63,7 +63,7 @@ async def submit(app: kiln.App, name: str, kind: str = KIND, **options: Any) -> 
 
 
 async def status_of(app: kiln.App, task_id: str, *statuses: Status) -> Task:
-    return await wait_for_status(app.store, task_id, *statuses)
+    return await wait_for_status(app.engine.store, task_id, *statuses)
 
 
 async def start(worker: Worker) -> asyncio.Task[None]:
@@ -89,7 +89,7 @@ async def test_a_drained_attempt_that_ends_within_the_grace_succeeds(
     # Then the task succeeded on its one attempt, and nothing was given back
     done = await app.get(task.id)
     assert (done.status, done.attempt) == (Status.SUCCESS, 1)
-    events = await assert_one_final_state(app.store, task.id)
+    events = await assert_one_final_state(app.engine.store, task.id)
     assert Event.RELEASE not in [e.event for e in events]
 
 
@@ -116,7 +116,7 @@ async def test_an_attempt_still_running_when_the_grace_ends_goes_back_uncounted(
     assert back.ready_at == task.ready_at
     assert back.lease_owner is None and back.error is None
     assert (back.stage, back.progress_step) == (None, None)
-    release = (await task_events(app.store, task.id))[-1]
+    release = (await task_events(app.engine.store, task.id))[-1]
     assert (release.event, release.from_status, release.status) == (
         Event.RELEASE, Status.GENERATING, Status.PENDING
     )  # fmt: skip
@@ -127,7 +127,7 @@ async def test_an_attempt_still_running_when_the_grace_ends_goes_back_uncounted(
     async with kiln.app.running(app.worker(concurrency=1).run()):
         done = await status_of(app, task.id, Status.SUCCESS)
     assert (done.attempt, done.max_attempts) == (1, 1)
-    await assert_one_final_state(app.store, task.id)
+    await assert_one_final_state(app.engine.store, task.id)
 
 
 async def test_attempts_waiting_for_a_resource_are_given_back_at_once(
@@ -174,7 +174,7 @@ async def test_a_cancelled_worker_gives_every_attempt_back_at_once(
     for task in tasks:
         back = await app.get(task.id)
         assert (back.status, back.attempt) == (Status.PENDING, 0)
-        events = [e.event for e in await task_events(app.store, task.id)]
+        events = [e.event for e in await task_events(app.engine.store, task.id)]
         assert events == [Event.SUBMIT, Event.CLAIM, Event.ACQUIRE, Event.RELEASE]
 
 
@@ -187,7 +187,7 @@ async def test_a_task_with_a_cancel_asked_is_stopped_not_released(
     running = await start(worker)
     await asyncio.wait_for(gate.entered(task.id).wait(), 10)
     # Given a cancel asked from another process (this worker has not heard of it)
-    await app.store.request_cancel(task.id)
+    await app.engine.store.request_cancel(task.id)
 
     worker.drain(0.0)
     await asyncio.wait_for(running, 10)
@@ -218,7 +218,7 @@ async def test_no_number_of_stops_fails_a_task_on_its_last_attempt(
 
     # Then it succeeded on attempt 1 of 1, and every attempt of the log was <= max_attempts
     assert (done.attempt, done.max_attempts) == (1, 1)
-    events = await assert_one_final_state(app.store, task.id)
+    events = await assert_one_final_state(app.engine.store, task.id)
     assert all(e.attempt <= 1 for e in events)
     assert [e.event for e in events].count(Event.RELEASE) == 5
     assert {n for _, n in gate.runs} == {1}
@@ -265,4 +265,4 @@ async def test_a_stopping_supervisor_hands_its_leadership_over_at_once(
         report = await second.sweep()
         assert report.leading
         assert second.token is not None and second.token.epoch == 2
-        assert await app.store.lead(LEADER, "first", 60) is None
+        assert await app.engine.store.lead(LEADER, "first", 60) is None

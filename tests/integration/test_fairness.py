@@ -33,7 +33,7 @@ async def test_a_flood_does_not_stall_another_tenant_with_fair_claims(settings: 
         flood, quiet = await flood_then_one(app)
         # When one worker with two slots runs
         async with running(app.worker(concurrency=2, resources={"gpu": 2}).run()):
-            await wait_for_status(app.store, quiet, Status.SUCCESS, timeout_s=30)
+            await wait_for_status(app.engine.store, quiet, Status.SUCCESS, timeout_s=30)
             # Then the quiet tenant's task finished while most of the flood still waits
             left = [(await app.get(t)).status for t in flood]
         assert left.count(Status.SUCCESS) <= 4, left
@@ -45,14 +45,14 @@ async def test_a_running_cap_holds_while_the_other_tenant_is_served(settings: Se
         demo.register(app)
         flood, quiet = await flood_then_one(app)
         async with running(app.worker(concurrency=3, resources={"gpu": 3}).run()):
-            await wait_for_status(app.store, quiet, Status.SUCCESS, timeout_s=30)
+            await wait_for_status(app.engine.store, quiet, Status.SUCCESS, timeout_s=30)
             for task_id in flood[:6]:
-                await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=30)
+                await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=30)
         # Then the capped tenant's attempts never overlapped: claimed to uploaded, one at
         # a time, though the worker had three slots
         spans = []
         for task_id in flood:
-            events = {e.event: e.at for e in await app.store.events(task_id=task_id)}
+            events = {e.event: e.at for e in await app.engine.store.events(task_id=task_id)}
             if Event.UPLOADED in events:
                 spans.append((events[Event.CLAIM], events[Event.UPLOADED]))
         assert len(spans) >= 6

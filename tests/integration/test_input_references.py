@@ -45,16 +45,16 @@ async def kept_app(
 
 async def _transformed(app: kiln.App, data: bytes, op: str = "convert") -> kiln.Task:
     """An upload (pinned, stored, released as the API does) run by a worker to SUCCESS."""
-    held = await inputs.hold(app.store, app.storage, [(sha256_hex(data), data)])
+    held = await inputs.hold(app.engine.store, app.storage, [(sha256_hex(data), data)])
     item = inputs.record("image", data, inputs.probe(data, PIXELS))
     task = (await app.submit(transform.KIND, {"op": op}, inputs=[item])).task
-    await inputs.release(app.store, app.storage, held)
+    await inputs.release(app.engine.store, app.storage, held)
     async with running(app.worker(concurrency=1).run()):
-        return await wait_for_status(app.store, task.id, Status.SUCCESS)
+        return await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
 
 async def _pins(app: kiln.App) -> list[tuple[str, int]]:
-    store = app.store
+    store = app.engine.store
     return sorted(await store._rows(store.q.sql("SELECT sha256, pins FROM inputs"), (), tuple))
 
 
@@ -67,19 +67,19 @@ async def test_retention_cannot_delete_a_referenced_input_before_its_task_is_in(
     supervisor = app.supervisor(owner="sup")
     # Given a reference found and pinned (what the API does before it submits)
     found, held = await inputs.refer(
-        app.store, app.storage, "default", {"image": sha256_hex(data)}, max_pixels=PIXELS
+        app.engine.store, app.storage, "default", {"image": sha256_hex(data)}, max_pixels=PIXELS
     )
     # When the only task that used the input is purged, past the retention, meanwhile
     clock.advance(RETENTION_S + 1)
     report = await supervisor.sweep()
-    assert report.purged == 1 and await app.store.get(first.id) is None
+    assert report.purged == 1 and await app.engine.store.get(first.id) is None
     # Then the input is still there; the task goes in, and a worker reads the input
     assert await object_keys(app.storage, "inputs/") == [inputs.input_key(sha256_hex(data))]
     task = (await app.submit(transform.KIND, {"op": "convert", "format": "webp"},
                              inputs=found)).task  # fmt: skip
-    await inputs.release(app.store, app.storage, held)
+    await inputs.release(app.engine.store, app.storage, held)
     async with running(app.worker(concurrency=1).run()):
-        done = await wait_for_status(app.store, task.id, Status.SUCCESS)
+        done = await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
     assert done.inputs == first.inputs
     # And retention keeps it while that task exists
     await supervisor.sweep()
@@ -96,7 +96,7 @@ async def test_content_retention_took_after_the_lookup_is_refused_and_leaves_not
     assert first.result is not None
     sha256 = sha256_hex(data) if what == "upload" else first.result["outputs"][0]["sha256"]
     supervisor = app.supervisor(owner="sup")
-    lookup = app.store.find_object
+    lookup = app.engine.store.inputs.find_object
 
     async def then_retention(tenant: str, wanted: str) -> KnownObject | None:
         # The lookup finds the content; then, before the pin, retention purges the task
@@ -106,10 +106,12 @@ async def test_content_retention_took_after_the_lookup_is_refused_and_leaves_not
         assert (await supervisor.sweep()).purged == 1
         return found
 
-    monkeypatch.setattr(app.store, "find_object", then_retention)
+    monkeypatch.setattr(app.engine.store.inputs, "find_object", then_retention)
 
     with pytest.raises(InvalidRequest) as refused:
-        await inputs.refer(app.store, app.storage, "default", {"image": sha256}, max_pixels=PIXELS)
+        await inputs.refer(
+            app.engine.store, app.storage, "default", {"image": sha256}, max_pixels=PIXELS
+        )
 
     assert refused.value.details[0]["loc"] == ["inputs", "image"]
     assert await object_keys(app.storage, "") == []

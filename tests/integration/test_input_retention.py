@@ -45,8 +45,8 @@ async def kept_app(
 
 async def _upload(app: kiln.App, data: bytes) -> kiln.models.JSON:
     """What the API does with an uploaded file: pin and store it (then submit, release)."""
-    held = await inputs.hold(app.store, app.storage, [(sha256_hex(data), data)])
-    await inputs.release(app.store, app.storage, held)
+    held = await inputs.hold(app.engine.store, app.storage, [(sha256_hex(data), data)])
+    await inputs.release(app.engine.store, app.storage, held)
     return inputs.record("image", data, inputs.probe(data, 10_000_000))
 
 
@@ -54,7 +54,7 @@ async def _transformed(app: kiln.App, item: kiln.models.JSON, tenant: str) -> ki
     params = {"op": "thumbnail", "width": 8, "height": 8}
     task = (await app.submit(transform.KIND, params, tenant=tenant, inputs=[item])).task
     async with running(app.worker(concurrency=1).run()):
-        return await wait_for_status(app.store, task.id, Status.SUCCESS)
+        return await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
 
 async def test_inputs_no_task_refers_to_go_once_unused_for_the_retention(
@@ -77,7 +77,7 @@ async def test_inputs_no_task_refers_to_go_once_unused_for_the_retention(
     clock.advance(RETENTION_S + 1)
     report = await supervisor.sweep()
     # Then the inputs no task refers to any more are gone, and the kept task's stays
-    assert report.purged == 1 and await app.store.get(gone_task.id) is None
+    assert report.purged == 1 and await app.engine.store.get(gone_task.id) is None
     assert await object_keys(app.storage, "inputs/") == [key[kept]]
     # And reconciliation finds nothing left over
     assert (await reconcile(app, Options())).clean
@@ -112,7 +112,7 @@ async def test_idempotency_keys_go_after_their_ttl_while_their_task_stays(
     clock.advance(KEYS_S + 1)
     assert (await supervisor.sweep()).purged == 0
     # Then the task is still there, but the key makes a new task
-    assert await app.store.get(first.task.id) is not None
+    assert await app.engine.store.get(first.task.id) is not None
     await app.apply(first.task, Event.CANCEL)
     again = await app.submit(transform.KIND, params, idempotency_key="k-1", inputs=[item])
     assert again.created and again.task.id != first.task.id

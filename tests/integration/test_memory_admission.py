@@ -48,10 +48,10 @@ async def test_a_memory_pool_is_never_over_its_amount_across_processes(
         for _ in range(3):
             workers.start("--concurrency", "2", "--gpus", "2")
         for task_id in ids:
-            await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=180)
+            await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=180)
         spans = []
         for task_id, units in ids.items():
-            events = await app.store.events(task_id=task_id)
+            events = await app.engine.store.events(task_id=task_id)
             start = next(e.at for e in events if e.status is Status.GENERATING)
             end = next(e.at for e in events if e.event is Event.GENERATED)
             spans.append((start, end, units))

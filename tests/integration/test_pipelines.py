@@ -64,24 +64,24 @@ async def test_a_pipeline_survives_sigkills_inside_and_between_steps(
         inside = workers.start("--concurrency", "1")
         generate = await step(app, pipeline.id, "generate/0")
         assert generate is not None
-        await wait_for_task(app.store, generate.id,
+        await wait_for_task(app.engine.store, generate.id,
                             lambda t: (t.progress_step or 0) >= 2 and t.status is Status.GENERATING,
                             timeout_s=30, what="the first step generating")  # fmt: skip
         workers.kill(inside)
         # And a worker that serves only that step's kind is killed right after it succeeds
         between = workers.start("--concurrency", "1", "--kinds", "image.generate")
-        await wait_for_status(app.store, generate.id, Status.SUCCESS, timeout_s=30)
+        await wait_for_status(app.engine.store, generate.id, Status.SUCCESS, timeout_s=30)
         workers.kill(between)
         # Then the next step already exists, made with the step's SUCCESS
         upscale = await step(app, pipeline.id, "upscale/0")
         assert upscale is not None and upscale.status is Status.PENDING
         # When a worker takes over
         workers.start("--concurrency", "1")
-        done = await wait_for_status(app.store, pipeline.id, Status.SUCCESS, timeout_s=60)
+        done = await wait_for_status(app.engine.store, pipeline.id, Status.SUCCESS, timeout_s=60)
         steps = await app.pipeline_steps(done)
         # Then every step succeeded exactly once (one uploaded event each)
         for task in steps.values():
-            events = await task_events(app.store, task.id)
+            events = await task_events(app.engine.store, task.id)
             uploads = [e for e in events if e.event is Event.UPLOADED]
             assert (task.status, len(uploads)) == (Status.SUCCESS, 1), task.id
         assert steps["generate/0"].attempt == 2  # the attempt killed inside it, then one
@@ -108,7 +108,7 @@ async def test_fan_out_of_ten_then_a_contact_sheet(
     async with app_of(workers) as app:
         pipeline = (await app.submit("pipeline", params)).task
         workers.start("--concurrency", "4")
-        done = await wait_for_status(app.store, pipeline.id, Status.SUCCESS, timeout_s=60)
+        done = await wait_for_status(app.engine.store, pipeline.id, Status.SUCCESS, timeout_s=60)
         steps = await app.pipeline_steps(done)
         copies = [steps[f"generate/{i}"] for i in range(10)]
         # Then ten copies ran, each with its own seed, and the sheet read all ten by key
@@ -138,23 +138,23 @@ async def test_cancel_then_retry_reruns_only_the_steps_that_did_not_succeed(
         quick = await step(app, pipeline.id, "quick/0")
         slow = await step(app, pipeline.id, "slow/0")
         assert quick is not None and slow is not None
-        await wait_for_status(app.store, quick.id, Status.SUCCESS, timeout_s=30)
-        await wait_for_status(app.store, slow.id, Status.GENERATING, timeout_s=30)
+        await wait_for_status(app.engine.store, quick.id, Status.SUCCESS, timeout_s=30)
+        await wait_for_status(app.engine.store, slow.id, Status.GENERATING, timeout_s=30)
         # When the pipeline is cancelled
         cancelled = await app.cancel(pipeline.id)
         # Then it is CANCELLED at once, and the worker stops the running step
         assert cancelled.status is Status.CANCELLED
-        stopped = await wait_for_status(app.store, slow.id, Status.CANCELLED, timeout_s=30)
+        stopped = await wait_for_status(app.engine.store, slow.id, Status.CANCELLED, timeout_s=30)
         assert stopped.result is None
         # When it is retried
         assert (await app.retry(pipeline.id)).status is Status.GENERATING
-        done = await wait_for_status(app.store, pipeline.id, Status.SUCCESS, timeout_s=60)
+        done = await wait_for_status(app.engine.store, pipeline.id, Status.SUCCESS, timeout_s=60)
         steps = await app.pipeline_steps(done)
         # Then only the step that had not succeeded ran again; each succeeded once
         assert steps["quick/0"].attempt == 1 and steps["slow/0"].attempt == 2
         for task in steps.values():
-            events = await task_events(app.store, task.id)
+            events = await task_events(app.engine.store, task.id)
             assert [e.event for e in events].count(Event.UPLOADED) == 1, task.id
-        log = [e.event for e in await task_events(app.store, pipeline.id)]
+        log = [e.event for e in await task_events(app.engine.store, pipeline.id)]
         assert log == [Event.SUBMIT, Event.RUN_STEPS, Event.STEPS_CANCELLED, Event.RETRY,
                        Event.RUN_STEPS, Event.STEPS_DONE]  # fmt: skip

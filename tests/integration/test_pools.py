@@ -59,7 +59,7 @@ async def test_the_pool_capacity_holds_across_worker_processes(
 
     async def someone_waits_in_line() -> bool:
         for task in tasks:
-            wait = await crash_app.store.pool_wait(task.id)
+            wait = await crash_app.engine.store.pools.wait(task.id)
             if wait is not None:
                 seen_waiting.append(wait)
                 return True
@@ -69,12 +69,12 @@ async def test_the_pool_capacity_holds_across_worker_processes(
     assert seen_waiting[0].pool == "gpu-a100" and seen_waiting[0].capacity == 2
     async with running(crash_app.supervisor(interval_s=0.05).run()):
         for task in tasks:
-            await wait_for_status(crash_app.store, task.id, Status.SUCCESS, timeout_s=60)
+            await wait_for_status(crash_app.engine.store, task.id, Status.SUCCESS, timeout_s=60)
 
     # And never more than two generated at once, across the three processes
     spans = []
     for task in tasks:
-        events = await assert_one_final_state(crash_app.store, task.id)
+        events = await assert_one_final_state(crash_app.engine.store, task.id)
         spans += generating_spans(events)
     assert len(spans) == len(tasks)
     assert most_at_once(spans) == 2
@@ -84,7 +84,7 @@ async def test_a_killed_holders_slot_comes_back_by_itself(
     crash_app: kiln.App, worker_processes: WorkerProcesses
 ) -> None:
     # Given worker A generating the only slot's task, and worker B's task waiting in line
-    store = crash_app.store
+    store = crash_app.engine.store
     first = (await crash_app.submit("image.generate", demo_params("a heron", steps=150,
                                                                   step_ms=60))).task  # fmt: skip
     holder = worker_processes.start("--pools", "gpu-a100:1", "--gpu", "2", "--concurrency", "1")
@@ -93,7 +93,7 @@ async def test_a_killed_holders_slot_comes_back_by_itself(
     worker_processes.start("--pools", "gpu-a100:1", "--gpu", "2", "--concurrency", "2")
 
     async def second_waits_first_in_line() -> bool:
-        wait = await store.pool_wait(second.id)
+        wait = await store.pools.wait(second.id)
         return wait is not None and wait.position == 1 and wait.held == 1
 
     await wait_until(second_waits_first_in_line, timeout_s=20, what="the owl first in line")
@@ -115,7 +115,7 @@ async def test_a_killed_holders_slot_comes_back_by_itself(
             await wait_for_status(store, task.id, Status.SUCCESS, timeout_s=60)
     heron = await assert_one_final_state(store, first.id)
     assert [e.event for e in heron if e.event is Event.EXPIRE] == [Event.EXPIRE]
-    usage = {p.name: (p.held, p.waiting) for p in await store.pools()}
+    usage = {p.name: (p.held, p.waiting) for p in await store.pools.usage()}
     assert usage == {"gpu-a100": (0, 0)}
 
 
@@ -131,7 +131,7 @@ async def test_an_attempt_whose_lease_lapsed_stops_instead_of_renewing_it(
         task = (await app.submit("image.generate", params)).task
         worker = app.worker(concurrency=1)
         async with running(worker.run()):
-            generating = await wait_for_status(app.store, task.id, Status.GENERATING)
+            generating = await wait_for_status(app.engine.store, task.id, Status.GENERATING)
             assert generating.lease_expires_at is not None
             # When its lease lapses without a heartbeat landing (a paused process): another
             # task may hold the slot now
@@ -141,7 +141,7 @@ async def test_an_attempt_whose_lease_lapsed_stops_instead_of_renewing_it(
         after = await app.get(task.id)
         assert (after.status, after.epoch) == (Status.GENERATING, generating.epoch)
         assert after.lease_expires_at is not None and after.lease_expires_at <= clock()
-        usage = {p.name: p.held for p in await app.store.pools()}
+        usage = {p.name: p.held for p in await app.engine.store.pools.usage()}
         assert usage == {"gpu-a100": 0}  # the lapsed lease already gave the slot back
 
 

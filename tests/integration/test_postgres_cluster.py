@@ -275,9 +275,9 @@ async def read_outcomes(cluster: Cluster, task_ids: list[str]) -> dict[str, Outc
     outcomes = {}
     async with kiln.App(settings=settings) as app:
         for task_id in task_ids:
-            task = await app.store.get(task_id)
+            task = await app.engine.store.get(task_id)
             assert task is not None, f"task {task_id} was lost"
-            events = await app.store.events(task_id=task_id, limit=10_000)
+            events = await app.engine.store.events(task_id=task_id, limit=10_000)
             objects = [info.key async for info in app.storage.list(f"tasks/{task_id}/")]
             outcomes[task_id] = Outcome(task, events, objects)
             if task.status is Status.SUCCESS:

@@ -67,13 +67,16 @@ async def submit(app: kiln.App, name: str, priority: int, shape: dict[str, int])
 
 async def generating(app: kiln.App, task: Task) -> Task:
     return await wait_for_task(
-        app.store, task.id, lambda t: t.status is Status.GENERATING, what=f"{task.id} generating"
+        app.engine.store,
+        task.id,
+        lambda t: t.status is Status.GENERATING,
+        what=f"{task.id} generating",
     )
 
 
 async def done(app: kiln.App, task: Task, timeout_s: float = 30.0) -> Task:
     return await wait_for_task(
-        app.store, task.id, lambda t: t.status is Status.SUCCESS, timeout_s=timeout_s,
+        app.engine.store, task.id, lambda t: t.status is Status.SUCCESS, timeout_s=timeout_s,
         what=f"{task.id} done",
     )  # fmt: skip
 
@@ -99,8 +102,8 @@ async def test_a_long_low_priority_task_yields_to_a_high_one_and_resumes_uncount
                 low_done = await done(app, low)
         assert low_done.attempt == 1 and high_done.attempt == 1  # the yield did not count
         assert low_done.yield_requested_at is None
-        low_events = await assert_one_final_state(app.store, low.id)
-        high_events = await assert_one_final_state(app.store, high.id)
+        low_events = await assert_one_final_state(app.engine.store, low.id)
+        high_events = await assert_one_final_state(app.engine.store, high.id)
         released = first(low_events, Event.RELEASE)
         assert released.from_status is Status.GENERATING and released.status is Status.PENDING
         assert [e.event for e in low_events].count(Event.CLAIM) == 2
@@ -110,7 +113,7 @@ async def test_a_long_low_priority_task_yields_to_a_high_one_and_resumes_uncount
         assert released.at <= first(high_events, Event.ACQUIRE).at <= acquires[1].at
         stepped = low_events[low_events.index(released) - 1]
         assert stepped.event is Event.ACQUIRE  # it had been generating, then yielded
-        assert (await app.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
+        assert (await app.engine.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
 
 
 async def test_preemption_order_the_lowest_priority_latest_started_holder_yields(
@@ -130,12 +133,12 @@ async def test_preemption_order_the_lowest_priority_latest_started_holder_yields
                     await done(app, high)
                     a_done, b_done = await done(app, a), await done(app, b)
         # Then b yielded, a ran on; both finished as attempt 1
-        a_events = await assert_one_final_state(app.store, a.id)
-        b_events = await assert_one_final_state(app.store, b.id)
+        a_events = await assert_one_final_state(app.engine.store, a.id)
+        b_events = await assert_one_final_state(app.engine.store, b.id)
         assert Event.RELEASE not in [e.event for e in a_events]
         assert [e.event for e in b_events].count(Event.RELEASE) == 1
         assert a_done.attempt == 1 and b_done.attempt == 1
-        assert (await app.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
+        assert (await app.engine.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
 
 
 async def test_a_batch_yields_as_a_whole_when_its_slot_holder_is_asked(
@@ -155,9 +158,9 @@ async def test_a_batch_yields_as_a_whole_when_its_slot_holder_is_asked(
         # Then every member yielded (one request, to the leader), uncounted
         assert [t.attempt for t in finished] == [1, 1]
         for low in lows:
-            events = await assert_one_final_state(app.store, low.id)
+            events = await assert_one_final_state(app.engine.store, low.id)
             assert [e.event for e in events].count(Event.RELEASE) == 1
-        assert (await app.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
+        assert (await app.engine.store.counters())[(counters.PREEMPTIONS, "gpu")] == 1
 
 
 async def test_with_the_setting_off_nothing_yields(
@@ -171,11 +174,11 @@ async def test_with_the_setting_off_nothing_yields(
             async with running(app.worker(concurrency=1).run()):
                 await done(app, high)
         # The low one ran to its end first, in one attempt; the high one waited for it
-        events = await task_events(app.store, low.id)
+        events = await task_events(app.engine.store, low.id)
         assert Event.RELEASE not in [e.event for e in events]
-        high_events = await task_events(app.store, high.id)
+        high_events = await task_events(app.engine.store, high.id)
         assert first(events, Event.GENERATED).at <= first(high_events, Event.ACQUIRE).at
-        assert (counters.PREEMPTIONS, "gpu") not in await app.store.counters()
+        assert (counters.PREEMPTIONS, "gpu") not in await app.engine.store.counters()
 
 
 async def test_kiln_worker_processes_yield_and_resume_across_processes(
@@ -188,15 +191,15 @@ async def test_kiln_worker_processes_yield_and_resume_across_processes(
         low = await submit(app, "a long fox", 0, LONG)
         workers.start_supervisor()
         workers.start("--concurrency", "1", "--gpus", "1")
-        await wait_for_task(app.store, low.id, lambda t: t.status is Status.GENERATING,
+        await wait_for_task(app.engine.store, low.id, lambda t: t.status is Status.GENERATING,
                             timeout_s=30, what="the low task generating")  # fmt: skip
         # When a task of higher priority waits in the pool's line on a second worker
         high = await submit(app, "an urgent fox", 5, SHORT)
         workers.start("--concurrency", "1", "--gpus", "1")
         high_done = await done(app, high, timeout_s=60)
         low_done = await done(app, low, timeout_s=60)
-        low_events = await assert_one_final_state(app.store, low.id)
-        high_events = await assert_one_final_state(app.store, high.id)
+        low_events = await assert_one_final_state(app.engine.store, low.id)
+        high_events = await assert_one_final_state(app.engine.store, high.id)
     # Then the low one yielded once, uncounted, and the high one took the slot first
     assert low_done.attempt == 1 and high_done.attempt == 1
     released = first(low_events, Event.RELEASE)

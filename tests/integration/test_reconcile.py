@@ -40,7 +40,7 @@ async def live(request: pytest.FixtureRequest, settings: Settings) -> AsyncItera
 async def _done(app: kiln.App, prompt: str) -> kiln.Task:
     task = (await app.submit("image.generate", demo_params(prompt))).task
     async with running(app.worker(concurrency=1).run()):
-        return await wait_for_status(app.store, task.id, Status.SUCCESS)
+        return await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
 
 def _output(task: kiln.Task) -> StoredOutput:
@@ -69,11 +69,11 @@ async def test_a_deleted_output_is_rerun_and_the_task_succeeds_again(live: kiln.
     assert retried.error is not None and retried.error["code"] == "result_lost"
     # And a worker runs it to SUCCESS again with a new, verified output elsewhere
     async with running(live.worker(concurrency=1).run()):
-        again = await wait_for_status(live.store, task.id, Status.SUCCESS)
+        again = await wait_for_status(live.engine.store, task.id, Status.SUCCESS)
     fresh = _output(again)
     assert fresh.key != lost.key
     assert await verify(live.storage, fresh)
-    events = [e.event for e in await live.store.events(task_id=task.id)]
+    events = [e.event for e in await live.engine.store.events(task_id=task.id)]
     assert events[-6:-4] == [Event.LOSE, Event.SCHEDULE_RETRY]
     # And nothing is left to find
     after = await reconcile(live, Options(repair=True))
@@ -114,7 +114,7 @@ async def test_orphans_are_removed_after_the_grace_period_and_kept_before(
     done = await _done(live, "a quarry")
     failed = (await live.submit("image.generate", demo_params("a mine", permanent=True))).task
     async with running(live.worker(concurrency=1).run()):
-        await wait_for_status(live.store, failed.id, Status.FAILED)
+        await wait_for_status(live.engine.store, failed.id, Status.FAILED)
     pending = (await live.submit("image.generate", demo_params("a pit"))).task
     stale = f"tasks/{done.id}/9-9/image.png"
     orphans = [stale, f"tasks/{done.id}/9-9/{MANIFEST}", f"tasks/{failed.id}/1-1/image.png",
@@ -154,7 +154,7 @@ async def test_the_leading_supervisor_reconciles_by_itself(live: kiln.App) -> No
     # When the supervisor and a worker run
     async with running(supervisor.run(), live.worker(concurrency=1).run()):
         again = await wait_for_task(
-            live.store, task.id, lambda t: t.status is Status.SUCCESS and t.attempt == 2,
+            live.engine.store, task.id, lambda t: t.status is Status.SUCCESS and t.attempt == 2,
             what="a second SUCCESS",
         )  # fmt: skip
 

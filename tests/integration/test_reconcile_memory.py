@@ -55,7 +55,7 @@ async def _peak_bytes(settings: Settings, tmp_path: Path, count: int) -> int:
     """Peak traced memory of one report-only pass over ``count`` objects."""
     storage = ListedStorage(tmp_path, count)
     async with kiln.App(settings=settings, storage_backend=storage) as app:
-        await app.store.last_seq()  # opened before measuring
+        await app.engine.store.last_seq()  # opened before measuring
         tracemalloc.start()
         try:
             report = await reconcile(app, Options(examples=EXAMPLES))

@@ -33,7 +33,7 @@ async def kept_app(
 async def _done(app: kiln.App, prompt: str, tenant: str = "default") -> kiln.Task:
     task = (await app.submit("image.generate", demo_params(prompt), tenant=tenant)).task
     async with running(app.worker(concurrency=1).run()):
-        return await wait_for_status(app.store, task.id, Status.SUCCESS)
+        return await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
 
 async def test_the_supervisor_purges_tasks_past_retention_with_their_outputs(
@@ -50,11 +50,11 @@ async def test_the_supervisor_purges_tasks_past_retention_with_their_outputs(
     report = await supervisor.sweep()
     # Then the task past retention is gone from the store and the storage, events included
     assert report.purged == 1
-    assert await kept_app.store.get(gone.id) is None
-    assert await kept_app.store.events(task_id=gone.id) == []
+    assert await kept_app.engine.store.get(gone.id) is None
+    assert await kept_app.engine.store.events(task_id=gone.id) == []
     assert await object_keys(kept_app.storage, f"tasks/{gone.id}/") == []
     # And the kept tenant's task and objects stay
-    assert (await kept_app.store.get(kept.id)) is not None
+    assert (await kept_app.engine.store.get(kept.id)) is not None
     assert await object_keys(kept_app.storage, f"tasks/{kept.id}/")
     # And a pass runs at most once a minute
     assert (await supervisor.sweep()).purged == 0

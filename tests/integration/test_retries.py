@@ -113,7 +113,9 @@ async def raising_app(quick_settings: Settings) -> AsyncIterator[kiln.App]:
 async def run_until_final(app: kiln.App, task_id: str, *, timeout_s: float = 15) -> Task:
     worker = app.worker(concurrency=2, resources={"gpu": 2}, idle_poll_s=(0.01, 0.05))
     async with running(worker.run()):
-        return await wait_for_status(app.store, task_id, *FINAL_STATUSES, timeout_s=timeout_s)
+        return await wait_for_status(
+            app.engine.store, task_id, *FINAL_STATUSES, timeout_s=timeout_s
+        )
 
 
 @pytest.mark.parametrize(
@@ -140,7 +142,7 @@ async def test_always_failing_handler_stops_at_the_classified_attempt(
     assert done.status is status
     assert done.attempt == attempts
     assert done.error is not None and done.error["code"] == code
-    events = await assert_one_final_state(raising_app.store, done.id)
+    events = await assert_one_final_state(raising_app.engine.store, done.id)
     assert [e.attempt for e in events if e.event is Event.FAIL] == list(range(1, attempts + 1))
     assert len([e for e in events if e.event is Event.SCHEDULE_RETRY]) == attempts - 1
     assert max(e.attempt for e in events) <= done.max_attempts
@@ -160,7 +162,7 @@ async def test_retryable_failures_then_success(raising_app: kiln.App, raised: st
     assert done.status is Status.SUCCESS
     assert done.attempt == 3
     assert done.error is None
-    events = await assert_one_final_state(raising_app.store, done.id)
+    events = await assert_one_final_state(raising_app.engine.store, done.id)
     assert [e.event for e in events].count(Event.FAIL) == 2
 
 
@@ -178,14 +180,17 @@ async def test_attempt_never_exceeds_max_attempts(quick_settings: Settings) -> N
         # When workers run them to the end
         worker = app.worker(concurrency=3, resources={"gpu": 3}, idle_poll_s=(0.01, 0.05))
         async with running(worker.run()):
-            done = {n: await wait_for_status(app.store, i, *FINAL_STATUSES) for n, i in ids.items()}
+            done = {
+                n: await wait_for_status(app.engine.store, i, *FINAL_STATUSES)
+                for n, i in ids.items()
+            }
 
         # Then each stopped after exactly max_attempts attempts (I7)
         for n, task in done.items():
             assert task.status is Status.FAILED
             assert task.attempt == n == task.max_attempts
             assert task.error is not None and task.error["code"] == "simulated_failure"
-            events = await assert_one_final_state(app.store, task.id)
+            events = await assert_one_final_state(app.engine.store, task.id)
             assert max(e.attempt for e in events) == n
 
 
@@ -209,7 +214,7 @@ async def test_retry_that_would_land_past_the_deadline_is_not_scheduled(
         assert after.status is Status.FAILED
         assert after.attempt == 1 < after.max_attempts
         assert after.next_retry_at is None
-        await assert_one_final_state(app.store, task.id)
+        await assert_one_final_state(app.engine.store, task.id)
 
 
 async def test_retry_within_the_deadline_is_scheduled(
@@ -254,7 +259,7 @@ async def test_deadline_passing_while_retrying_ends_the_task(
     assert after.status is Status.TIMEOUT and after.final
     assert after.attempt == 1
     assert after.error is not None and after.error["code"] == "deadline_exceeded"
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert events[-1].event is Event.DEADLINE
 
 
@@ -305,13 +310,13 @@ async def test_manual_retry_revives_a_final_task_and_it_runs_again(
     assert revived.next_retry_at == revived.ready_at == clock.now
     assert revived.max_attempts == max(final.max_attempts, final.attempt) + 1
     assert revived.finished_at is None
-    events = await fake_app.store.events(task_id=task.id)
+    events = await fake_app.engine.store.events(task_id=task.id)
     assert (events[-1].event, events[-1].from_status) == (Event.RETRY, status)
 
     # And a worker runs it to SUCCESS on its next attempt
     worker = fake_app.worker(concurrency=1, resources={"gpu": 1}, idle_poll_s=(0.01, 0.05))
     async with running(worker.run()):
-        done = await wait_for_status(fake_app.store, task.id, Status.SUCCESS)
+        done = await wait_for_status(fake_app.engine.store, task.id, Status.SUCCESS)
     assert done.attempt == final.attempt + 1 <= done.max_attempts
     assert done.finished_at is not None
 
@@ -321,7 +326,7 @@ async def test_retry_of_a_successful_task_is_refused(app: kiln.App) -> None:
     task = (await app.submit("image.generate", demo_params("done"))).task
     worker = app.worker(concurrency=1, resources={"gpu": 1}, idle_poll_s=(0.01, 0.05))
     async with running(worker.run()):
-        done = await wait_for_status(app.store, task.id, Status.SUCCESS)
+        done = await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
     # When it is retried / Then the retry is refused and the task is untouched
     with pytest.raises(NotRetryable):

@@ -62,12 +62,12 @@ async def fail_all_at_once(settings: Settings, clock: AdvancingClock) -> list[Ta
         async with running(*(w.run() for w in workers)):
 
             async def all_failed() -> bool:
-                tasks = [await one.store.get(i) for i in ids]
+                tasks = [await one.engine.store.get(i) for i in ids]
                 return all(t is not None and t.attempt == 1 and t.status in
                            (Status.RETRYING, Status.FAILED) for t in tasks)  # fmt: skip
 
             await wait_until(all_failed, timeout_s=60, what="every task's first attempt to fail")
-        found = [await one.store.get(i) for i in ids]
+        found = [await one.engine.store.get(i) for i in ids]
     return [t for t in found if t is not None]
 
 
@@ -109,19 +109,19 @@ async def test_a_slot_past_the_deadline_leaves_the_task_failed(
     # Given a cap of one retry a second, and the retry clock booked for the next minute
     capped = settings.with_(retry_rate=1.0)
     async with process(capped, clock) as app:
-        await app.store.reserve_retry(clock(), 60.0)
+        await app.engine.store.limits.reserve_retry(clock(), 60.0)
         task = (await app.submit(KIND, {"n": 1}, max_attempts=3, deadline_s=30)).task
         worker = app.worker(concurrency=1)
         # When its attempt fails
         async with running(worker.run()):
 
             async def ended() -> bool:
-                found = await app.store.get(task.id)
+                found = await app.engine.store.get(task.id)
                 return found is not None and found.final
 
             await wait_until(ended, timeout_s=30, what="the attempt to fail")
         # Then no retry is scheduled past its deadline: it stays FAILED
-        found = await app.store.get(task.id)
+        found = await app.engine.store.get(task.id)
     assert found is not None
     assert (found.status, found.attempt, found.next_retry_at) == (Status.FAILED, 1, None)
 
@@ -142,7 +142,7 @@ async def test_a_task_that_succeeds_takes_no_retry_slot(
         async with running(app.worker(concurrency=1).run()):
 
             async def done() -> bool:
-                found = await app.store.get(task.id)
+                found = await app.engine.store.get(task.id)
                 return found is not None and found.status is Status.SUCCESS
 
             await wait_until(done, timeout_s=30, what="the task to succeed")

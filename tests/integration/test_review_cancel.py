@@ -51,7 +51,7 @@ def outputs_of(task: Task) -> list[StoredOutput]:
 async def in_review(app: kiln.App, prompt: str) -> Task:
     task = (await app.submit("image.generate", demo_params(prompt, review=True))).task
     async with running(run_worker(app)):
-        return await wait_for_status(app.store, task.id, Status.NEEDS_REVIEW)
+        return await wait_for_status(app.engine.store, task.id, Status.NEEDS_REVIEW)
 
 
 async def test_flagged_output_waits_in_review_with_its_result_stored(live_app: kiln.App) -> None:
@@ -64,7 +64,7 @@ async def test_flagged_output_waits_in_review_with_its_result_stored(live_app: k
     assert outputs
     for output in outputs:
         assert await verify(live_app.storage, output)
-    events = await live_app.store.events(task_id=held.id)
+    events = await live_app.engine.store.events(task_id=held.id)
     assert (events[-1].event, events[-1].status) == (Event.UPLOADED, Status.NEEDS_REVIEW)
 
 
@@ -80,7 +80,7 @@ async def test_approve_verifies_again_and_succeeds(live_app: kiln.App) -> None:
     assert approved.result == held.result
     for output in outputs_of(approved):
         assert await verify(live_app.storage, output)
-    events = await assert_one_final_state(live_app.store, held.id)
+    events = await assert_one_final_state(live_app.engine.store, held.id)
     assert events[-1].event is Event.APPROVE
 
 
@@ -96,7 +96,7 @@ async def test_approve_of_a_lost_output_ends_failed_result_lost(live_app: kiln.A
     # Then it never becomes SUCCESS: FAILED result_lost, final
     assert after.status is Status.FAILED and after.final
     assert after.error is not None and after.error["code"] == "result_lost"
-    events = await assert_one_final_state(live_app.store, held.id)
+    events = await assert_one_final_state(live_app.engine.store, held.id)
     assert not [e for e in events if e.status is Status.SUCCESS]
 
 
@@ -129,7 +129,7 @@ async def test_reject_fails_for_good_and_deletes_the_outputs(live_app: kiln.App)
     assert rejected.error["retryable"] is False
     for output in outputs_of(held):
         assert await live_app.storage.stat(output.key) is None
-    events = await assert_one_final_state(live_app.store, held.id)
+    events = await assert_one_final_state(live_app.engine.store, held.id)
     assert events[-1].event is Event.REJECT
     with pytest.raises(NotInReview):
         await live_app.review(held.id, "approve")
@@ -139,7 +139,7 @@ async def test_cancel_of_a_task_in_review_cancels_it(live_app: kiln.App) -> None
     held = await in_review(live_app, "a cancelled sunset")
     cancelled = await live_app.cancel(held.id)
     assert cancelled.status is Status.CANCELLED
-    events = await assert_one_final_state(live_app.store, held.id)
+    events = await assert_one_final_state(live_app.engine.store, held.id)
     assert (events[-1].event, events[-1].from_status) == (Event.CANCEL, Status.NEEDS_REVIEW)
 
 
@@ -152,9 +152,9 @@ async def test_cancel_of_a_pending_task_is_immediate(live_app: kiln.App) -> None
 
     # Then it is CANCELLED at once, and no worker can claim it any more
     assert cancelled.status is Status.CANCELLED and cancelled.finished_at is not None
-    events = await assert_one_final_state(live_app.store, task.id)
+    events = await assert_one_final_state(live_app.engine.store, task.id)
     assert [e.event for e in events] == [Event.SUBMIT, Event.CANCEL]
-    assert await live_app.store.claim(worker_id="w", kinds=["image.generate"], limit=1,
+    assert await live_app.engine.store.claim(worker_id="w", kinds=["image.generate"], limit=1,
                                       lease_ttl_s=1.0) == []  # fmt: skip
 
 
@@ -170,7 +170,7 @@ async def test_cancel_of_a_retrying_task_is_immediate(
     cancelled = await fake_app.cancel(task.id)
 
     assert cancelled.status is Status.CANCELLED
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert (events[-1].event, events[-1].from_status) == (Event.CANCEL, Status.RETRYING)
 
 
@@ -181,7 +181,7 @@ async def test_cancel_of_a_generating_task_stops_the_worker_at_its_next_heartbea
     params = demo_params("a slow kite", steps=100, step_ms=50)
     task = (await live_app.submit("image.generate", params)).task
     async with running(run_worker(live_app)):
-        generating = await wait_for_status(live_app.store, task.id, Status.GENERATING)
+        generating = await wait_for_status(live_app.engine.store, task.id, Status.GENERATING)
 
         # When it is cancelled
         requested = await live_app.cancel(task.id)
@@ -196,11 +196,11 @@ async def test_cancel_of_a_generating_task_stops_the_worker_at_its_next_heartbea
             pass
         else:
             assert again.cancel_requested and again.status is Status.GENERATING
-        done = await wait_for_status(live_app.store, task.id, Status.CANCELLED, timeout_s=5)
+        done = await wait_for_status(live_app.engine.store, task.id, Status.CANCELLED, timeout_s=5)
 
     assert done.attempt == generating.attempt == 1
     assert done.result is None
-    events = await assert_one_final_state(live_app.store, task.id)
+    events = await assert_one_final_state(live_app.engine.store, task.id)
     assert (events[-1].event, events[-1].from_status) == (Event.STOPPED, Status.GENERATING)
     assert done.result_prefix is not None
     assert [o async for o in live_app.storage.list(done.result_prefix + "/")] == []
@@ -210,7 +210,7 @@ async def test_cancel_of_a_final_task_is_refused(live_app: kiln.App) -> None:
     # Given a task that succeeded, and one already cancelled
     done_task = (await live_app.submit("image.generate", demo_params("a finished kite"))).task
     async with running(run_worker(live_app)):
-        done = await wait_for_status(live_app.store, done_task.id, Status.SUCCESS)
+        done = await wait_for_status(live_app.engine.store, done_task.id, Status.SUCCESS)
     cancelled = (await live_app.submit("image.generate", demo_params("a gone kite"))).task
     await live_app.cancel(cancelled.id)
 
@@ -249,11 +249,11 @@ async def test_cancel_of_a_task_waiting_for_a_resource_stops_it_unrun(
         await live_app.cancel(waiter)
 
         # Then the worker stops it without running it, while the other keeps its slot
-        done = await wait_for_status(live_app.store, waiter, Status.CANCELLED, timeout_s=5)
+        done = await wait_for_status(live_app.engine.store, waiter, Status.CANCELLED, timeout_s=5)
         assert (await live_app.get(runner)).status is Status.GENERATING
         await live_app.cancel(runner)
-        await wait_for_status(live_app.store, runner, Status.CANCELLED, timeout_s=5)
-    events = await assert_one_final_state(live_app.store, waiter)
+        await wait_for_status(live_app.engine.store, runner, Status.CANCELLED, timeout_s=5)
+    events = await assert_one_final_state(live_app.engine.store, waiter)
     assert (events[-1].event, events[-1].from_status) == (
         Event.STOPPED, Status.WAITING_FOR_RESOURCE)  # fmt: skip
     assert Event.ACQUIRE not in [e.event for e in events]
@@ -288,12 +288,12 @@ async def test_a_cancel_during_a_workers_write_is_honoured(settings: Settings) -
         task = (await app.submit("image.generate", demo_params("a canyon"))).task
         await store.writing.wait()
         cancelling = asyncio.ensure_future(app.cancel(task.id))
-        await wait_for_task(app.store, task.id, lambda t: t.cancel_requested)
+        await wait_for_task(app.engine.store, task.id, lambda t: t.cancel_requested)
         # When the write lands after the worker was told to stop
         store.gate.set()
         await cancelling
-        done = await wait_for_status(app.store, task.id, *FINAL)
-        events = await app.store.events(task_id=task.id)
+        done = await wait_for_status(app.engine.store, task.id, *FINAL)
+        events = await app.engine.store.events(task_id=task.id)
     # Then the attempt ends CANCELLED from the status it really left, not by lease expiry
     assert done.status is Status.CANCELLED
     assert [e.event for e in events][-2:] == [Event.ACQUIRE, Event.STOPPED]

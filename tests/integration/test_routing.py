@@ -49,7 +49,7 @@ async def run_stream(workers: CliWorkers) -> int:
         workers.start("--concurrency", "1", "--gpus", "1")
         workers.start("--concurrency", "1", "--gpus", "1")
         for task_id in ids:
-            await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=120)
+            await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=120)
         done = [await app.get(task_id) for task_id in ids]
     workers.stop()
     assert all(t.status is Status.SUCCESS and t.attempt == 1 for t in done)
@@ -77,7 +77,7 @@ async def test_a_task_of_another_model_is_not_starved_by_a_flood(
         # Given one worker holding model a
         workers.start("--concurrency", "1", "--gpus", "1")
         first = (await app.submit("image.generate", params("a"))).task.id
-        await wait_for_status(app.store, first, Status.SUCCESS, timeout_s=60)
+        await wait_for_status(app.engine.store, first, Status.SUCCESS, timeout_s=60)
         # When a task of model b comes, followed by a steady flood of model a, faster
         # than the worker runs them, for longer than the affinity wait
         for _ in range(20):  # busy: a backlog of a tasks ahead of it
@@ -91,10 +91,10 @@ async def test_a_task_of_another_model_is_not_starved_by_a_flood(
             await asyncio.sleep(0.05)
         # Then the b task was passed only by a tasks that came within the affinity wait
         # after it: once those are done it runs, while the later flood still waits
-        done = await wait_for_status(app.store, lone.id, Status.SUCCESS, timeout_s=60)
+        done = await wait_for_status(app.engine.store, lone.id, Status.SUCCESS, timeout_s=60)
         claimed_at = {}
         for task_id in [lone.id, *flood]:
-            events = await app.store.events(task_id=task_id)
+            events = await app.engine.store.events(task_id=task_id)
             claims = [e.at for e in events if e.event is Event.CLAIM]
             if claims:
                 claimed_at[task_id] = claims[0]

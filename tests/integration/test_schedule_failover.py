@@ -68,7 +68,7 @@ async def test_each_tick_fires_exactly_once_across_a_killed_leader(
     now = shared_app.now()
     cron = Cron.parse("* * * * * *", "UTC", now=now)
     params = shared_app.kind("image.generate").validate(demo_params("a tide clock"))
-    schedule = await shared_app.store.create_schedule(ScheduleRecord(
+    schedule = await shared_app.engine.store.schedules.create(ScheduleRecord(
         id=canonical.new_id("sch_"), tenant="default", cron=cron.expression, timezone="UTC",
         submission={"kind": "image.generate", "params": params, "priority": 0,
                     "max_attempts": 3, "deadline_s": 3600.0, "timeouts": {}, "metadata": {},
@@ -95,7 +95,7 @@ async def test_each_tick_fires_exactly_once_across_a_killed_leader(
         survivor = next(p for p in supervisors if p is not victim)
         wait_until(lambda: leader_pid(url) == survivor.pid, 30, "the survivor leads")
         wait_until(lambda: len(task_keys(url)) >= killed_at + 4, 60, "four more ticks")
-        await shared_app.store.set_schedule_paused(schedule.id, paused=True, next_at=None)
+        await shared_app.engine.store.schedules.set_paused(schedule.id, paused=True, next_at=None)
         time.sleep(3 * INTERVAL_S)  # a pass in flight when the pause came ends
         assert survivor.alive(), survivor.output()
     finally:
@@ -110,5 +110,5 @@ async def test_each_tick_fires_exactly_once_across_a_killed_leader(
     ticks = sorted(int(k.removeprefix(prefix)) for k in keys)
     assert ticks == list(range(ticks[0], ticks[-1] + 1))
     assert ticks[0] == int(cron.next_after(now) or 0)
-    after = await shared_app.store.schedule(schedule.id)
+    after = await shared_app.engine.store.schedules.get(schedule.id)
     assert after is not None and after.fired == len(keys)

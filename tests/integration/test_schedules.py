@@ -56,11 +56,11 @@ async def add_schedule(
         timezone=timezone, submission=submission, overlap=overlap, missed=missed, paused=False,
         next_at=checked.next_after(app.now()),
     )  # fmt: skip
-    return await app.store.create_schedule(record)
+    return await app.engine.store.schedules.create(record)
 
 
 async def fired_keys(app: kiln.App) -> list[str]:
-    tasks, _ = await app.store.list_tasks(tenant="default", limit=200)
+    tasks, _ = await app.engine.store.list_tasks(tenant="default", limit=200)
     return sorted(t.idempotency_key or "" for t in tasks)
 
 
@@ -87,9 +87,9 @@ async def test_a_schedule_every_second_fires_each_tick_once(
     assert await fired_keys(fake_app) == sorted(
         tick_key(schedule.id, start + n) for n in range(1, 11)
     )
-    after = await fake_app.store.schedule(schedule.id)
+    after = await fake_app.engine.store.schedules.get(schedule.id)
     assert after is not None and after.fired == 10 and after.next_at == start + 11
-    assert (await fake_app.store.counters())[(SCHEDULE_FIRES, "fired")] == 10
+    assert (await fake_app.engine.store.counters())[(SCHEDULE_FIRES, "fired")] == 10
     counters, _ = supervisor_readings(sup)
     assert counters['kiln_supervisor_schedule_ticks{outcome="fired"}']() == 10
 
@@ -128,9 +128,9 @@ async def test_missed_ticks_fire_once_or_are_skipped(
     if missed == "fire_once":
         expected.append(tick_key(schedule.id, start + 540))
     assert keys == sorted(expected) and len(keys) == fired
-    counts = await fake_app.store.counters()
+    counts = await fake_app.engine.store.counters()
     assert counts[(SCHEDULE_FIRES, "skipped_missed")] == 10 - fired
-    after = await fake_app.store.schedule(schedule.id)
+    after = await fake_app.engine.store.schedules.get(schedule.id)
     assert after is not None and after.next_at == start + 660
     assert after.fired == fired and after.skipped == 10 - fired
 
@@ -150,7 +150,7 @@ async def test_overlap_skip_waits_for_the_last_task_and_queue_does_not(
     keys = await fired_keys(fake_app)
     assert sum(k.startswith(f"schedule:{skipping.id}:") for k in keys) == 1
     assert sum(k.startswith(f"schedule:{queuing.id}:") for k in keys) == 3
-    after = await fake_app.store.schedule(skipping.id)
+    after = await fake_app.engine.store.schedules.get(skipping.id)
     assert after is not None and after.skipped == 2 and after.last_task_id is not None
 
     # And once its task is final, the next tick fires again
@@ -166,14 +166,16 @@ async def test_a_paused_schedule_fires_nothing_and_resumes_from_now(
     schedule = await add_schedule(fake_app, "* * * * * *")
     sup = fake_app.supervisor()
     await sweep_every_second(sup, clock, 2)
-    await fake_app.store.set_schedule_paused(schedule.id, paused=True, next_at=schedule.next_at)
+    await fake_app.engine.store.schedules.set_paused(
+        schedule.id, paused=True, next_at=schedule.next_at
+    )
     await sweep_every_second(sup, clock, 5)
     assert len(await fired_keys(fake_app)) == 2
 
     # Resumed: the ticks of the pause are not fired, the next ones are
     resumed_at = clock.now
     cron = Cron(schedule.cron, schedule.timezone)
-    await fake_app.store.set_schedule_paused(
+    await fake_app.engine.store.schedules.set_paused(
         schedule.id, paused=False, next_at=cron.next_after(resumed_at)
     )
     await sweep_every_second(sup, clock, 2)
@@ -219,7 +221,7 @@ async def real_app(request: pytest.FixtureRequest, settings: Settings) -> AsyncI
 
 
 async def claim_time(app: kiln.App, task: Task) -> float:
-    events = await app.store.events(task_id=task.id)
+    events = await app.engine.store.events(task_id=task.id)
     return next(e.at for e in events if e.event is Event.CLAIM)
 
 
@@ -235,14 +237,14 @@ async def test_a_delayed_task_is_not_claimed_before_its_moment_and_is_after(
 
     async with running(real_app.worker(concurrency=2, idle_poll_s=(0.02, 0.05)).run()):
         # When the worker has run the other task
-        await wait_for_status(real_app.store, now.id, Status.SUCCESS, timeout_s=20)
+        await wait_for_status(real_app.engine.store, now.id, Status.SUCCESS, timeout_s=20)
         # Then the delayed one is still PENDING, unclaimed, while its moment is ahead
         if time.time() < submitted_at + delay_s - 0.2:
             held = await real_app.get(later.id)
             assert held.status is Status.PENDING and held.attempt == 0
 
         # And after its moment, it runs
-        done = await wait_for_status(real_app.store, later.id, Status.SUCCESS, timeout_s=20)
+        done = await wait_for_status(real_app.engine.store, later.id, Status.SUCCESS, timeout_s=20)
     assert await claim_time(real_app, done) >= later.ready_at >= submitted_at + delay_s - 0.01
 
 
@@ -290,9 +292,9 @@ async def test_ticks_count_against_the_tenant_rate_and_every_schedule_gets_its_t
     # Then ten tasks were made, not fifty: one a second, the ticks over the rate put off
     # (the oldest due tick goes first, so every schedule fired)
     assert len(await fired_keys(fake_app)) == 10
-    fired = [await fake_app.store.schedule(s.id) for s in schedules]
+    fired = [await fake_app.engine.store.schedules.get(s.id) for s in schedules]
     assert all(s is not None and s.fired >= 1 for s in fired)
-    counters = await fake_app.store.counters()
+    counters = await fake_app.engine.store.counters()
     assert counters[(SCHEDULE_FIRES, "rate_limited")] > 0
     assert counters[(SCHEDULE_FIRES, "fired")] == 10
     # And a request of the tenant finds the bucket the ticks emptied
@@ -321,5 +323,5 @@ async def test_a_tick_put_off_past_the_grace_follows_the_missed_policy(
     assert await fired_keys(fake_app) == sorted(
         [tick_key(schedule.id, start + 10), tick_key(schedule.id, start + second_tick)]
     )
-    after = await fake_app.store.schedule(schedule.id)
+    after = await fake_app.engine.store.schedules.get(schedule.id)
     assert after is not None and after.fired == 2 and after.skipped > 0

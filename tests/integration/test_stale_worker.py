@@ -91,7 +91,7 @@ async def take_over(app: kiln.App, clock: AdvancingClock, task_id: str) -> Task:
     clock.advance(1.0)
     second = app.worker(concurrency=1, lease_ttl_s=5.0, idle_poll_s=(0.01, 0.05))
     async with running(second.run()):
-        return await wait_for_status(app.store, task_id, Status.SUCCESS)
+        return await wait_for_status(app.engine.store, task_id, Status.SUCCESS)
 
 
 async def assert_second_attempt_stands(
@@ -105,18 +105,18 @@ async def assert_second_attempt_stands(
     [output] = task.result["outputs"]
     assert output["key"] == f"{done.result_prefix}/out.bin"
     assert await storage.get(output["key"]) == b"attempt 2"
-    events = await assert_one_final_state(app.store, done.id)
+    events = await assert_one_final_state(app.engine.store, done.id)
     assert [e.event for e in events if e.status is Status.SUCCESS] == [Event.UPLOADED]
     assert all(e.attempt == 2 for e in events if e.status is Status.SUCCESS)
     second_keys = await object_keys(storage, f"{done.result_prefix}/")
     assert sorted(second_keys) == [f"{done.result_prefix}/manifest.json",
                                    f"{done.result_prefix}/out.bin"]  # fmt: skip
-    counters = await app.store.counters()
+    counters = await app.engine.store.counters()
     assert counters.get(("stale_writes", ""), 0) > stale_before
 
 
 async def stale_writes(app: kiln.App) -> int:
-    return (await app.store.counters()).get(("stale_writes", ""), 0)
+    return (await app.engine.store.counters()).get(("stale_writes", ""), 0)
 
 
 @pytest.mark.parametrize("late_progress", [False, True], ids=["returns", "reports-progress"])
@@ -186,7 +186,7 @@ async def test_stale_worker_cannot_touch_the_new_attempt_in_the_same_status(
 
                 # And the second attempt finishes with its own output
                 stage.release[2].set()
-                done = await wait_for_status(app.store, task.id, Status.SUCCESS)
+                done = await wait_for_status(app.engine.store, task.id, Status.SUCCESS)
 
         await assert_second_attempt_stands(app, storage, done, stale_before)
         assert done.result_prefix is not None
@@ -233,7 +233,7 @@ async def test_stale_heartbeat_is_refused_and_halts_the_attempt(
     app = make_app(settings, clock, storage, Stage())
     async with app:
         task = (await app.submit(KIND, {"n": 3})).task
-        claimed = (await app.store.claim(worker_id="w1", kinds=[KIND], limit=1,
+        claimed = (await app.engine.store.claim(worker_id="w1", kinds=[KIND], limit=1,
                                          lease_ttl_s=1.0))[0]  # fmt: skip
         clock.advance(2.0)
         await app.supervisor().sweep()
@@ -242,7 +242,7 @@ async def test_stale_heartbeat_is_refused_and_halts_the_attempt(
 
         # When the old holder heartbeats or reports with its old epoch
         with pytest.raises(kiln.LeaseLost):
-            await app.store.heartbeat(task.id, claimed.epoch, 5.0, None)
+            await app.engine.store.heartbeat(task.id, claimed.epoch, 5.0, None)
         with pytest.raises(kiln.LeaseLost):
             await app.apply(claimed, Event.ACQUIRE, fenced=True)
 
@@ -251,7 +251,7 @@ async def test_stale_heartbeat_is_refused_and_halts_the_attempt(
         assert (after.status, after.epoch, after.version, after.lease_expires_at) == (
             expired.status, expired.epoch, expired.version, expired.lease_expires_at)  # fmt: skip
         assert await stale_writes(app) == stale_before + 2
-        await wait_for_task(app.store, task.id, lambda t: t.status is Status.RETRYING)
+        await wait_for_task(app.engine.store, task.id, lambda t: t.status is Status.RETRYING)
 
 
 async def _idle(worker: Any) -> bool:

@@ -80,12 +80,12 @@ async def run_to_final(app: kiln.App, task_id: str) -> Task:
     worker = app.worker(concurrency=1, resources={"gpu": 1}, idle_poll_s=(0.01, 0.05))
     async with running(worker.run()):
         return await wait_for_status(
-            app.store, task_id, Status.SUCCESS, Status.FAILED, Status.TIMEOUT, timeout_s=15
+            app.engine.store, task_id, Status.SUCCESS, Status.FAILED, Status.TIMEOUT, timeout_s=15
         )
 
 
 async def assert_every_success_verified(app: kiln.App) -> None:
-    tasks, _ = await app.store.list_tasks(tenant=None, limit=1000)
+    tasks, _ = await app.engine.store.list_tasks(tenant=None, limit=1000)
     for task in tasks:
         if task.status is Status.SUCCESS:
             assert task.result is not None
@@ -113,7 +113,7 @@ async def test_faulty_first_write_is_retried_and_succeeds(
         assert done.status is Status.SUCCESS
         assert done.attempt == 2
         assert storage.faulted == [f"tasks/{task.id}/1-1/image.png"]
-        events = await assert_one_final_state(app.store, task.id)
+        events = await assert_one_final_state(app.engine.store, task.id)
         failed = [e for e in events if e.event is Event.FAIL]
         assert len(failed) == 1 and failed[0].attempt == 1
         expected = "internal_error" if fault == "raise" else "storage_verify_failed"
@@ -146,10 +146,10 @@ async def test_every_write_failing_ends_failed_never_success(
         assert done.attempt == done.max_attempts == 2
         assert done.error is not None and done.error["code"] == code
         assert done.result is None
-        events = await assert_one_final_state(app.store, task.id)
+        events = await assert_one_final_state(app.engine.store, task.id)
         assert not [e for e in events if e.status in (Status.SUCCESS, Status.NEEDS_REVIEW)]
         assert [e.attempt for e in events if e.event is Event.FAIL] == [1, 2]
-        counters = await app.store.counters()
+        counters = await app.engine.store.counters()
         assert counters.get(("failures", f"default:{code}")) == 2
         await assert_every_success_verified(app)
 
@@ -174,11 +174,11 @@ async def test_many_tasks_with_intermittent_faults_never_commit_an_unverified_su
         ]
         async with running(*(w.run() for w in workers)):
             for task_id in ids:
-                await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=20)
+                await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=20)
 
         # Then every task succeeded once with verified outputs, and the faults cost retries
         for task_id in ids:
-            events = await assert_one_final_state(app.store, task_id)
+            events = await assert_one_final_state(app.engine.store, task_id)
             assert len([e for e in events if e.status is Status.SUCCESS]) == 1
         await assert_every_success_verified(app)
         tasks = [await app.get(task_id) for task_id in ids]
@@ -204,7 +204,7 @@ async def test_an_unreachable_bucket_fails_the_attempt_and_the_retry_succeeds(
         # the bucket; attempt 2 succeeded with outputs verified in the bucket
         assert done.status is Status.SUCCESS and done.attempt == 2
         assert storage.faulted == [f"tasks/{task.id}/1-1/image.png"]
-        events = await assert_one_final_state(app.store, task.id)
+        events = await assert_one_final_state(app.engine.store, task.id)
         failed = [e for e in events if e.event is Event.FAIL]
         assert len(failed) == 1 and failed[0].attempt == 1 and failed[0].error is not None
         assert failed[0].error["code"] == "storage_error" and failed[0].error["retryable"]
@@ -232,6 +232,6 @@ async def test_a_bucket_that_stays_unreachable_ends_failed_never_success(
         assert done.error is not None and done.error["code"] == "storage_error"
         assert "S3 put of" in done.error["message"]
         assert done.result is None
-        events = await assert_one_final_state(app.store, task.id)
+        events = await assert_one_final_state(app.engine.store, task.id)
         assert not [e for e in events if e.status in (Status.SUCCESS, Status.NEEDS_REVIEW)]
         assert [e.attempt for e in events if e.event is Event.FAIL] == [1, 2]

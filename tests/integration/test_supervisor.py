@@ -48,7 +48,7 @@ async def test_expired_lease_times_out_and_schedules_a_retry_in_one_transaction(
     assert after.status is Status.RETRYING
     assert after.epoch == running_task.epoch + 1
     assert after.lease_owner is None and after.lease_expires_at is None
-    events = await fake_app.store.events(task_id=task.id)
+    events = await fake_app.engine.store.events(task_id=task.id)
     expire, schedule = events[-2:]
     assert (expire.event, expire.from_status, expire.status) == (
         Event.EXPIRE, Status.GENERATING, Status.TIMEOUT)  # fmt: skip
@@ -106,7 +106,7 @@ async def test_expired_lease_on_last_attempt_ends_in_final_timeout(
     assert after.attempt == after.max_attempts == 1
     assert after.finished_at == clock.now
     assert after.error is not None and after.error["code"] == "lease_expired"
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert events[-1].event is Event.EXPIRE
 
 
@@ -144,11 +144,11 @@ async def test_stalled_generation_times_out_and_the_retry_succeeds(
         worker = app.worker(concurrency=1, lease_ttl_s=3.0, idle_poll_s=(0.01, 0.05))
         supervisor = app.supervisor(interval_s=0.05)
         async with running(worker.run(), supervisor.run()):
-            done = await wait_for_status(app.store, task.id, Status.SUCCESS, timeout_s=15)
+            done = await wait_for_status(app.engine.store, task.id, Status.SUCCESS, timeout_s=15)
 
         # Then the generating timeout ended attempt 1 and attempt 2 succeeded
         assert done.attempt == 2
-        events = await assert_one_final_state(app.store, task.id)
+        events = await assert_one_final_state(app.engine.store, task.id)
         [expired] = [e for e in events if e.event is Event.EXPIRE]
         assert expired.attempt == 1 and expired.from_status is Status.GENERATING
         assert expired.error is not None and expired.error["code"] == "generating_timeout"
@@ -170,9 +170,9 @@ async def test_deadline_on_pending_task_ends_in_final_timeout(
     assert after.status is Status.TIMEOUT
     assert after.error is not None and after.error["code"] == "deadline_exceeded"
     assert after.attempt == 0
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert [e.event for e in events] == [Event.SUBMIT, Event.DEADLINE]
-    assert await fake_app.store.claim(worker_id="w", kinds=["image.generate"], limit=1,
+    assert await fake_app.engine.store.claim(worker_id="w", kinds=["image.generate"], limit=1,
                                       lease_ttl_s=5.0) == []  # fmt: skip
 
 
@@ -185,7 +185,7 @@ async def test_deadline_on_running_task_ends_it_for_good_and_fences_the_worker(
 
     # When the deadline passes while the worker still heartbeats
     clock.advance(31.0)
-    await fake_app.store.heartbeat(task.id, held.epoch, 600.0, None)
+    await fake_app.engine.store.heartbeat(task.id, held.epoch, 600.0, None)
     await fake_app.supervisor().sweep()
 
     # Then the task is TIMEOUT deadline_exceeded, final despite attempts left
@@ -194,7 +194,7 @@ async def test_deadline_on_running_task_ends_it_for_good_and_fences_the_worker(
     assert after.attempt == 1 < after.max_attempts
     assert after.error is not None and after.error["code"] == "deadline_exceeded"
     assert after.epoch == held.epoch + 1
-    await assert_one_final_state(fake_app.store, task.id)
+    await assert_one_final_state(fake_app.engine.store, task.id)
     with pytest.raises(kiln.LeaseLost):
         await fake_app.apply(held, Event.GENERATED, fenced=True)
 
@@ -243,10 +243,10 @@ async def test_cancel_ignored_past_grace_period_is_forced(
     after = await fake_app.get(task.id)
     assert after.status is Status.CANCELLED
     assert after.epoch == held.epoch + 1
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert events[-1].event is Event.FORCE_CANCEL
     with pytest.raises(kiln.LeaseLost):
-        await fake_app.store.heartbeat(task.id, held.epoch, 5.0, None)
+        await fake_app.engine.store.heartbeat(task.id, held.epoch, 5.0, None)
 
 
 async def test_ghost_gauge_counts_long_expired_leases_nobody_swept(
@@ -259,7 +259,7 @@ async def test_ghost_gauge_counts_long_expired_leases_nobody_swept(
     await claim_one(fake_app, lease_ttl_s=1.0)
     await claim_one(fake_app, lease_ttl_s=10_000.0)
     supervisor = fake_app.supervisor(batch=1)
-    store = fake_app.store
+    store = fake_app.engine.store
 
     # When no supervisor swept them for longer than lease TTL plus two intervals
     clock.advance(1.0 + supervisor.ghost_after_s + 1.0)
@@ -311,10 +311,10 @@ async def test_old_leader_token_is_refused_and_changes_nothing(
     old_token = old.token
     assert old_token is not None
     clock.advance(4.0)
-    new_lead = await fake_app.store.lead("supervisor", "sup-new", 3.0)
+    new_lead = await fake_app.engine.store.lead("supervisor", "sup-new", 3.0)
     assert new_lead is not None and new_lead.epoch > old_token.epoch
     before = await fake_app.get(task.id)
-    events_before = await fake_app.store.events(task_id=task.id)
+    events_before = await fake_app.engine.store.events(task_id=task.id)
 
     # When the old leader acts with its old token
     with pytest.raises(NotLeader):
@@ -326,7 +326,7 @@ async def test_old_leader_token_is_refused_and_changes_nothing(
     after = await fake_app.get(task.id)
     assert (after.status, after.epoch, after.version) == (before.status, before.epoch,
                                                           before.version)  # fmt: skip
-    assert await fake_app.store.events(task_id=task.id) == events_before
+    assert await fake_app.engine.store.events(task_id=task.id) == events_before
     assert (await new.sweep()).expired == 1
     assert (await fake_app.get(task.id)).status is Status.RETRYING
 
@@ -371,7 +371,7 @@ async def test_incomplete_upload_is_expired_not_recovered(
     assert (report.recovered, report.expired) == (0, 1)
     after = await fake_app.get(task.id)
     assert after.status is Status.RETRYING and after.result is None
-    assert (await fake_app.store.counters()).get(("recovered", ""), 0) == 0
+    assert (await fake_app.engine.store.counters()).get(("recovered", ""), 0) == 0
 
 
 @pytest.mark.parametrize("status", [Status.GENERATING, Status.UPLOADING])
@@ -395,6 +395,6 @@ async def test_complete_upload_of_a_dead_worker_is_recovered(
     assert after.status is Status.SUCCESS
     assert (after.attempt, after.epoch) == (held.attempt, held.epoch + 1)
     assert after.result == {"outputs": [record.to_json()]}
-    events = await assert_one_final_state(fake_app.store, task.id)
+    events = await assert_one_final_state(fake_app.engine.store, task.id)
     assert (events[-1].event, events[-1].from_status) == (Event.RECOVER, status)
-    assert (await fake_app.store.counters()).get(("recovered", "")) == 1
+    assert (await fake_app.engine.store.counters()).get(("recovered", "")) == 1

@@ -137,8 +137,8 @@ async def test_a_task_s_trace_runs_from_the_request_span_through_a_worker_proces
             answer = await client.post("/v1/tasks", json=body, headers={"traceparent": submitter})
             assert answer.status_code == 201, answer.text
             task_id = answer.json()["id"]
-            await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=60)
-            stored = await app.store.trace(task_id)
+            await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=60)
+            stored = await app.engine.store.trace(task_id)
 
         async def both_attempts_exported() -> bool:
             return sum(s["name"] == "kiln.attempt" for s in receiver.of_task(task_id)) == 2
@@ -214,7 +214,7 @@ async def test_a_webhook_delivery_is_a_client_span_whose_context_the_receiver_ge
             # When a task submitted in a span finishes and its final event is posted
             with tracing.tracer.start_as_current_span("request") as request:
                 made = await app.submit("image.generate", params, webhook_url=receiver.url)
-            await wait_for_status(app.store, made.task.id, Status.SUCCESS, timeout_s=30)
+            await wait_for_status(app.engine.store, made.task.id, Status.SUCCESS, timeout_s=30)
 
             async def posted() -> bool:
                 return bool(receiver.received) and any(

@@ -49,7 +49,7 @@ async def test_a_killed_workers_attempt_is_in_the_ledger_with_the_logs_seconds(
     ledger_app: kiln.App, workers: WorkerProcesses
 ) -> None:
     # Given a worker process GENERATING a task in a shared pool
-    store = ledger_app.store
+    store = ledger_app.engine.store
     params = demo_params("a heron", steps=20, step_ms=50)
     task = (await ledger_app.submit("image.generate", params)).task
     victim = workers.start("--pools", "gpu:1")
@@ -66,7 +66,7 @@ async def test_a_killed_workers_attempt_is_in_the_ledger_with_the_logs_seconds(
     # the killed worker, and the successful one, each with the event log's seconds
     events = await store.events(task_id=task.id)
     ended = [e for e in events if e.from_status in RUNNING and e.status not in RUNNING]
-    expired, done = sorted(await store.usage_of_task(task.id), key=lambda r: r.epoch)
+    expired, done = sorted(await store.usage.of_task(task.id), key=lambda r: r.epoch)
     assert [e.event for e in ended] == ["expire", "uploaded"]
     assert (expired.outcome, expired.worker, expired.loading_s) == ("expired", held.lease_owner, 0)
     assert (done.outcome, done.pool) == ("success", "gpu")
@@ -79,5 +79,5 @@ async def test_a_killed_workers_attempt_is_in_the_ledger_with_the_logs_seconds(
             generated = [e.dwell_s for e in ended[:1]]
         assert [row.waiting_s] == waited and [row.generating_s] == generated
     # And the sums by outcome say so
-    by_outcome = await store.usage(since=0, until=ledger_app.now() + 1, group_by=["outcome"])
+    by_outcome = await store.usage.report(since=0, until=ledger_app.now() + 1, group_by=["outcome"])
     assert {s.group["outcome"]: s.attempts for s in by_outcome} == {"expired": 1, "success": 1}

@@ -42,8 +42,8 @@ async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(
         async with running(worker.run()):
             done = [await app.wait(task_id, timeout_s=30) for task_id in ids]
         assert [t.status for t in done] == [Status.SUCCESS, Status.SUCCESS]
-        rows = [(await app.store.usage_of_task(task_id))[0] for task_id in ids]
-        events = [await app.store.events(task_id=task_id) for task_id in ids]
+        rows = [(await app.engine.store.usage.of_task(task_id))[0] for task_id in ids]
+        events = [await app.engine.store.events(task_id=task_id) for task_id in ids]
     # Then the first attempt's row holds the load the worker timed, the second none
     timed = worker.model_loads.by_model["a"]
     assert timed.count == 1 and rows[0].loading_s == timed.total_s and rows[1].loading_s == 0

@@ -67,7 +67,7 @@ async def hook_app(hook_settings: Settings) -> AsyncIterator[kiln.App]:
 
 
 async def deliveries_of(app: kiln.App, task_id: str) -> list[WebhookDelivery]:
-    return await app.store.webhook_deliveries(task_id=task_id)
+    return await app.engine.store.outbox.deliveries(task_id=task_id)
 
 
 async def wait_settled(
@@ -93,11 +93,11 @@ async def test_a_finished_task_is_posted_once_signed_and_the_signature_verifies(
             )
             task_id = submitted.task.id
             # When it succeeds
-            await wait_for_status(hook_app.store, task_id, Status.SUCCESS, timeout_s=30)
+            await wait_for_status(hook_app.engine.store, task_id, Status.SUCCESS, timeout_s=30)
             await wait_settled(hook_app, task_id)
         [request] = receiver.received
     # Then one POST came, for the final event, with the event and the task
-    final = (await hook_app.store.events(task_id=task_id))[-1]
+    final = (await hook_app.engine.store.events(task_id=task_id))[-1]
     body = request.json()
     assert request.headers["kiln-webhook-id"] == final.id
     assert request.headers["content-type"] == "application/json"
@@ -145,10 +145,12 @@ async def test_the_standard_webhooks_library_verifies_a_real_delivery(
                     webhook_events=["submit", "final"],
                 )  # fmt: skip
                 task_id = submitted.task.id
-                await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=30)
+                await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=30)
                 await wait_settled(app, task_id, count=2)
             requests = list(receiver.received)
-        event_ids = {event.seq: event.id for event in await app.store.events(task_id=task_id)}
+        event_ids = {
+            event.seq: event.id for event in await app.engine.store.events(task_id=task_id)
+        }
     finally:
         await app.close()
     # When the receiver checks each delivery with the standardwebhooks library
@@ -186,7 +188,7 @@ async def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_
                 await hook_app.submit("image.generate", fast("a fox"), webhook_url=receiver.url)
             ).task
             # When the task succeeds
-            await wait_for_status(hook_app.store, task.id, Status.SUCCESS, timeout_s=30)
+            await wait_for_status(hook_app.engine.store, task.id, Status.SUCCESS, timeout_s=30)
             await wait_settled(hook_app, task.id)
         requests = list(receiver.received)
     # Then the same delivery was sent three times and is delivered
@@ -195,7 +197,7 @@ async def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_
     assert len({r.body for r in requests}) == 1
     [row] = await deliveries_of(hook_app, task.id)
     assert (row.status, row.attempts, row.response_status) == (DELIVERED, 3, 200)
-    counters = await hook_app.store.counters()
+    counters = await hook_app.engine.store.counters()
     assert counters[("webhook_deliveries", "retrying")] == 2
     assert counters[("webhook_deliveries", "delivered")] == 1
 
@@ -214,13 +216,13 @@ async def test_a_delivery_fails_for_good_on_410_or_after_its_last_attempt(
             async with running(app.worker(concurrency=1).run(), app.supervisor().run()):
                 task = (await app.submit("image.generate", fast("a fox"),
                                          webhook_url=receiver.url)).task  # fmt: skip
-                await wait_for_status(app.store, task.id, Status.SUCCESS, timeout_s=30)
+                await wait_for_status(app.engine.store, task.id, Status.SUCCESS, timeout_s=30)
                 await wait_settled(app, task.id)
             sent = len(receiver.received)
         [row] = await deliveries_of(app, task.id)
         assert (row.status, row.attempts, sent) == (FAILED, attempts, attempts), row.last_error
         assert row.last_error is not None and why in row.last_error
-        assert await app.store.webhook_pending() == 0
+        assert await app.engine.store.outbox.pending() == 0
     finally:
         await app.close()
 
@@ -239,7 +241,7 @@ async def test_a_hanging_receiver_holds_up_no_transition(hook_settings: Settings
                 ]  # fmt: skip
                 # Then every task still runs to SUCCESS while deliveries hang
                 for task_id in ids:
-                    await wait_for_status(app.store, task_id, Status.SUCCESS, timeout_s=30)
+                    await wait_for_status(app.engine.store, task_id, Status.SUCCESS, timeout_s=30)
                 hanging = await receiver.wait_for(2)
                 assert len(receiver.received) == 2  # the concurrency bound
                 assert len({r.headers["kiln-webhook-id"].split(":")[0] for r in hanging}) == 2
@@ -253,7 +255,7 @@ async def test_a_hanging_receiver_holds_up_no_transition(hook_settings: Settings
         assert len({r.headers["kiln-webhook-id"] for r in received}) == 30
         for task_id in ids:
             seqs = [r.json()["seq"] for r in received if r.json()["task_id"] == task_id]
-            events = [e.seq for e in await app.store.events(task_id=task_id)]
+            events = [e.seq for e in await app.engine.store.events(task_id=task_id)]
             assert seqs == events
         rows = [r for task_id in ids for r in await deliveries_of(app, task_id)]
         assert {r.status for r in rows} == {DELIVERED}
@@ -276,7 +278,7 @@ async def cancelled_with_webhook(app: kiln.App, url: str, prompt: str) -> str:
     """A task that ended CANCELLED (a final event) and wants its final event posted."""
     task = (await app.submit("image.generate", fast(prompt), webhook_url=url)).task
     await app.cancel(task.id)
-    events = await app.store.events(task_id=task.id)
+    events = await app.engine.store.events(task_id=task.id)
     assert events[-1].final
     return events[-1].id
 
@@ -287,7 +289,7 @@ async def drain(dispatcher: Dispatcher) -> None:
     async def settled() -> bool:
         await dispatcher.step()
         await asyncio.gather(*dispatcher.inflight.values())
-        return await dispatcher.engine.store.webhook_pending() == 0
+        return await dispatcher.engine.store.outbox.pending() == 0
 
     await wait_until(settled, timeout_s=30, what="an empty outbox")
 
@@ -304,7 +306,7 @@ async def test_a_replaced_dispatcher_neither_loses_nor_repeats_a_delivery(
             expected = [await cancelled_with_webhook(app, receiver.url, f"a{i}") for i in range(3)]
             assert await killed.lead()
             await killed.enqueue()
-            assert await app.store.webhook_pending() == 3
+            assert await app.engine.store.outbox.pending() == 3
             # And two more tasks that ended after it died
             expected += [await cancelled_with_webhook(app, receiver.url, f"b{i}") for i in range(2)]
             # When another one steps while the dead one's lease still holds, it does nothing
@@ -318,7 +320,7 @@ async def test_a_replaced_dispatcher_neither_loses_nor_repeats_a_delivery(
             # And more rounds queue and send nothing again
             await drain(successor)
             assert len(receiver.received) == 5
-        rows = await app.store.webhook_deliveries()
+        rows = await app.engine.store.outbox.deliveries()
         assert sorted(r.event_id for r in rows) == sorted(expected)
         assert {(r.status, r.attempts) for r in rows} == {(DELIVERED, 1)}
     finally:
@@ -357,7 +359,7 @@ async def test_a_host_that_resolves_to_a_private_address_is_refused_and_not_retr
         # When the dispatcher runs until the outbox is empty
         await drain(dispatcher)
         # Then each delivery failed once, refused, with the reason
-        rows = {r.event_id: r for r in await app.store.webhook_deliveries()}
+        rows = {r.event_id: r for r in await app.engine.store.outbox.deliveries()}
         reasons = {name: rows[event_id].last_error for name, event_id in ids.items()}
         assert reasons == {
             "hooks.example.com": "hooks.example.com resolves to a private address (10.0.0.7)",
@@ -367,7 +369,7 @@ async def test_a_host_that_resolves_to_a_private_address_is_refused_and_not_retr
             "six.example.com": "six.example.com resolves to a loopback address (::1)",
         }
         assert {(r.status, r.attempts) for r in rows.values()} == {(FAILED, 1)}
-        assert (await app.store.counters())[("webhook_deliveries", "refused")] == 4
+        assert (await app.engine.store.counters())[("webhook_deliveries", "refused")] == 4
     finally:
         await dispatcher.close()
         await app.close()
@@ -405,16 +407,16 @@ async def test_retention_purges_a_tasks_deliveries_with_it(
             clock.advance(100)
             new = await cancelled_with_webhook(app, receiver.url, "new")
             await drain(dispatcher)
-        assert sorted(r.event_id for r in await app.store.webhook_deliveries()) == sorted(
+        assert sorted(r.event_id for r in await app.engine.store.outbox.deliveries()) == sorted(
             [old, new]
         )
         # When retention keeps 50 seconds of finished tasks
         report = await retention.purge(
-            app.store, app.storage, retention.RetentionPolicy(default_s=50), clock()
+            app.engine.store, app.storage, retention.RetentionPolicy(default_s=50), clock()
         )
         # Then the old task went with its delivery, and the new one kept its own
         assert report.tasks == 1
-        assert [r.event_id for r in await app.store.webhook_deliveries()] == [new]
+        assert [r.event_id for r in await app.engine.store.outbox.deliveries()] == [new]
     finally:
         await dispatcher.close()
         await app.close()

@@ -81,7 +81,7 @@ async def test_an_output_deleted_behind_the_store_fails_i4_and_reconciliation(
 ) -> None:
     # Given a SUCCESS task whose output object is gone from storage
     app, expected = finished
-    task = success_of(await checks.load(app.store))
+    task = success_of(await checks.load(app.engine.store))
     await app.storage.delete(task.result["outputs"][0]["key"])
 
     # When every check runs, Then I4 and the reconciliation report it
@@ -94,7 +94,7 @@ async def test_a_log_missing_an_event_does_not_replay(
 ) -> None:
     # Given a snapshot whose SUCCESS task lost its `generated` event
     app, _ = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     task = success_of(snap)
     snap.events[task.id] = [e for e in snap.events[task.id] if e.event is not Event.GENERATED]
 
@@ -108,7 +108,7 @@ async def test_a_worker_write_from_an_older_epoch_breaks_fencing(
 ) -> None:
     # Given a log where the `uploaded` write carries the epoch before its claim's
     app, _ = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert checks.check_fencing(snap).ok
     task = success_of(snap)
     snap.events[task.id] = [
@@ -124,7 +124,7 @@ async def test_a_second_success_event_is_a_duplicate_success(
     finished: tuple[kiln.App, Any], checks: ModuleType
 ) -> None:
     app, expected = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     task = success_of(snap)
     last = snap.events[task.id][-1]
     snap.events[task.id].append(dataclasses.replace(last, seq=last.seq + 10_000, id="x"))
@@ -137,7 +137,7 @@ async def test_a_task_left_running_or_missing_fails_i1_and_i2(
     finished: tuple[kiln.App, Any], checks: ModuleType
 ) -> None:
     app, expected = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     task = success_of(snap)
     snap.tasks[task.id] = dataclasses.replace(
         task, status=Status.GENERATING, lease_owner="w", lease_expires_at=1.0
@@ -146,7 +146,7 @@ async def test_a_task_left_running_or_missing_fails_i1_and_i2(
     assert not checks.check_no_ghost(snap).ok
 
     # And a task the run created that the store no longer has fails I1
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     expected.created.add("tsk_gone")
     assert not checks.check_one_final_state(snap, expected).ok
 
@@ -155,7 +155,7 @@ async def test_attempts_uniqueness_and_counters_are_checked(
     finished: tuple[kiln.App, Any], checks: ModuleType
 ) -> None:
     app, expected = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     first, second = [t for t in snap.tasks.values() if t.status is Status.SUCCESS]
 
     # An attempt past max_attempts fails I7
@@ -165,7 +165,7 @@ async def test_attempts_uniqueness_and_counters_are_checked(
     # Two successful tasks of one tenant on one dedup key fail I5, as does a bad answer
     snap.tasks[second.id] = dataclasses.replace(second, dedup_key=first.dedup_key)
     assert not checks.check_uniqueness(snap, expected).ok
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert checks.check_uniqueness(snap, expected).ok
     expected.submit_problems.append("a replay answered another task")
     assert not checks.check_uniqueness(snap, expected).ok
@@ -181,7 +181,7 @@ async def test_a_lost_task_left_active_or_a_damaged_database_fails_i8(
     finished: tuple[kiln.App, Any], checks: ModuleType
 ) -> None:
     app, _ = finished
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert checks.check_crash_recovery(snap, "ok").ok
     assert not checks.check_crash_recovery(snap, "row 3 missing from index").ok
     task = success_of(snap)
@@ -241,12 +241,12 @@ async def pipelined(app: kiln.App, checks: ModuleType) -> tuple[kiln.App, Any, d
     await run_to_final(app, list(made.values()))
     resized = (await app.pipeline_steps(await app.get(made["chain"])))["resize/0"]
     output = resized.result["outputs"][0] if resized.result else {}
-    records, held = await inputs.refer(app.store, app.storage, "default",
+    records, held = await inputs.refer(app.engine.store, app.storage, "default",
                                        {"image": output["sha256"]}, max_pixels=10**7)  # fmt: skip
     made["by_reference"] = (
         await app.submit("image.transform", {"op": "convert", "format": "webp"}, inputs=records)
     ).task.id
-    await inputs.release(app.store, app.storage, held)
+    await inputs.release(app.engine.store, app.storage, held)
     await run_to_final(app, [made["by_reference"]])
     expected = checks.Expected(
         created=set(made.values()), cancelled_pipelines={made["cancelled"]},
@@ -271,18 +271,18 @@ async def test_a_pipeline_status_its_steps_disagree_with_fails_pl1(
     pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
 ) -> None:
     app, expected, made = pipelined
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert checks.check_pipelines_final(snap, expected).ok
     # A SUCCESS pipeline with a step that failed
     step_id = checks.step_map(snap.tasks[made["chain"]])["resize/0"]
     snap.tasks[step_id] = dataclasses.replace(snap.tasks[step_id], status=Status.FAILED)
     assert not checks.check_pipelines_final(snap, expected).ok
     # A CANCELLED pipeline the run never cancelled
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     expected.cancelled_pipelines.clear()
     assert not checks.check_pipelines_final(snap, expected).ok
     # A step that moved on after its pipeline's SUCCESS
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     expected.cancelled_pipelines.add(made["cancelled"])
     step_id = checks.step_map(snap.tasks[made["fan"]])["sheet/0"]
     late = max(e.seq for log in snap.events.values() for e in log) + 1
@@ -296,19 +296,19 @@ async def test_a_step_done_twice_or_a_success_not_by_its_steps_fails_pl2_and_eo(
     pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
 ) -> None:
     app, expected, made = pipelined
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     step_id = checks.step_map(snap.tasks[made["chain"]])["generate/0"]
     # A second task for one step copy: PL2, and I1 (no pipeline's map names it)
     snap.tasks["tsk_twin"] = dataclasses.replace(snap.tasks[step_id], id="tsk_twin")
     assert not checks.check_one_task_per_step(snap).ok
     assert not checks.check_one_final_state(snap, expected).ok
     # A second upload of one step
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     upload = next(e for e in snap.events[step_id] if e.event is Event.UPLOADED)
     snap.events[step_id].append(dataclasses.replace(upload, seq=upload.seq + 10_000, id="y"))
     assert not checks.check_one_task_per_step(snap).ok
     # A pipeline reaching SUCCESS by another event than steps_done
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     pipeline_log = snap.events[made["chain"]]
     pipeline_log[-1] = dataclasses.replace(pipeline_log[-1], event=Event.UPLOADED)
     assert not checks.check_exactly_once(snap, expected).ok
@@ -318,7 +318,7 @@ async def test_a_step_reading_another_object_fails_pl3(
     pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
 ) -> None:
     app, _, made = pipelined
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     step_id = checks.step_map(snap.tasks[made["fan"]])["sheet/0"]
     sheet = snap.tasks[step_id]
     # Its inputs in another order than its sources'
@@ -326,7 +326,7 @@ async def test_a_step_reading_another_object_fails_pl3(
     snap.tasks[step_id] = dataclasses.replace(sheet, inputs=swapped)
     assert not (await checks.check_step_inputs(snap, app.storage)).ok
     # The object it reads gone from storage
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert (await checks.check_step_inputs(snap, app.storage)).ok
     await app.storage.delete(sheet.inputs[0]["key"])
     assert not (await checks.check_step_inputs(snap, app.storage)).ok
@@ -336,13 +336,13 @@ async def test_an_input_by_reference_not_the_outputs_content_fails_rf(
     pipelined: tuple[kiln.App, Any, dict[str, str]], checks: ModuleType
 ) -> None:
     app, expected, made = pipelined
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     task = snap.tasks[made["by_reference"]]
     # Its input record another size than the output it named
     snap.tasks[task.id] = dataclasses.replace(task, inputs=[{**task.inputs[0], "size": 1}])
     assert not (await checks.check_by_reference(snap, app.storage, expected)).ok
     # Its object under inputs/ gone
-    snap = await checks.load(app.store)
+    snap = await checks.load(app.engine.store)
     assert (await checks.check_by_reference(snap, app.storage, expected)).ok
     await app.storage.delete(inputs.input_key(task.inputs[0]["sha256"]))
     assert not (await checks.check_by_reference(snap, app.storage, expected)).ok

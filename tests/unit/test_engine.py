@@ -42,7 +42,7 @@ async def test_the_app_delegates_its_parts_to_the_engine(app: kiln.App) -> None:
     # Given an App, Then its parts are its engine's
     engine = app.engine
     assert isinstance(engine, Engine)
-    assert (app.store, app.storage, app.hub, app.kinds) == (
+    assert (app.engine.store, app.storage, app.hub, app.kinds) == (
         engine.store, engine.storage, engine.hub, engine.kinds,
     )  # fmt: skip
     # And settings set on the App reach the engine
@@ -60,7 +60,7 @@ async def test_an_illegal_transition_is_counted_by_the_engine(app: kiln.App) -> 
         await app.engine.apply(task, Event.GENERATED)
 
     # Then it is refused and counted, here and in the store
-    assert app.illegal_transitions == 1
+    assert app.engine.illegal_transitions == 1
     counters = await app.engine.counters()
     assert counters[(ILLEGAL_TRANSITIONS, "PENDING>UPLOADING")] == 1
 

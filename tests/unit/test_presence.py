@@ -49,25 +49,32 @@ def test_a_worker_says_who_it_is_what_it_takes_and_the_models_its_kinds_hold(
     assert record.running == 0 and record.version
 
 
-class FlakyStore:
-    """A store whose first beat fails (the database away), then answers."""
+class FlakyRegistry:
+    """A worker registry whose first beat fails (the database away), then answers."""
 
     def __init__(self) -> None:
-        self.seen: list[WorkerRecord] = []
-        self.gone: list[str] = []
+        self.beats: list[WorkerRecord] = []
+        self.stops: list[str] = []
         self.third = asyncio.Event()
 
-    async def worker_seen(self, record: WorkerRecord, *, ttl_s: float) -> WorkerRecord:
-        if not self.seen and not self.gone:
-            self.gone.append("")  # marks the failed first beat
+    async def seen(self, record: WorkerRecord, *, ttl_s: float) -> WorkerRecord:
+        if not self.beats and not self.stops:
+            self.stops.append("")  # marks the failed first beat
             raise StoreUnavailable("the database does not answer")
-        self.seen.append(record)
-        if len(self.seen) >= 2:
+        self.beats.append(record)
+        if len(self.beats) >= 2:
             self.third.set()
         return record
 
-    async def worker_gone(self, worker_id: str) -> None:
-        self.gone.append(worker_id)
+    async def gone(self, worker_id: str) -> None:
+        self.stops.append(worker_id)
+
+
+class FlakyStore:
+    """A store whose worker registry is :class:`FlakyRegistry`."""
+
+    def __init__(self) -> None:
+        self.workers = FlakyRegistry()
 
 
 async def test_a_failed_beat_is_logged_the_next_goes_on_and_a_stop_says_gone(
@@ -78,9 +85,9 @@ async def test_a_failed_beat_is_logged_the_next_goes_on_and_a_stop_says_gone(
     beating = asyncio.create_task(
         keep_present(store, lambda: record, interval_s=0.001, ttl_s=1.0)  # type: ignore[arg-type]
     )
-    await asyncio.wait_for(store.third.wait(), timeout=5)
+    await asyncio.wait_for(store.workers.third.wait(), timeout=5)
     beating.cancel()
     await asyncio.wait([beating])
-    assert [r.id for r in store.seen][:2] == ["w-9", "w-9"]
-    assert store.gone == ["", "w-9"]
+    assert [r.id for r in store.workers.beats][:2] == ["w-9", "w-9"]
+    assert store.workers.stops == ["", "w-9"]
     assert any(r.message == "worker_beat_failed" for r in caplog.records)

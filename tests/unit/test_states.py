@@ -276,23 +276,23 @@ async def test_illegal_transition_reaching_the_engine_is_refused_and_counted(
 ) -> None:
     # Given a PENDING task on a real store
     task = (await app.submit("image.generate", {"prompt": "a red fox"})).task
-    events_before = await app.store.events(task_id=task.id)
+    events_before = await app.engine.store.events(task_id=task.id)
     # When the engine is asked to approve it
     with pytest.raises(IllegalTransition):
         await app.apply(task, Event.APPROVE)
     # Then nothing changed
-    after = await app.store.get(task.id)
+    after = await app.engine.store.get(task.id)
     assert after is not None
     assert (after.status, after.version, after.epoch) == (S.PENDING, task.version, task.epoch)
-    assert await app.store.events(task_id=task.id) == events_before
+    assert await app.engine.store.events(task_id=task.id) == events_before
     # And the refusal was counted, in the store and on the app
     illegal = {
-        labels: n for (name, labels), n in (await app.store.counters()).items()
+        labels: n for (name, labels), n in (await app.engine.store.counters()).items()
         if name == "illegal_transitions"
     }  # fmt: skip
     assert list(illegal.values()) == [1]
     assert next(iter(illegal)).startswith("PENDING>")
-    assert app.illegal_transitions == 1
+    assert app.engine.illegal_transitions == 1
 
 
 async def test_legal_transition_through_the_engine_is_not_counted_as_illegal(
@@ -301,5 +301,5 @@ async def test_legal_transition_through_the_engine_is_not_counted_as_illegal(
     task = (await app.submit("image.generate", {"prompt": "a red fox"})).task
     cancelled = await app.apply(task, Event.CANCEL)
     assert cancelled.status is S.CANCELLED
-    assert app.illegal_transitions == 0
-    assert not [key for key in await app.store.counters() if key[0] == "illegal_transitions"]
+    assert app.engine.illegal_transitions == 0
+    assert not [key for key in await app.engine.store.counters() if key[0] == "illegal_transitions"]

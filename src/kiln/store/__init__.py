@@ -1,12 +1,13 @@
 """The store: tasks, their event log, idempotency keys, leaders, pools and the outbox.
 
-One :class:`Store` holds the domain logic (``sqlstore.py`` with ``claims.py``,
-``pools.py``, ``outbox.py``), written once over a small driver protocol (``tx.py``) and
-named queries (``queries.py``, ``sql/``). The drivers keep only what differs:
-``sqlite.py`` (writer thread, group commit) and ``postgres.py`` (pool, reconnects,
-LISTEN/NOTIFY, the gap-safe tail, one-statement paths). Policy (which event applies,
-retry backoff) lives above, in the engine. Pick a driver by URL with :func:`open_store`;
-the PostgreSQL driver is imported only then (``kiln[postgres]``).
+One :class:`Store` holds the domain logic: the task lifecycle and its claims
+(``sqlstore.py``, ``claims.py``) and each other concern as an object on it
+(``store.schedules``, ``store.outbox``, ``store.pools``, ...), written once over a small
+driver protocol (``tx.py``) and named queries (``queries.py``, ``sql/``). The drivers
+keep only what differs: ``sqlite.py`` (writer thread, group commit) and ``postgres.py``
+(pool, reconnects, LISTEN/NOTIFY, the gap-safe tail, one-statement paths). Policy
+(which event applies, retry backoff) lives above, in the engine. Pick a driver by URL
+with :func:`open_store`; the PostgreSQL driver is imported only then (``kiln[postgres]``).
 """
 
 from __future__ import annotations

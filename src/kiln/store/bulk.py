@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from kiln.errors import Conflict
 from kiln.models import Task, TaskEvent
@@ -39,7 +40,7 @@ from kiln.states import ENDED_UNSUCCESSFULLY, Status
 from kiln.store import pipelines
 from kiln.store.records import Change
 from kiln.store.rows import task_from_row
-from kiln.store.tx import Args, EventRow, Ops, Refused, Row, Tally, Tx, alone
+from kiln.store.tx import Args, Concern, EventRow, Op, Refused, Row, Tally, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
@@ -47,6 +48,8 @@ ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
 #: the steps that did not succeed again.
 CANCEL_PIPELINE: Literal["cancel_pipeline"] = "cancel_pipeline"
 RETRY_PIPELINE: Literal["retry_pipeline"] = "retry_pipeline"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,18 +193,29 @@ class RowCount:
         self.tx.bump(name, labels, delta)
 
 
-class BulkOps(Ops):
-    """Bulk actions' counts and pages, for :class:`kiln.store.sqlstore.Store`."""
+class Host(pipelines.Host, Protocol):
+    """What bulk actions need of the store: the single action's compare-and-set
+    (``TaskOps._apply``), a pipeline's cancel and retry (:mod:`kiln.store.pipelines`), and
+    what its driver does once a page committed (``_after_bulk_page``)."""
 
-    async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
-        raise NotImplementedError  # the Store's (TaskOps)
+    async def _write(self, op: Op[T]) -> T: ...
 
-    async def bulk_count(self, found: BulkFilter, after: str | None = None) -> int:
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T: ...
+
+    async def _after_bulk_page(self, took_s: float) -> None:
+        """Called after each page, with the seconds it took (SQLite pauses as long)."""
+        ...
+
+
+class Bulk(Concern[Host]):
+    """Bulk actions' counts and pages (``store.bulk``)."""
+
+    async def count(self, found: BulkFilter, after: str | None = None) -> int:
         """How many tasks ``found`` names after ``after``: what a dry run answers."""
         where, args = where_of(self.q.dialect, found, after)
         return await self._count(self.q.sql(f"SELECT count(*) FROM tasks WHERE {where}"), args)
 
-    async def bulk_page(
+    async def page(
         self,
         found: BulkFilter,
         after: str | None,
@@ -232,7 +246,10 @@ class BulkOps(Ops):
                 page.last = None
             return page
 
-        return await self._write(write)
+        started = time.monotonic()
+        done = await self._write(write)
+        await self._store._after_bulk_page(time.monotonic() - started)
+        return done
 
     async def _act(self, tx: Tx, page: BulkPage, task: Task, planned: Plan) -> None:
         if planned is None:
@@ -249,7 +266,7 @@ class BulkOps(Ops):
             change = planned
 
             def op(tx: Tx) -> Awaitable[Any]:
-                return self._apply(tx, change)
+                return self._store._apply(tx, change)
 
         done = await alone(tx, op)
         if isinstance(done, Exception):
@@ -264,16 +281,16 @@ class BulkOps(Ops):
 
     def _pipeline_op(self, task: Task, planned: str) -> Callable[[Tx], Awaitable[Any]]:
         if planned == CANCEL_PIPELINE:
-            return lambda tx: pipelines.cancel(self, tx, task.id)  # type: ignore[arg-type]
-        return lambda tx: pipelines.retry(self, tx, task.id, {})  # type: ignore[arg-type]
+            return lambda tx: pipelines.cancel(self._store, tx, task.id)
+        return lambda tx: pipelines.retry(self._store, tx, task.id, {})
 
     def _step_retry(self, task: Task, change: Change) -> Callable[[Tx], Awaitable[Any]]:
         async def op(tx: Tx) -> Any:
             assert task.pipeline_id is not None
-            pipeline = await pipelines._locked(self, tx, task.pipeline_id)  # type: ignore[arg-type]
+            pipeline = await pipelines._locked(self._store, tx, task.pipeline_id)
             if pipeline.status in ENDED_UNSUCCESSFULLY:  # alone the step would lead nowhere
-                return await pipelines.retry(self, tx, pipeline.id, {})  # type: ignore[arg-type]
-            return await self._apply(tx, change)
+                return await pipelines.retry(self._store, tx, pipeline.id, {})
+            return await self._store._apply(tx, change)
 
         return op
 

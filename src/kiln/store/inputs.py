@@ -22,7 +22,7 @@ from typing import Any
 
 from kiln.models import JSON
 from kiln.store.rows import loads
-from kiln.store.tx import Ops, Tx
+from kiln.store.tx import Concern, Driver, Tx
 
 #: How long a deletion under way, or a pin, is honoured before it counts as abandoned.
 STALE_S = 3600.0
@@ -61,12 +61,13 @@ class KnownObject:
     output: JSON | None = None
 
 
-class InputOps(Ops):
-    """Inputs and idempotency keys, for :class:`kiln.store.sqlstore.Store`."""
+class Inputs(Concern[Driver]):
+    """Uploaded inputs (``store.inputs``): pins while an upload waits for its task, and
+    the three steps of deleting one nobody uses."""
 
-    async def pin_inputs(self, sha256s: Sequence[str]) -> InputPins:
+    async def pin(self, sha256s: Sequence[str]) -> InputPins:
         """Hold each input for an upload (count one pin, mark it used now), unless its
-        deletion is under way. Release with :meth:`unpin_inputs` once the task is in."""
+        deletion is under way. Release with :meth:`unpin` once the task is in."""
         now = self.clock()
 
         async def write(tx: Tx) -> InputPins:
@@ -89,8 +90,8 @@ class InputOps(Ops):
 
         return await self._write(write)
 
-    async def unpin_inputs(self, sha256s: Sequence[str]) -> None:
-        """Let go of inputs :meth:`pin_inputs` held (each once per pin)."""
+    async def unpin(self, sha256s: Sequence[str]) -> None:
+        """Let go of inputs :meth:`pin` held (each once per pin)."""
         now = self.clock()
         rows = [(now, sha256) for sha256 in sha256s]
 
@@ -100,7 +101,7 @@ class InputOps(Ops):
 
         await self._write(write)
 
-    async def claim_unused_inputs(
+    async def claim_unused(
         self, *, used_before: float, limit: int = 500, among: Sequence[str] | None = None
     ) -> Deletion:
         """Mark for deletion up to ``limit`` inputs that no task refers to, nobody holds,
@@ -122,7 +123,7 @@ class InputOps(Ops):
 
         return await self._write(write)
 
-    async def forget_inputs(self, deletion: Deletion, sha256s: Sequence[str]) -> None:
+    async def forget(self, deletion: Deletion, sha256s: Sequence[str]) -> None:
         """The objects of ``sha256s`` (of ``deletion``) are gone: forget those inputs."""
         rows = [(sha256, deletion.marked_at) for sha256 in sha256s]
 
@@ -132,7 +133,7 @@ class InputOps(Ops):
 
         await self._write(write)
 
-    async def known_inputs(self, sha256s: Sequence[str]) -> set[str]:
+    async def known(self, sha256s: Sequence[str]) -> set[str]:
         """Which of ``sha256s`` the store knows or a task refers to (the reconciler's
         question: an object under ``inputs/`` that is neither is an orphan)."""
         if not sha256s:
@@ -161,7 +162,11 @@ class InputOps(Ops):
 
         return await self._read(read)
 
-    async def expire_keys(self, *, created_before: float, limit: int = 500) -> int:
+
+class Keys(Concern[Driver]):
+    """Idempotency keys (``store.keys``): kept ``KILN_IDEMPOTENCY_TTL_S``, then deleted."""
+
+    async def expire(self, *, created_before: float, limit: int = 500) -> int:
         """Delete up to ``limit`` idempotency keys made before ``created_before``, oldest
         first (``KILN_IDEMPOTENCY_TTL_S``); how many went. The same key then makes a new
         task."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.store.tx import Ops, Tx
+from kiln.store.tx import Concern, Driver, Tx
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +27,10 @@ class QueueLoad:
     lines: tuple[tuple[str, bool, float], ...]
 
 
-class LoadOps(Ops):
-    """The queue's load, for :class:`kiln.store.sqlstore.Store`."""
+class Load(Concern[Driver]):
+    """The queue's load (``store.load``)."""
 
-    async def queue_load(self) -> QueueLoad:
+    async def read(self) -> QueueLoad:
         """Ready tasks per kind, the claimed tasks, the pools' live lines, in one read."""
         now = self.clock()
 

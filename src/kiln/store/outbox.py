@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kiln import counters as names
 from kiln.models import Task, TaskEvent
 from kiln.store.rows import task_from_row
-from kiln.store.tx import Ops, Tx
+from kiln.store.tx import Concern, Driver, Tx
 
 T = TypeVar("T")
 
@@ -112,15 +112,22 @@ def delivery_from_row(row: Sequence[Any]) -> WebhookDelivery:
     )
 
 
-class OutboxOps(Ops):
-    """The webhook outbox, for :class:`kiln.store.sqlstore.Store`."""
+class Host(Driver, Protocol):
+    """What the outbox needs of the store: its driver's read of the log past the gaps a
+    follower remembers (``Store._log_after``: PostgreSQL's is gap-safe)."""
 
-    _outbox_gaps: dict[int, int]
+    async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]: ...
 
-    async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
-        raise NotImplementedError
 
-    async def webhook_scan(self, *, limit: int) -> WebhookScan:
+class Outbox(Concern[Host]):
+    """The webhook outbox (``store.outbox``): deliveries made from the event log, each
+    tried until delivered or failed."""
+
+    def __init__(self, store: Host) -> None:
+        super().__init__(store)
+        self._gaps: dict[int, int] = {}  # the outbox follows the log on its own
+
+    async def scan(self, *, limit: int) -> WebhookScan:
         """Up to ``limit`` events after the outbox cursor, read like ``tail`` (no event
         with a smaller seq can still appear), with the tasks among them that have a webhook."""
 
@@ -129,7 +136,7 @@ class OutboxOps(Ops):
             return 0 if row is None else int(row[0])
 
         cursor = await self._read(cursor_of)
-        events = await self._log_after(cursor, limit, self._outbox_gaps)
+        events = await self._store._log_after(cursor, limit, self._gaps)
         ids = sorted({e.task_id for e in events})
 
         async def hooked_tasks(tx: Tx) -> dict[str, Task]:
@@ -140,7 +147,7 @@ class OutboxOps(Ops):
         found = [(e, hooked[e.task_id]) for e in events if e.task_id in hooked]
         return WebhookScan(cursor, last, len(events), found)
 
-    async def webhook_enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
+    async def enqueue(self, deliveries: Sequence[WebhookDelivery], *, cursor: int) -> int:
         """Add the deliveries of tasks that still exist (an event id already there is
         skipped) and move the cursor up to ``cursor``, in one transaction; how many were added."""
 
@@ -153,7 +160,7 @@ class OutboxOps(Ops):
 
         return await self._write(write)
 
-    async def webhook_due(self, *, limit: int) -> list[WebhookDelivery]:
+    async def due(self, *, limit: int) -> list[WebhookDelivery]:
         """Pending deliveries due now, soonest first; only the first pending delivery of
         each task (in seq order), so a task's deliveries go out one after the other."""
 
@@ -161,7 +168,7 @@ class OutboxOps(Ops):
 
         return await self._rows(self.q.deliveries_due, args, delivery_from_row)
 
-    async def webhook_record(self, attempt: WebhookAttempt) -> None:
+    async def record(self, attempt: WebhookAttempt) -> None:
         """Write what a delivery attempt came to (a row no longer pending is left as it
         is) and count it in ``counters`` as ``("webhook_deliveries", outcome)``."""
 
@@ -181,7 +188,7 @@ class OutboxOps(Ops):
 
         await self._write(write)
 
-    async def webhook_deliveries(
+    async def deliveries(
         self, *, task_id: str | None = None, limit: int = 100
     ) -> list[WebhookDelivery]:
         """Deliveries in seq order, of one task or of all, whatever their status."""
@@ -194,7 +201,7 @@ class OutboxOps(Ops):
 
         return await self._rows(sql, args, delivery_from_row)
 
-    async def webhook_redeliver(self, event_id: str, *, task_id: str) -> WebhookDelivery | None:
+    async def redeliver(self, event_id: str, *, task_id: str) -> WebhookDelivery | None:
         """Put one delivery of a task back in line, due now (pending again, whatever its
         status), as it is after; None when the task has no such delivery. The next attempt
         sends the same event id and body."""
@@ -208,5 +215,5 @@ class OutboxOps(Ops):
 
         return await self._write(write)
 
-    async def webhook_pending(self) -> int:
+    async def pending(self) -> int:
         return await self._count(self.q.pending_deliveries, (PENDING,))

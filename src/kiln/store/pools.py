@@ -34,7 +34,7 @@ from kiln.errors import LeaseLost
 from kiln.limits import Rate, bucket_take
 from kiln.models import JSON
 from kiln.store.records import BreakerRecord
-from kiln.store.tx import Ops, Refused, Tx
+from kiln.store.tx import Concern, Driver, Refused, Tx
 
 T = TypeVar("T")
 
@@ -153,11 +153,10 @@ def in_every_line(lines: Mapping[str, list[SlotRow]], task_id: str) -> bool:
     return all(any(r.task_id == task_id for r in line) for line in lines.values())
 
 
-class PoolOps(Ops):
-    """Pools, token buckets, breakers and the retry clock, for
-    :class:`kiln.store.sqlstore.Store`."""
+class Pools(Concern[Driver]):
+    """The shared resource pools' lines (``store.pools``)."""
 
-    async def acquire_slots(
+    async def acquire(
         self,
         task_id: str,
         epoch: int,
@@ -218,7 +217,7 @@ class PoolOps(Ops):
             await tx.run(self.q.hold_slots, (task_id,))
         return wait
 
-    async def pool_wait(self, task_id: str) -> PoolWait | None:
+    async def wait(self, task_id: str) -> PoolWait | None:
         """Where a waiting task stands in the line of a pool, or None."""
 
         async def read(tx: Tx) -> PoolWait | None:
@@ -232,19 +231,25 @@ class PoolOps(Ops):
 
         return await self._read(read)
 
-    async def pools(self) -> list[PoolUsage]:
+    async def usage(self) -> list[PoolUsage]:
         """Every pool ever acquired, with its capacity, units held and tasks waiting."""
 
         usage = lambda r: PoolUsage(r[0], int(r[1]), int(r[2]), int(r[3]))  # noqa: E731
         return await self._rows(self.q.pool_usage, (self.clock(),), usage)
 
+
+class Limits(Concern[Driver]):
+    """The other limits every process shares (``store.limits``): token buckets (tenant
+    rate limits, :mod:`kiln.limits`), circuit breaker states (:mod:`kiln.breakers`) and the
+    retry clock (:mod:`kiln.retry`)."""
+
     async def take_token(self, name: str, rate: Rate, n: int = 1) -> float:
         """Take ``n`` tokens from the bucket ``name`` (kiln.limits.bucket_take): 0.0 when
         taken, else the seconds until they are there (nothing taken). Shared by every
         process on the store."""
-        return await self._write(lambda tx: self._take_tokens(tx, name, rate, n))
+        return await self._write(lambda tx: self.take_in(tx, name, rate, n))
 
-    async def _take_tokens(self, tx: Tx, name: str, rate: Rate, n: int) -> float:
+    async def take_in(self, tx: Tx, name: str, rate: Rate, n: int) -> float:
         """``take_token`` inside ``tx`` (a schedule's tick takes its tokens in the
         transaction that fires it)."""
         now = self.clock()

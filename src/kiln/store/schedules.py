@@ -3,7 +3,7 @@
 A schedule is a cron expression in a time zone and the submission it makes
 (``submission``: kind, params and the task options, already checked when the schedule was
 made). ``next_at`` is its next tick not yet handled. The leading supervisor handles a tick
-with :meth:`ScheduleOps.handle_tick`: in one transaction it checks its leadership, locks the
+with :meth:`Schedules.handle_tick`: in one transaction it checks its leadership, locks the
 schedule row, checks that ``next_at`` is still the tick it read (a compare-and-set), submits
 the tick's task through the ordinary insert-or-get with an idempotency key made of the
 schedule id and the tick, and moves ``next_at`` on. A tick is therefore fired at most once,
@@ -14,19 +14,21 @@ whatever the number of supervisors and wherever one is killed: a second handler 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from kiln.counters import SCHEDULE_FIRES
 from kiln.errors import NotLeader, TooManySchedules
 from kiln.limits import Rate, rate_bucket
-from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent, iso
+from kiln.models import JSON, NewTask, Task, iso
 from kiln.pipelines import KIND as PIPELINE
 from kiln.states import FINAL
 from kiln.store import pipelines
-from kiln.store.records import Change, LeaderToken
+from kiln.store.pools import Limits
+from kiln.store.records import LeaderToken
 from kiln.store.rows import dumps, task_from_row
-from kiln.store.tx import Ops, Refused, Row, Tx
+from kiln.store.tx import Concern, Op, Refused, Row, Tx
 
 #: What a tick may come to: a task, or skipped because the last one still runs, or
 #: skipped because it was missed (kiln_schedule_fires_total{outcome}); or put off for now
@@ -34,6 +36,8 @@ from kiln.store.tx import Ops, Refused, Row, Tx
 OUTCOMES = ("fired", "skipped_overlap", "skipped_missed", "rate_limited")
 OVERLAP_POLICIES = ("skip", "queue")
 MISSED_POLICIES = ("fire_once", "skip")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +127,7 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class TickResult:
-    """What :meth:`ScheduleOps.handle_tick` did: ``outcome`` of the tick (see
+    """What :meth:`Schedules.handle_tick` did: ``outcome`` of the tick (see
     :data:`OUTCOMES`), the task it fired (or found already fired) and the schedule after."""
 
     outcome: str
@@ -137,27 +141,24 @@ _COLUMNS = (
 )
 
 
-class ScheduleOps(Ops):
-    """Schedules, for :class:`kiln.store.sqlstore.Store`: a tick submits as a task's
-    submission does (``TaskOps._submit``), guarded by the leadership (``TaskOps._holds``)."""
+class Host(pipelines.Host, Protocol):
+    """What schedules need of the store: a tick submits as a task's submission does
+    (``TaskOps._submit``), guarded by the leadership (``TaskOps._holds``), and takes its
+    tenant's tokens (``store.limits``) in its own transaction."""
 
-    if TYPE_CHECKING:  # TaskOps's, beside this class in the Store
+    limits: Limits
 
-        async def _submit(self, tx: Tx, new: NewTask) -> SubmitResult | Refused: ...
+    async def _write(self, op: Op[T]) -> T: ...
 
-        async def _holds(self, tx: Tx, token: LeaderToken, now: float) -> bool: ...
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T: ...
 
-        async def _insert(self, tx: Tx, new: NewTask, now: float) -> Task | None: ...
+    async def _holds(self, tx: Tx, token: LeaderToken, now: float) -> bool: ...
 
-        async def _apply(
-            self, tx: Tx, change: Change
-        ) -> tuple[Task, list[TaskEvent]] | Refused: ...
 
-        async def _take_tokens(self, tx: Tx, name: str, rate: Rate, n: int) -> float: ...
+class Schedules(Concern[Host]):
+    """The recurring schedules (``store.schedules``)."""
 
-    async def create_schedule(
-        self, schedule: ScheduleRecord, *, most: int | None = None
-    ) -> ScheduleRecord:
+    async def create(self, schedule: ScheduleRecord, *, most: int | None = None) -> ScheduleRecord:
         """Store a new schedule; with ``most``, refused (TooManySchedules) when its tenant
         holds that many already (counted under the tenant's lock, so concurrent creations
         cannot pass it together)."""
@@ -201,11 +202,11 @@ class ScheduleOps(Ops):
 
         return await self._write(write)
 
-    async def schedule(self, schedule_id: str) -> ScheduleRecord | None:
+    async def get(self, schedule_id: str) -> ScheduleRecord | None:
         found = await self._rows(self.q.get_schedule, (schedule_id,), schedule_from_row)
         return found[0] if found else None
 
-    async def schedules(
+    async def page(
         self, *, tenant: str | None, limit: int = 50, after: str | None = None
     ) -> list[ScheduleRecord]:
         """A tenant's schedules (every tenant's with None), oldest first, after id ``after``."""
@@ -221,11 +222,11 @@ class ScheduleOps(Ops):
         args.append(limit)
         return await self._rows(self.q.sql(sql), args, schedule_from_row)
 
-    async def due_schedules(self, *, limit: int = 100) -> list[ScheduleRecord]:
+    async def due(self, *, limit: int = 100) -> list[ScheduleRecord]:
         """The running schedules whose next tick has come, earliest first."""
         return await self._rows(self.q.due_schedules, (self.clock(), limit), schedule_from_row)
 
-    async def set_schedule_paused(
+    async def set_paused(
         self, schedule_id: str, *, paused: bool, next_at: float | None
     ) -> ScheduleRecord | None:
         """Pause a schedule, or resume it with its next tick; None when it is gone."""
@@ -238,7 +239,7 @@ class ScheduleOps(Ops):
 
         return await self._write(write)
 
-    async def delete_schedule(self, schedule_id: str) -> bool:
+    async def delete(self, schedule_id: str) -> bool:
         """Delete a schedule (the tasks it made stay); False when it was not there."""
 
         async def write(tx: Tx) -> bool:
@@ -255,7 +256,7 @@ class ScheduleOps(Ops):
         self, tx: Tx, tick: Tick, leader: LeaderToken
     ) -> TickResult | Refused | None:
         now = self.clock()
-        if not await self._holds(tx, leader, now):
+        if not await self._store._holds(tx, leader, now):
             return Refused(NotLeader(f"{leader.owner} no longer leads"))
         row = await tx.one(self.q.lock_schedule, (tick.schedule_id,))
         if row is None:
@@ -291,7 +292,7 @@ class ScheduleOps(Ops):
         if tick.rate is None:
             return True
         bucket = rate_bucket(schedule.tenant)
-        return await self._take_tokens(tx, bucket, tick.rate, tick.tasks) == 0.0
+        return await self._store.limits.take_in(tx, bucket, tick.rate, tick.tasks) == 0.0
 
     async def _still_running(self, tx: Tx, schedule: ScheduleRecord) -> bool:
         if schedule.last_task_id is None:
@@ -303,9 +304,9 @@ class ScheduleOps(Ops):
         """Submit a tick's task. Its key already taken by this very tick (a replay) is not a
         second fire; taken by another request (refused) leaves the tick unfired."""
         if new.kind == PIPELINE:  # it starts with its first steps, as a submission does
-            result = await pipelines.submit(self, tx, new)
+            result = await pipelines.submit(self._store, tx, new)
         else:
-            result = await self._submit(tx, new)
+            result = await self._store._submit(tx, new)
         if isinstance(result, Refused):
             return "skipped_missed", None
         return ("fired" if result.created else "skipped_missed"), result.task

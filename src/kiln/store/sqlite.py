@@ -29,8 +29,7 @@ from typing import Any, TypeVar
 
 from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
-from kiln.models import Task, TaskEvent
-from kiln.store.bulk import BulkFilter, BulkPage, Plan
+from kiln.models import TaskEvent
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
@@ -486,24 +485,14 @@ class SqliteStore(Store):
         thread.put(_Job(fn, loop, future))
         return await future
 
-    async def bulk_page(
-        self,
-        found: BulkFilter,
-        after: str | None,
-        limit: int,
-        plan: Callable[[Task], Plan],
-        rows: int,
-    ) -> BulkPage:
-        """A page of a bulk action (:mod:`kiln.store.bulk`), then a pause as long as it
+    async def _after_bulk_page(self, took_s: float) -> None:
+        """After a page of a bulk action (:mod:`kiln.store.bulk`), a pause as long as it
         took (up to :data:`BULK_PAUSE_MAX_S`) before the next page can start: a run of
         pages holds the file's write lock at most half the time. This process's own writes
         queue behind a page in order, but other processes on the file (workers renewing
         their leases) wait for SQLite's lock by polling (``busy_timeout``: every 100 ms at
         most), and back-to-back pages would leave them only the moments between two."""
-        started = time.monotonic()
-        page = await super().bulk_page(found, after, limit, plan, rows)
-        await asyncio.sleep(min(time.monotonic() - started, BULK_PAUSE_MAX_S))
-        return page
+        await asyncio.sleep(min(took_s, BULK_PAUSE_MAX_S))
 
     @property
     def write_batches(self) -> tuple[int, int]:

@@ -3,8 +3,8 @@
 Every operation is an ``async`` function of a :class:`~kiln.store.tx.Tx` (one
 transaction) that reads and writes through the named queries of
 :mod:`kiln.store.queries`; a driver runs it (see :mod:`kiln.store.tx`). The task
-lifecycle is here; claims, pools and limits, and the webhook outbox have modules of their
-own (``claims.py``, ``pools.py``, ``outbox.py``), and :class:`Store` puts them together.
+lifecycle is here, and claims in ``claims.py``; each other concern is an object of its
+own module that :class:`Store` holds (``store.schedules``, ``store.outbox``, ...).
 
 What differs lives in the drivers (``sqlite.py``, ``postgres.py``): threads, group commit
 and migrations; the pool, reconnects, LISTEN/NOTIFY, the gap-safe tail, the claim lock and
@@ -30,13 +30,13 @@ from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.pipelines import KIND as PIPELINE
 from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store import pipelines
-from kiln.store.bulk import BulkOps
+from kiln.store.bulk import Bulk
 from kiln.store.claims import ClaimOps
 from kiln.store.effects import effects_of
-from kiln.store.inputs import InputOps
-from kiln.store.load import LoadOps
-from kiln.store.outbox import OutboxOps
-from kiln.store.pools import PoolOps
+from kiln.store.inputs import Inputs, Keys
+from kiln.store.load import Load
+from kiln.store.outbox import Outbox
+from kiln.store.pools import Limits, Pools
 from kiln.store.preempt import PreemptOps
 from kiln.store.queries import Queries
 from kiln.store.records import Applied, Change, Clock, Due, LeaderToken, Progress, Stats
@@ -49,10 +49,10 @@ from kiln.store.rows import (
     event_from_row,
     task_from_row,
 )
-from kiln.store.schedules import ScheduleOps
+from kiln.store.schedules import Schedules
 from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
-from kiln.store.usage import UsageOps
-from kiln.store.workers import WorkerOps
+from kiln.store.usage import Usage
+from kiln.store.workers import Workers
 
 log = logging.getLogger("kiln.store")
 
@@ -621,24 +621,18 @@ def purge_candidates(
     return sql, args
 
 
-class Store(
-    TaskOps,
-    ClaimOps,
-    PoolOps,
-    PreemptOps,
-    OutboxOps,
-    InputOps,
-    WorkerOps,
-    LoadOps,
-    ScheduleOps,
-    UsageOps,
-    BulkOps,
-):
+class Store(TaskOps, ClaimOps, PreemptOps):
     """A durable home for tasks, their event log, idempotency records and leaders.
 
-    Written once over a driver: :class:`~kiln.store.sqlite.SqliteStore` and
-    :class:`~kiln.store.postgres.PostgresStore` say how an operation runs (``_write``,
-    ``_read``, ``_write_many``), how the log is followed (``_log_after``) and ``close``.
+    The task lifecycle and its claims are the store's own methods; every other concern is
+    an object of its own on the store, written once over the same driver: ``schedules``,
+    ``outbox``, ``inputs``, ``keys``, ``workers``, ``load``, ``pools``, ``limits``,
+    ``usage``, ``bulk`` (docs/design.md, "The store written once").
+
+    :class:`~kiln.store.sqlite.SqliteStore` and :class:`~kiln.store.postgres.PostgresStore`
+    say how an operation runs (``_write``, ``_read``, ``_write_many``), how the log is
+    followed (``_log_after``), what follows a bulk action's page (``_after_bulk_page``)
+    and ``close``.
     """
 
     def __init__(self, queries: Queries, clock: Clock) -> None:
@@ -646,7 +640,16 @@ class Store(
         self.clock = clock
         self._claim_turn = 0
         self._tail_gaps: dict[int, int] = {}
-        self._outbox_gaps: dict[int, int] = {}  # the outbox follows the log on its own
+        self.schedules = Schedules(self)
+        self.outbox = Outbox(self)
+        self.inputs = Inputs(self)
+        self.keys = Keys(self)
+        self.workers = Workers(self)
+        self.load = Load(self)
+        self.pools = Pools(self)
+        self.limits = Limits(self)
+        self.usage = Usage(self)
+        self.bulk = Bulk(self)
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
         """Run several operations in one call, each its own unit: one that refuses or
@@ -667,6 +670,10 @@ class Store(
         still appear: what a follower of the whole log reads (one per process)."""
 
         return await self._log_after(after, limit, self._tail_gaps)
+
+    async def _after_bulk_page(self, took_s: float) -> None:
+        """What follows a bulk action's page that took ``took_s`` (:mod:`kiln.store.bulk`):
+        nothing, unless the driver says otherwise."""
 
     def watch_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when another process made work claimable. Backends without

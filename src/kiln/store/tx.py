@@ -13,7 +13,7 @@ import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kiln.counters import FAILURE_BUCKETS_KEPT_MIN, FAILURES_BY_MINUTE
 from kiln.errors import KilnError, StoreUnavailable
@@ -161,13 +161,9 @@ class Tx(Protocol):
 Op = Callable[[Tx], Awaitable[T | Refused]]
 
 
-class Ops:
-    """What the store's groups of operations share: the dialect's queries, the clock, and
-    how an operation runs (a driver, :class:`~kiln.store.sqlite.SqliteStore` or
-    :class:`~kiln.store.postgres.PostgresStore`, says how)."""
-
-    q: Queries
-    clock: Callable[[], float]
+class Runs:
+    """How an operation runs: in a write transaction (``_write``) or on a read connection
+    (``_read``), and the two reads every group of operations makes over ``_read``."""
 
     async def _write(self, op: Op[T]) -> T:
         """Run ``op`` in a write transaction; raise what it refused after the commit."""
@@ -193,6 +189,51 @@ class Ops:
             return 0 if found is None else int(found[0])
 
         return await self._read(read)
+
+
+class Ops(Runs):
+    """What the store's own groups of operations share: the dialect's queries, the clock, and
+    how an operation runs (a driver, :class:`~kiln.store.sqlite.SqliteStore` or
+    :class:`~kiln.store.postgres.PostgresStore`, says how)."""
+
+    q: Queries
+    clock: Callable[[], float]
+
+
+class Driver(Protocol):
+    """What a :class:`Concern` needs of the store it belongs to: the driver's primitives."""
+
+    q: Queries
+    clock: Callable[[], float]
+
+    async def _write(self, op: Op[T]) -> T: ...
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T: ...
+
+
+D = TypeVar("D", bound=Driver)
+
+
+class Concern(Runs, Generic[D]):
+    """One concern of the store (``store.schedules``, ``store.outbox``, ...): its
+    operations, written once over the primitives of the store's driver (``_write``,
+    ``_read``, ``q``, ``clock``), which it reaches through the store it belongs to."""
+
+    def __init__(self, store: D) -> None:
+        self._store = store
+
+    @property
+    def q(self) -> Queries:
+        return self._store.q
+
+    def clock(self) -> float:
+        return self._store.clock()
+
+    async def _write(self, op: Op[T]) -> T:
+        return await self._store._write(op)
+
+    async def _read(self, op: Callable[[Tx], Awaitable[T]]) -> T:
+        return await self._store._read(op)
 
 
 async def alone(tx: Tx, op: Op[T]) -> T | Exception:

@@ -23,7 +23,7 @@ from typing import Any
 
 from kiln.states import Event, Status
 from kiln.store.records import Applied, AttemptUsage
-from kiln.store.tx import Ops, Row
+from kiln.store.tx import Concern, Driver, Row
 
 #: How an attempt ended, by the event that ended it: ``uploaded`` (success,
 #: needs_review), ``fail`` (retry when a retry was scheduled, else failed), ``stopped`` and
@@ -189,15 +189,15 @@ def report_sql(
     return sql, args
 
 
-class UsageOps(Ops):
-    """The GPU-second ledger's reads, for :class:`kiln.store.sqlstore.Store` (its rows are
-    written by ``apply``, with the change that ends each attempt)."""
+class Usage(Concern[Driver]):
+    """The GPU-second ledger's reads (``store.usage``; its rows are written by ``apply``,
+    with the change that ends each attempt)."""
 
-    async def usage_of_task(self, task_id: str) -> list[UsageRecord]:
+    async def of_task(self, task_id: str) -> list[UsageRecord]:
         """A task's ledger rows, one per attempt, in attempt order."""
         return await self._rows(self.q.usage_of_task, (task_id,), usage_from_row)
 
-    async def usage(
+    async def report(
         self,
         *,
         since: float,

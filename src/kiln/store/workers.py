@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from kiln.models import iso
 from kiln.store.rows import dumps
-from kiln.store.tx import Ops, Row, Tx
+from kiln.store.tx import Concern, Driver, Row, Tx
 
 #: How long the row of a worker gone is kept after its beat lapsed.
 FORGET_AFTER_S = 3600.0
@@ -74,10 +74,10 @@ def worker_from_row(row: Row) -> WorkerRecord:
     )
 
 
-class WorkerOps(Ops):
-    """The worker registry, for :class:`kiln.store.sqlstore.Store`."""
+class Workers(Concern[Driver]):
+    """The worker registry (``store.workers``)."""
 
-    async def worker_seen(self, worker: WorkerRecord, *, ttl_s: float) -> WorkerRecord:
+    async def seen(self, worker: WorkerRecord, *, ttl_s: float) -> WorkerRecord:
         """Register ``worker`` or renew its row (listed for ``ttl_s`` from now); the rows
         of workers gone long ago are deleted on the way."""
         now = self.clock()
@@ -106,7 +106,7 @@ class WorkerOps(Ops):
 
         return await self._write(write)
 
-    async def worker_gone(self, worker_id: str) -> None:
+    async def gone(self, worker_id: str) -> None:
         """A worker stopped cleanly: it is no longer listed."""
 
         async def write(tx: Tx) -> None:
@@ -114,6 +114,6 @@ class WorkerOps(Ops):
 
         await self._write(write)
 
-    async def workers(self) -> list[WorkerRecord]:
+    async def live(self) -> list[WorkerRecord]:
         """The workers whose beat has not lapsed."""
         return await self._rows(self.q.live_workers, (self.clock(),), worker_from_row)

@@ -126,7 +126,7 @@ class Slots:
                 task = attempt.task
                 in_line = attempt.pool_wait is not None
                 try:
-                    wait = await self.engine.store.acquire_slots(
+                    wait = await self.engine.store.pools.acquire(
                         task.id, task.epoch, needs, capacities, in_line=in_line
                     )
                 except StoreUnavailable as exc:  # keep the place; the lease decides how long
