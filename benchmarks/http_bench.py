@@ -14,6 +14,13 @@ over the rounds (a ratio is taken within its round):
   against the reference's ``POST /v1/tasks``;
 - ``post_dedup``: the same body on every request (content-dedup hits), against the same.
 
+Each round also reads how many tasks are queued and the server's CPU per request of each
+figure, so the rounds show whether a figure drifts as the queue grows (each ``post_new``
+run adds thousands of tasks to it). After the rounds, ``--backlog`` tasks (100,000 by
+default) are seeded straight through the store (the same SQLite file, group commits of
+500 submissions) and one more round runs at that backlog: a new task's CPU there beside
+the first round's shows whether a submission costs the same at any backlog.
+
 Then, on the same server, ``--burst`` identical submissions at once (exactly one task must
 come back); and on a second ``kiln serve`` with in-process workers, ``--subscribers``
 tenant feeds while tasks run (``http_clients.py`` says what each latency measures).
@@ -26,6 +33,7 @@ run from it, that name would hide the standard library's ``http`` from them all.
     make bench-http
     .venv/bin/python benchmarks/http_bench.py --rounds 3 --seconds 8
     .venv/bin/python benchmarks/http_bench.py --rounds 1 --seconds 2 --subscribers 100 --burst 100
+    .venv/bin/python benchmarks/http_bench.py --rounds 3 --seconds 5 --backlog 0   # no seeding
 """
 
 from __future__ import annotations
@@ -240,9 +248,53 @@ def submit_one(server: Server, prompt: str) -> str:
     return task_id
 
 
-def task_count(server: Server) -> int:
+def task_counts(server: Server) -> dict[str, int]:
     answer = httpx.get(f"{server.url}/v1/stats", headers={"Authorization": f"Bearer {KEY}"})
-    return sum(answer.json()["counts"].values())
+    counts: dict[str, int] = answer.json()["counts"]
+    return counts
+
+
+def task_count(server: Server) -> int:
+    return sum(task_counts(server).values())
+
+
+def queued(server: Server) -> int:
+    counts = task_counts(server)
+    return counts.get("PENDING", 0) + counts.get("RETRYING", 0)
+
+
+async def seed(database: Path, count: int) -> float:
+    """``count`` queued tasks of the benchmark's kind and tenant written straight through
+    the store (kiln serve reads the same SQLite file), 500 a group commit; the seconds it
+    took. Their deadline is a week away, so they stay queued and due."""
+    from kiln import canonical
+    from kiln.models import NewTask, Timeouts
+    from kiln.store import open_store
+
+    store = open_store(f"sqlite:///{database}", synchronous="NORMAL")
+    started = time.perf_counter()
+    try:
+        for done in range(0, count, 500):
+            news = [
+                NewTask(
+                    id=canonical.new_task_id(),
+                    tenant="bench",
+                    kind="image.generate",
+                    params={"prompt": f"seeded {done + i}"},
+                    fingerprint=f"seeded-{done + i}",
+                    idempotency_key=None,
+                    dedup_key=None,
+                    priority=0,
+                    max_attempts=3,
+                    deadline_s=7 * 86400.0,
+                    timeouts=Timeouts(),
+                )
+                for i in range(min(500, count - done))
+            ]
+            await asyncio.gather(*(store.submit(new) for new in news))
+    finally:
+        await store.close()
+    return time.perf_counter() - started
 
 
 def one_round(
@@ -251,7 +303,7 @@ def one_round(
     """Each figure: kiln and the reference in turn (which goes first alternates)."""
     paths = {"healthz": "/healthz", "get": f"/v1/tasks/{task_id}", "post_new": "/v1/tasks",
              "post_dedup": "/v1/tasks"}  # fmt: skip
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"queued": queued(kiln)}
     for figure in FIGURES:
         pair = (kiln, bare) if n % 2 == 0 else (bare, kiln)
         runs: dict[str, Run] = {}
@@ -265,7 +317,8 @@ def one_round(
             "kiln_cpu_us": k.cpu_us, "bare_cpu_us": b.cpu_us, "kiln_p99_ms": k.p99_ms,
             "bare_p99_ms": b.p99_ms, "errors": k.errors + b.errors, "tasks_made": made,
         }  # fmt: skip
-        print(f"round {n + 1} {figure:<10} kiln {k.per_s:7,.0f}/s ({k.cpu_us:5,.0f} µs CPU, "
+        print(f"round {n + 1} {figure:<10} queued {figures['queued']:7,}  "
+              f"kiln {k.per_s:7,.0f}/s ({k.cpu_us:5,.0f} µs CPU, "
               f"p99 {k.p99_ms:6.1f} ms)  bare {b.per_s:7,.0f}/s ({b.cpu_us:5,.0f} µs CPU)  "
               f"ratio {k.per_s / b.per_s:.2f}  errors {k.errors + b.errors}  tasks made {made}",
               flush=True)  # fmt: skip
@@ -281,6 +334,35 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{figure}_errors"] = sum(r[figure]["errors"] for r in rounds)
     out["post_new_tasks_made"] = sum(r["post_new"]["tasks_made"] for r in rounds)
     out["post_dedup_tasks_made"] = sum(r["post_dedup"]["tasks_made"] for r in rounds)
+    out["rounds"] = [by_round(r) for r in rounds]
+    first, last = rounds[0]["post_new"]["kiln_cpu_us"], rounds[-1]["post_new"]["kiln_cpu_us"]
+    out["post_new_cpu_last_over_first"] = round(last / first, 3)
+    return out
+
+
+def by_round(found: dict[str, Any]) -> dict[str, Any]:
+    """One round's queue, and each figure's server CPU per request and ratio."""
+    out: dict[str, Any] = {"queued": found["queued"]}
+    for figure in FIGURES:
+        out[f"{figure}_kiln_cpu_us"] = round(found[figure]["kiln_cpu_us"], 1)
+        out[f"{figure}_bare_cpu_us"] = round(found[figure]["bare_cpu_us"], 1)
+        out[f"{figure}_ratio"] = round(found[figure]["ratio"], 3)
+    return out
+
+
+def backlog_round(
+    args: argparse.Namespace, kiln: Server, bare: Server, task_id: str, first: dict[str, Any]
+) -> dict[str, Any]:
+    """Seed the store up to ``--backlog`` queued tasks, then one more round there."""
+    adding = args.backlog - queued(kiln)
+    seconds = asyncio.run(seed(args.workdir / "kiln" / "kiln.db", adding)) if adding > 0 else 0.0
+    print(f"seeded {max(adding, 0):,} queued tasks in {seconds:.1f} s", flush=True)
+    found = one_round(args, args.rounds, kiln, bare, task_id)
+    out = {f"backlog_{k}": v for k, v in by_round(found).items()}
+    out["backlog_seeded_s"] = round(seconds, 1)
+    for figure in FIGURES:
+        ratio = found[figure]["kiln_cpu_us"] / first[figure]["kiln_cpu_us"]
+        out[f"backlog_{figure}_cpu_over_first_round"] = round(ratio, 3)
     return out
 
 
@@ -310,6 +392,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--sse-seconds", type=float, default=10.0)
     parser.add_argument("--sse-steps", type=int, default=4, help="demo steps per task")
     parser.add_argument("--sse-step-ms", type=int, default=50)
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=100_000,
+        help="queued tasks of the last round (0: no such round)",
+    )
     parser.add_argument("--skip-wrk", action="store_true", help="only the burst and streams")
     return parser.parse_args()
 
@@ -328,7 +416,9 @@ def main() -> None:
                     task_id = submit_one(kiln, "a fox to read back")
                     rounds = [one_round(args, n, kiln, bare, task_id)
                               for n in range(args.rounds)]  # fmt: skip
-                report.update(medians(rounds))
+                    report.update(medians(rounds))
+                    if args.backlog > 0:
+                        report.update(backlog_round(args, kiln, bare, task_id, rounds[0]))
             found = asyncio.run(burst(kiln.url, KEY, args.burst, f"a burst {time.time()}"))
             print(f"burst: {found}", flush=True)
             report.update({f"burst_{k}": v for k, v in found.items()})

@@ -2,9 +2,10 @@
 submissions and the SSE fan-out.
 
 - :func:`burst`: N identical ``POST /v1/tasks`` sent at once, each on a warm keep-alive
-  connection of its own httpx client (opened just before by a ``/healthz`` call). Each
-  request's latency runs from the moment all of them were fired to its answer, so it
-  includes the client's own work for the N requests (on the same CPUs as the server).
+  connection of its own (opened just before and used once by a ``/healthz`` call), written
+  and read on raw asyncio streams so the client costs little. Each request's latency runs
+  from the moment all of them were fired to its answer, so it includes the client's own
+  work for the N requests (on the same CPUs as the server).
 - :func:`sse_fanout`: N subscribers of the tenant feed ``GET /v1/events`` on raw sockets
   (a minimal SSE reader, so the client costs little), while tasks are submitted at a
   steady rate and run on the server's in-process workers. A status event carries ``at``,
@@ -19,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import ssl
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -39,33 +40,52 @@ def percentile(values: list[float], q: float) -> float:
 # The burst ------------------------------------------------------------------------------
 
 
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer with a Content-Length body: (status, body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, await reader.readexactly(length)
+
+
 async def burst(url: str, key: str, count: int, prompt: str) -> dict[str, Any]:
     """``count`` identical submissions at once: how many tasks, answers and latencies.
 
-    One httpx client per request, each with one warm connection: a single client with
-    ``count`` connections spends seconds of CPU in its own pool at this size (on the CPUs
-    the server needs), which would be measured as the server's latency.
+    Each request goes on a warm keep-alive connection of its own (opened just before, and
+    used once for ``/healthz``), written and read with asyncio streams and a request made
+    once: a full HTTP client costs about a millisecond of CPU per request, on the CPUs
+    the server needs, which would be measured as the server's latency.
     """
-    headers = {"Authorization": f"Bearer {key}"}
-    body = {"kind": "image.generate", "params": {"prompt": prompt}}
-    tls = ssl.create_default_context()  # one for all: making one per client takes ~20 ms
-    limits = httpx.Limits(max_connections=1)
-    clients = [
-        httpx.AsyncClient(base_url=url, limits=limits, timeout=60.0, verify=tls)
-        for _ in range(count)
-    ]
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    body = json.dumps({"kind": "image.generate", "params": {"prompt": prompt}}).encode()
+    request = (
+        f"POST /v1/tasks HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    warm = f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    streams = [await asyncio.open_connection(host, port) for _ in range(count)]
     try:
-        await asyncio.gather(*(client.get("/healthz") for client in clients))  # warm
+        for _, writer in streams:
+            writer.write(warm)
+        await asyncio.gather(*(_answer(reader) for reader, _ in streams))
         fired = time.perf_counter()
 
-        async def one(client: httpx.AsyncClient) -> tuple[int, str, float]:
-            answer = await client.post("/v1/tasks", json=body, headers=headers)
-            task_id = answer.json().get("id", "") if answer.status_code < 300 else ""
-            return answer.status_code, task_id, time.perf_counter() - fired
+        async def one(reader: asyncio.StreamReader) -> tuple[int, str, float]:
+            status, answer = await _answer(reader)
+            task_id = json.loads(answer).get("id", "") if status < 300 else ""
+            return status, task_id, time.perf_counter() - fired
 
-        answers = await asyncio.gather(*(one(client) for client in clients))
+        for _, writer in streams:
+            writer.write(request)
+        answers = await asyncio.gather(*(one(reader) for reader, _ in streams))
     finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+        for _, writer in streams:
+            writer.close()
     latencies_ms = [a[2] * 1000 for a in answers]
     statuses = [a[0] for a in answers]
     ids = {a[1] for a in answers}

@@ -3,10 +3,13 @@
 N tasks of a no-op kind go through submit, claim, acquire, generated and uploaded (five
 transitions each) on the real library: ``kiln.App``, ``app.submit`` and ``app.worker``.
 
-SQLite: everything runs in one process. In the same run, on a database file with the same
-settings (WAL, the same ``synchronous``), a tight loop of single-row compare-and-set +
-event-insert transactions on stdlib ``sqlite3`` gives the ceiling that one transaction per
-transition would allow.
+SQLite: as ``kiln serve`` runs it (``KILN_WORKER_PROCESSES=auto``): this process submits
+and runs its own worker, and one worker process per core beyond the first claims and runs
+beside it on the same file (``benchmarks/sqlite_processes.py``); ``--worker-processes 0``
+runs everything in one process. CPU per lifecycle counts every process. In the same run,
+on a database file with the same settings (WAL, the same ``synchronous``), a tight loop of
+single-row compare-and-set + event-insert transactions on stdlib ``sqlite3`` gives the
+ceiling that one transaction per transition would allow.
 
 PostgreSQL: this process submits, ``--workers`` separate worker processes claim and run,
 all on a fresh database of the cluster. The server's own counters give the transactions a
@@ -14,6 +17,7 @@ lifecycle took, and ``pgbench -N`` on the same cluster, in the same run, gives t
 
     python benchmarks/lifecycle.py                       # 20,000 tasks, NORMAL, both figures
     python benchmarks/lifecycle.py --synchronous FULL
+    python benchmarks/lifecycle.py --synchronous FULL --worker-processes 0   # one process
     python benchmarks/lifecycle.py --tasks 200 --json-only
     python benchmarks/lifecycle.py --start-postgres      # a throwaway cluster, 3 workers
     python benchmarks/lifecycle.py --database postgresql://user@host/postgres --workers 2
@@ -47,6 +51,7 @@ from harness import (
     transitions_of,
     wait_for_success,
 )
+from sqlite_processes import auto_processes, run_sqlite_processes
 
 import kiln
 
@@ -259,6 +264,28 @@ def describe(figure: Figure, raw_tx_per_s: float) -> list[str]:
 # Main ---------------------------------------------------------------------------------------
 
 
+def backend_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--worker-processes",
+        type=int,
+        default=None,
+        help="SQLite: worker processes beside the submitting one, which runs a worker too"
+        " (default: as kiln serve's auto, one per core beyond the first)",
+    )
+    postgres = parser.add_argument_group("PostgreSQL only")
+    postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
+    postgres.add_argument(
+        "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
+    )  # fmt: skip
+    postgres.add_argument(
+        "--clients", type=int, default=None,
+        help="pgbench clients (default: the connections the engine held)",
+    )  # fmt: skip
+    postgres.add_argument(
+        "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
+    )  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -286,18 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--start-postgres", action="store_true",
         help="run on a throwaway PostgreSQL cluster (fsync and synchronous_commit on)",
     )  # fmt: skip
-    postgres = parser.add_argument_group("PostgreSQL only")
-    postgres.add_argument("--workers", type=int, default=PG_WORKERS, help="worker processes")
-    postgres.add_argument(
-        "--pool-size", type=int, default=PG_POOL_SIZE, help="connections per process at most"
-    )  # fmt: skip
-    postgres.add_argument(
-        "--clients", type=int, default=None,
-        help="pgbench clients (default: the connections the engine held)",
-    )  # fmt: skip
-    postgres.add_argument(
-        "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
-    )  # fmt: skip
+    backend_options(parser)
     parser.add_argument(
         "--raw-seconds", type=float, default=RAW_SECONDS,
         help=f"how long the raw loop runs at most (default {RAW_SECONDS}; {RAW_MAX_TX} tx at most)",
@@ -315,6 +331,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args.tasks = args.tasks or (PG_TASKS if args.postgres else 20_000)
     args.concurrency = args.concurrency or (PG_CONCURRENCY if args.postgres else 256)
+    if args.worker_processes is None:
+        args.worker_processes = auto_processes()
+    if args.worker_processes < 0:
+        parser.error("--worker-processes must be 0 or more")
     numbers = (args.tasks, args.concurrency, args.raw_seconds, args.workers, args.pool_size,
                args.pgbench_seconds, args.clients or 1)  # fmt: skip
     if min(numbers) <= 0:
@@ -341,25 +361,60 @@ def main(argv: list[str] | None = None) -> int:
         say(" ".join(f"{k}={v}" for k, v in machine().items()))
         say(
             f"database={dbs.backend} synchronous={args.synchronous} journal_mode=WAL"
-            f" concurrency={args.concurrency} engine_logs={args.log}"
+            f" concurrency={args.concurrency} worker_processes={args.worker_processes}"
+            f" engine_logs={args.log}"
         )
         raw = dbs.raw_rate(args.raw_seconds, RAW_MAX_TX)
         say(f"raw single-row CAS + event-insert transactions/s: {raw:.1f}")
-        figures = []
+        figures, locks = [], []
         for size in sizes:
-            figure = asyncio.run(
-                run_figure(
-                    dbs.figure("" if size == 0 else "-1k"), scratch, tasks=args.tasks,
-                    synchronous=args.synchronous, concurrency=args.concurrency,
-                    output_bytes=size,
-                )
-            )  # fmt: skip
+            figure, lock = sqlite_figure(args, dbs, scratch, size)
             figures.append(figure)
+            locks.append(lock)
             for line in describe(figure, raw):
                 say(line)
+            say(f"  file lock: {lock}")
         say(f"loadavg at the end: {load()}")
-    print(json.dumps(summary_json(figures, raw, args.synchronous, dbs.backend)))
+    body = summary_json(figures, raw, args.synchronous, dbs.backend)
+    body["worker_processes"] = args.worker_processes
+    body["lock"] = locks[0]
+    print(json.dumps(body))
     return 0
+
+
+def sqlite_figure(
+    args: argparse.Namespace, dbs: Databases, scratch: Path, size: int
+) -> tuple[Figure, dict[str, float]]:
+    """One SQLite figure: in one process, or beside ``--worker-processes`` others; with
+    the file lock's use summed over the processes."""
+    url = dbs.figure("" if size == 0 else "-1k")
+    if args.worker_processes == 0:
+        figure = asyncio.run(
+            run_figure(
+                url,
+                scratch,
+                tasks=args.tasks,
+                synchronous=args.synchronous,
+                concurrency=args.concurrency,
+                output_bytes=size,
+            )
+        )
+        return figure, {}
+    figure, seen = run_sqlite_processes(
+        url,
+        scratch,
+        tasks=args.tasks,
+        synchronous=args.synchronous,
+        concurrency=args.concurrency,
+        output_bytes=size,
+        processes=args.worker_processes,
+        local_concurrency=args.concurrency,
+    )
+    total: dict[str, float] = {}
+    for lock in seen["locks"]:
+        for key, value in lock.items():
+            total[key] = round(total.get(key, 0) + value, 6)
+    return figure, total
 
 
 if __name__ == "__main__":

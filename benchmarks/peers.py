@@ -7,7 +7,10 @@ once) and each figure is the median over the rounds, so the machine's drift hits
 system alike:
 
 - kiln on SQLite, full no-op lifecycles (submit included) per second,
-  ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``;
+  ``benchmarks/lifecycle.py`` at ``synchronous=NORMAL`` and at ``FULL``, as ``kiln serve``
+  runs it (``KILN_WORKER_PROCESSES=auto``: the submitting process with its own worker, and
+  one worker process per core beyond the first, on the same file), CPU per lifecycle of
+  all those processes; and at ``FULL`` in one process (``--worker-processes 0``), beside;
 - kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
   on a throwaway cluster (fsync and synchronous_commit on);
 - every peer: the drain rate (N jobs queued before the worker starts) and the enqueue +
@@ -67,6 +70,12 @@ PEERS = (
 #: Oban for Python (PyPI ``oban``): every release needs Python >= 3.12, newer than this
 #: machine's, so it is not installed nor run; the JSON says so.
 OBAN = "oban==0.7.0"
+#: kiln's SQLite figures beside the default one, and their ratios to Dramatiq's drain
+#: (None when the figure did not run).
+BESIDE_DRAMATIQ = (
+    ("kiln_sqlite_full_one_process", "sqlite_full_one_process_vs_dramatiq"),
+    ("kiln_sqlite_full_baseline", "sqlite_full_baseline_vs_dramatiq"),
+)
 #: kiln's worker slots on SQLite, as benchmarks/lifecycle.py runs it.
 SQLITE_SLOTS = 256
 
@@ -212,6 +221,13 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         run = last_json([*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600)
         figures[f"kiln_sqlite_{level.lower()}"] = run["lifecycles_per_s"]
         figures[f"kiln_sqlite_{level.lower()}_cpu_us"] = run["cpu_us_per_lifecycle"]
+        figures["kiln_sqlite_worker_processes"] = run.get("worker_processes", 0)
+    one = [*lifecycle, "--tasks", str(args.tasks), "--synchronous", "FULL"]
+    run = last_json([*one, "--worker-processes", "0"], 600)
+    figures["kiln_sqlite_full_one_process"] = run["lifecycles_per_s"]
+    figures["kiln_sqlite_full_one_process_cpu_us"] = run["cpu_us_per_lifecycle"]
+    if args.baseline_src:
+        figures.update(baseline_figures(args))
     run = last_json(
         [
             *lifecycle,
@@ -231,6 +247,31 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     figures["kiln_postgres"] = run["lifecycles_per_s"]
     figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
     return figures
+
+
+def baseline_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """kiln on SQLite (FULL) as another checkout runs it (``--baseline-src``: its
+    ``benchmarks/lifecycle.py`` on its ``src``), in the same round."""
+    src = Path(args.baseline_src).resolve()
+    run = last_json(
+        [
+            sys.executable,
+            str(src / "benchmarks" / "lifecycle.py"),
+            "--output-bytes",
+            "0",
+            "--json-only",
+            "--tasks",
+            str(args.tasks),
+            "--synchronous",
+            "FULL",
+        ],
+        600,
+        {"PYTHONPATH": str(src / "src")},
+    )
+    return {
+        "kiln_sqlite_full_baseline": run["lifecycles_per_s"],
+        "kiln_sqlite_full_baseline_cpu_us": run["cpu_us_per_lifecycle"],
+    }
 
 
 def one_round(
@@ -286,6 +327,8 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
         ),
         "postgres_vs_oban_drain": None,
     }
+    for key, name in BESIDE_DRAMATIQ:
+        ratios[name] = ratio(median[key], median["dramatiq"]) if key in median else None
     systems = ("kiln_sqlite", "kiln_postgres", "dramatiq", "procrastinate", "pgqueuer")
     pickup = {
         name: {
@@ -330,12 +373,16 @@ def table(body: dict[str, Any]) -> list[str]:
     rows = (
         ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
         ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
+        ("  in one process", "kiln_sqlite_full_one_process", None, None),
+        ("  --baseline-src", "kiln_sqlite_full_baseline", None, None),
         ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
         ("PgQueuer", "pgqueuer", "pgqueuer_enqueue_drain", "pgqueuer"),
     )
     for label, key, both, pick in rows:
+        if key not in median:
+            continue
         drain = "-" if both is None else f"{median[key]:,.0f}"
         lifecycle = f"{median[both or key]:,.0f}"
         cpu = f"{median[key + '_cpu_us']:,.0f}" if f"{key}_cpu_us" in median else "-"
@@ -355,6 +402,13 @@ def main() -> None:
     parser.add_argument("--pg-slots", type=int, default=64, help="slots per kiln worker on PG")
     parser.add_argument("--rate", type=float, default=500.0, help="pickup: offered tasks/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="pickup: how long")
+    parser.add_argument(
+        "--baseline-src",
+        default=None,
+        metavar="DIR",
+        help="another checkout of kiln (git worktree add DIR REV): its SQLite FULL figure,"
+        " one process as it runs it, in every round beside this tree's",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

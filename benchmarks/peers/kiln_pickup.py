@@ -6,8 +6,10 @@ one before); the no-op handler records ``time.time()`` at its start in a done fi
 latency is that start less the submit's scheduled time.
 
 - SQLite (``sqlite:///path.db``): as ``benchmarks/lifecycle.py`` and ``kiln serve`` run
-  it, one process: the app submits and ``app.worker(concurrency=C)`` runs in the same
-  event loop.
+  it: the app submits and ``app.worker(concurrency=C)`` runs in the same event loop, and
+  ``--worker-processes`` worker processes (default: one per core beyond the first, as
+  ``KILN_WORKER_PROCESSES=auto``) claim beside it on the same file; a worker of another
+  process hears of a submission by the store's wake-up, not by polling.
 - PostgreSQL: as ``benchmarks/pg_lifecycle.py``, ``--workers`` separate processes
   (``spawn``ed, each its own store and pool, ``app.worker(concurrency=C)``) claim and run;
   this process submits.
@@ -32,6 +34,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from common import PICKUP, count_lines, emit, open_loop, pickup_figures, record  # noqa: E402
 
 import kiln  # noqa: E402
+from kiln.cli.worker_processes import usable_cores  # noqa: E402
 from kiln.config import Settings  # noqa: E402
 from kiln.store import open_store  # noqa: E402
 
@@ -89,10 +92,14 @@ def worker_process(url: str, scratch: Path, done: Path, concurrency: int, pipe: 
     asyncio.run(serve())
 
 
-def separate(args: argparse.Namespace, scratch: Path, done: Path) -> dict[str, Any]:
+def separate(
+    args: argparse.Namespace, scratch: Path, done: Path, *, workers: int, local: bool
+) -> dict[str, Any]:
+    """``workers`` worker processes; this process submits, and runs a worker too when
+    ``local``."""
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = [], []
-    for _ in range(args.workers):
+    for _ in range(workers):
         mine, theirs = spawn.Pipe()
         process = spawn.Process(
             target=worker_process,
@@ -110,7 +117,11 @@ def separate(args: argparse.Namespace, scratch: Path, done: Path) -> dict[str, A
         async def drive() -> dict[str, Any]:
             app = build(args.database, scratch, done, pool=True)
             async with app:
-                return await generate(app, done, args.rate, args.seconds)
+                if not local:
+                    return await generate(app, done, args.rate, args.seconds)
+                worker = app.worker(concurrency=args.concurrency)
+                async with kiln.app.running(worker.run()):
+                    return await generate(app, done, args.rate, args.seconds)
 
         return asyncio.run(drive())
     finally:
@@ -130,14 +141,29 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=1, help="PostgreSQL: worker processes")
     parser.add_argument("--concurrency", type=int, default=64, help="slots per worker")
+    parser.add_argument(
+        "--worker-processes",
+        type=int,
+        default=max(usable_cores() - 1, 0),
+        help="SQLite: worker processes beside this one (default: one per core beyond the first)",
+    )
     args = parser.parse_args()
     scratch = Path(args.scratch)
     done = scratch / "kiln-pickup.done"
-    if args.database.startswith("sqlite:"):
-        body = asyncio.run(in_process(args, scratch, done))
+    if not args.database.startswith("sqlite:"):
+        body = separate(args, scratch, done, workers=args.workers, local=False)
+    elif args.worker_processes:
+        body = separate(args, scratch, done, workers=args.worker_processes, local=True)
     else:
-        body = separate(args, scratch, done)
-    emit({"system": "kiln", "database": args.database.split(":", 1)[0], **body})
+        body = asyncio.run(in_process(args, scratch, done))
+    emit(
+        {
+            "system": "kiln",
+            "database": args.database.split(":", 1)[0],
+            "worker_processes": args.worker_processes,
+            **body,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 
 from kiln import bulk_actions, pipelines
 from kiln.app_actions import Actions, rerun_request
+from kiln.app_counts import BatchedCounts
 from kiln.app_engine import EngineParts
 from kiln.app_kinds import KindRegistry
 from kiln.app_parts import Operations, Schedules
@@ -45,7 +46,7 @@ from kiln.kinds import (
     TaskKind,
     call_review,
 )
-from kiln.models import JSON, SubmitResult, Task, Timeouts
+from kiln.models import JSON, NewTask, SubmitResult, Task, Timeouts
 from kiln.states import Event, Status
 from kiln.storage import Storage
 from kiln.store import LeaderToken, Store
@@ -113,6 +114,8 @@ class App(KindRegistry, EngineParts, TaskReads):
         self._breakers: Breakers | None = None
         self._actions = Actions(self.engine)
         self._streams = Streams(self.engine)
+        #: The dedup hits of single-flight copies, written together (a burst's copies).
+        self._dedup_hits = BatchedCounts(self.engine.count_dedup_hits)
 
     @property
     def breakers(self) -> Breakers:
@@ -217,13 +220,39 @@ class App(KindRegistry, EngineParts, TaskReads):
             )
         )
 
-    async def enter(self, submission: Submission) -> SubmitResult:
+    async def enter(self, submission: Submission, new: NewTask | None = None) -> SubmitResult:
         """Store a :class:`Submission` (checked when it was made, not again): the task it
-        creates, or the one an earlier identical request made."""
+        creates, or the one an earlier identical request made. ``new``: its task row when
+        :meth:`task_row` made it already."""
+        if new is None:
+            new = self.task_row(submission)
+        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+
+    async def dedup_hit(
+        self, submission: Submission, content: str
+    ) -> tuple[SubmitResult, int | None] | None:
+        """The answer to a submission without an Idempotency-Key whose content (``content``:
+        its :meth:`~kiln.submission.Submission.content_key`) a live or successful task
+        holds (a content-dedup hit), with that task's queue position, from one read of
+        the store and a counted hit (written with the hits that come with it); None when
+        no task holds it (:meth:`enter` then inserts or gets it)."""
+        if submission.idempotency_key is not None or submission.kind == pipelines.KIND:
+            return None
+        task, position = await self.engine.store.read_dedup(
+            submission.tenant, content, self.engine.claim_policy
+        )
+        if task is None:
+            return None
+        await self._dedup_hits.add("content")
+        return SubmitResult(task, created=False, deduplicated=True), position
+
+    def task_row(self, submission: Submission, content_key: str | None = None) -> NewTask:
+        """The task row a submission inserts (its id, fingerprint and dedup key), in the
+        trace context of the caller when tracing is on; ``content_key``: its dedup key
+        when the caller made it already."""
         tracing = self.engine.tracing  # the API's request span, when tracing is on
         trace = tracing.current() if tracing is not None else None
-        new = submission.new_task(self.kind(submission.kind), trace)
-        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+        return submission.new_task(self.kind(submission.kind), trace, content_key)
 
     async def admit(self, submission: Submission) -> None:
         """Take the tenant's rate-limit tokens for a submission, one per task it creates
@@ -331,7 +360,7 @@ class App(KindRegistry, EngineParts, TaskReads):
         """The answer to a copy of a submission that an identical concurrent one in this
         process answered (single-flight): what the store would have said, counted as the
         store would have counted it (a replay of the key, or a content-dedup hit)."""
-        await self.engine.count_dedup_hit("idempotency" if replayed else "content")
+        await self._dedup_hits.add("idempotency" if replayed else "content")
         return SubmitResult(
             result.task, created=False, replayed=replayed, deduplicated=not replayed
         )

@@ -53,6 +53,10 @@ class TaskReads:
         """1 for the next task a worker of its kind would claim, while it is ready."""
         return await self.engine.store.queue_position(task, self.engine.claim_policy)
 
+    async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
+        """The task (NotFound as :meth:`get`) and its queue position, read together."""
+        return await self.engine.standing(task_id, tenant)
+
     async def webhook_deliveries(
         self, task_id: str, tenant: str | None = None
     ) -> list[WebhookDelivery]:

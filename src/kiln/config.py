@@ -127,6 +127,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 2
+    worker_processes: int | None = None
     no_workers: bool = False
     no_supervisor: bool = False
     insecure: bool = False
@@ -286,6 +287,17 @@ SECONDS_OR_OFF = values.number("a number of seconds", least=0, note="0: off")
 SECONDS_OR_ZERO = values.number("a number of seconds", least=0)
 COUNT = values.number("a whole number", least=1, whole=True)
 COUNT_OR_ZERO = values.number("a whole number", least=0, whole=True)
+
+
+def _count_or_auto(raw: str) -> int | None:
+    if raw.strip().lower() == "auto":
+        return None
+    value = COUNT_OR_ZERO(raw)
+    assert isinstance(value, int)
+    return value
+
+
+COUNT_OR_AUTO = values.Parser("auto or a whole number >= 0", _count_or_auto)
 PORT = values.port()
 TEXT = values.text()
 SECRET = values.text()
@@ -331,6 +343,10 @@ VARIABLES: tuple[Variable, ...] = (
        group=PROCESSES),
     _v("KILN_WORKERS", "workers", COUNT_OR_ZERO, "tasks `kiln serve` runs at once in its "
        "own process (`--workers`)", group=PROCESSES, unit="tasks"),
+    _v("KILN_WORKER_PROCESSES", "worker_processes", COUNT_OR_AUTO, "`kiln worker` "
+       "processes `kiln serve` starts beside itself, each running `KILN_WORKERS` tasks at "
+       "once (`--worker-processes`); `auto`: one per CPU core beyond the first on SQLite, "
+       "none on PostgreSQL", group=PROCESSES, shown="`auto`"),
     _v("KILN_NO_WORKERS", "no_workers", FLAG, "`1`: `kiln serve` runs no workers, the API "
        "only (`--no-workers`)", group=PROCESSES),
     _v("KILN_NO_SUPERVISOR", "no_supervisor", FLAG, "`1`: no supervisor loop in `kiln serve`"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kiln import logs
@@ -241,7 +241,7 @@ class Engine:
         draft = Draft(task, [(event, to)], retry, facts, self.now())
         changes = _released(to, fields)
         if retry is not None:
-            changes.update(await self._plan_retry(draft, retry))
+            changes.update(await _plan_retry(self, draft, retry))
             error = retry.error if error is None else error
         updated, events = await self.store.apply(
             _change(draft, changes, error, fence, self.contributions)
@@ -251,38 +251,12 @@ class Engine:
         await committed(self, draft, updated, events, self.contributions)
         return updated
 
-    async def _plan_retry(self, draft: Draft, retry: Retry) -> dict[str, Any]:
-        """The steps and the columns of ``retry``: its ``then``, and its failure's next
-        attempt when the kind's backoff (and KILN_RETRY_RATE) allows one."""
-        task, to = draft.task, draft.steps[0][1]
-        if retry.then is not None:
-            draft.steps.append((retry.then, check(to, retry.then)))
-        if retry.error is None:
-            return {}
-        due = self._retry_due(task, retry.error, retry.after_s)
-        if due is not None and self.settings.retry_rate is not None:
-            due = await retry_slot(self.store, task, due, self.settings.retry_rate)
-        if due is None:
-            return {"error": retry.error}
-        draft.steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
-        return {"error": retry.error, "next_retry_at": due, "ready_at": due}
-
     async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:
         """Count an event the state table refused (here and in the store) and log it."""
         self.illegal_transitions += 1
         wanted = exc.target or "|".join(sorted(RULES[event].targets))
         await self.store.bump(ILLEGAL_TRANSITIONS, f"{task.status}>{wanted}")
         log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
-
-    def _retry_due(self, task: Task, error: JSON, retry_after_s: float | None) -> float | None:
-        """When the failed attempt's task retries by its kind's backoff, or None: a
-        permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
-        push it later: see :func:`kiln.retry.retry_slot`.)"""
-        if not error.get("retryable") or task.cancel_requested:
-            return None
-        kind = self.kinds.get(task.kind)
-        policy = (kind.retry if kind is not None else None) or self.retry_policy
-        return policy.next_retry_at(task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0)
 
     # claims
 
@@ -353,6 +327,22 @@ class Engine:
         if task is None or (tenant is not None and task.tenant != tenant):
             raise NotFound(f"no task {task_id!r}")
         return task
+
+    async def queue_position(self, task: Task) -> int | None:
+        """1 for the next task a worker of its kind would claim, while it is ready."""
+        return await self.store.queue_position(task, self.claim_policy)
+
+    async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
+        """:meth:`get` and :meth:`queue_position` in one read of the store."""
+        task, position = await self.store.read_standing(task_id, self.claim_policy)
+        if task is None or (tenant is not None and task.tenant != tenant):
+            raise NotFound(f"no task {task_id!r}")
+        return task, position
+
+    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
+        """The queue positions of many tasks by id (those with none left out), as
+        :meth:`queue_position` gives each, counted together (a listing's page)."""
+        return await self.store.queue_positions(tasks, self.claim_policy)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
@@ -458,6 +448,41 @@ class Engine:
         """Count a submission answered with an existing task (``idempotency`` or
         ``content``) without the store's insert-or-get having seen it."""
         await self.store.bump(DEDUP_HITS, how)
+
+    async def count_dedup_hits(self, hits: Mapping[str, int]) -> None:
+        """:meth:`count_dedup_hit` for many at once: one store write per ``how``."""
+        for how, n in sorted(hits.items()):
+            await self.store.bump(DEDUP_HITS, how, n)
+
+
+async def _plan_retry(engine: Engine, draft: Draft, retry: Retry) -> dict[str, Any]:
+    """The steps and the columns of ``retry``: its ``then``, and its failure's next
+    attempt when the kind's backoff (and KILN_RETRY_RATE) allows one."""
+    task, to = draft.task, draft.steps[0][1]
+    if retry.then is not None:
+        draft.steps.append((retry.then, check(to, retry.then)))
+    if retry.error is None:
+        return {}
+    due = _retry_due(engine, task, retry.error, retry.after_s)
+    if due is not None and engine.settings.retry_rate is not None:
+        due = await retry_slot(engine.store, task, due, engine.settings.retry_rate)
+    if due is None:
+        return {"error": retry.error}
+    draft.steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
+    return {"error": retry.error, "next_retry_at": due, "ready_at": due}
+
+
+def _retry_due(
+    engine: Engine, task: Task, error: JSON, retry_after_s: float | None
+) -> float | None:
+    """When the failed attempt's task retries by its kind's backoff, or None: a
+    permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
+    push it later: see :func:`kiln.retry.retry_slot`.)"""
+    if not error.get("retryable") or task.cancel_requested:
+        return None
+    kind = engine.kinds.get(task.kind)
+    policy = (kind.retry if kind is not None else None) or engine.retry_policy
+    return policy.next_retry_at(task, engine.now(), engine.rng, min_delay_s=retry_after_s or 0.0)
 
 
 def _released(to: Status, fields: dict[str, Any] | None) -> dict[str, Any]:

@@ -105,12 +105,21 @@ class Submission:
         """The inputs by what they hold, never by a file name."""
         return [f"{i['name']}:{i['sha256']}" for i in self.inputs]
 
-    def new_task(self, kind: TaskKind, trace: TraceContext | None = None) -> NewTask:
-        """The task row the store inserts (or finds) for this submission."""
+    def content_key(self) -> str | None:
+        """The dedup key of its content (None when it asked for no content dedup)."""
+        if not self.dedup:
+            return None
         contents = self.contents()
         if self.due_at is not None and self.due_at > self.made_at:
             # A delayed task shares content only with one of the same content and moment.
             contents = [*contents, f"run_at:{round(self.due_at * 1000)}"]
+        return canonical.dedup_key(self.kind, self.params, contents)
+
+    def new_task(
+        self, kind: TaskKind, trace: TraceContext | None = None, content_key: str | None = None
+    ) -> NewTask:
+        """The task row the store inserts (or finds) for this submission; ``content_key``:
+        its :meth:`content_key` when the caller made it already."""
         fingerprint, older = canonical.request_fingerprints(
             self.body(), older=bool(self.idempotency_key)
         )
@@ -123,7 +132,7 @@ class Submission:
             fingerprint=fingerprint,
             older_fingerprints=older,
             idempotency_key=self.idempotency_key,
-            dedup_key=canonical.dedup_key(self.kind, clean, contents) if self.dedup else None,
+            dedup_key=content_key if content_key is not None else self.content_key(),
             priority=self.priority,
             max_attempts=self.max_attempts,
             deadline_s=self.deadline_s,

@@ -18,6 +18,7 @@ from api_support import (
     running_api,
 )
 
+from kiln import canonical
 from kiln.api.schemas import TaskOut
 from kiln.api.singleflight import SingleFlight
 from kiln.config import Settings
@@ -136,6 +137,29 @@ async def test_concurrent_answers_count_as_dedup_hits_in_the_store(api: ApiUnder
     counters = await api.kiln.engine.store.counters()
 
     assert counters.get(("dedup_hits", "content"), 0) == 19
+
+
+async def test_a_bursts_copies_count_their_hits_in_a_few_writes_not_one_each(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every write of the store counted
+    store = api.kiln.engine.store
+    writes: list[object] = []
+    write = store._write
+
+    async def counted(op: Any) -> Any:
+        writes.append(op)
+        return await write(op)
+
+    monkeypatch.setattr(store, "_write", counted)
+    # When 200 identical submissions arrive at once
+    responses = await asyncio.gather(*(api.submit() for _ in range(200)))
+    # Then one task answers them all and each copy is a dedup hit in the store
+    assert {r.json()["id"] for r in responses} == {responses[0].json()["id"]}
+    counters = await store.counters()
+    assert counters[("dedup_hits", "content")] == 199
+    # And the 199 hits took a handful of writes (those in flight together share one)
+    assert len(writes) < 20
 
 
 async def test_single_flight_shares_one_call_among_concurrent_callers() -> None:
@@ -365,3 +389,57 @@ async def test_a_task_shows_the_model_it_needs(api: ApiUnderTest) -> None:
     plain = (await api.submit(image_body("a plain fox"))).json()
     assert named["model"] == "sdxl-base" and named["params"]["model"] == "sdxl-base"
     assert plain["model"] is None and "model" not in plain["params"]
+
+
+async def test_a_content_dedup_hit_is_read_not_inserted(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task, and every insert-or-get of the store counted from now on
+    first = await api.submit(image_body("a held fox"))
+    store = api.kiln.engine.store
+    inserts: list[object] = []
+    submit = store.submit
+
+    async def counted(new: Any) -> Any:
+        inserts.append(new)
+        return await submit(new)
+
+    monkeypatch.setattr(store, "submit", counted)
+    # When the same content comes again, one request after another
+    again = [await api.submit(image_body("a held fox")) for _ in range(3)]
+    # Then each is answered with the task, its position and the dedup flag, from a read
+    for hit in again:
+        assert hit.status_code == 200
+        assert hit.json() == {**first.json(), "deduplicated": True}
+    assert inserts == []
+    counters = await store.counters()
+    assert counters[("dedup_hits", "content")] == 3
+    # While new content is still inserted, and a key still goes through the store
+    await api.submit(image_body("a new fox"))
+    await api.submit(image_body("a held fox"), headers={"Idempotency-Key": "k-1"})
+    assert len(inserts) == 2
+
+
+async def test_a_new_submission_is_digested_once_per_stored_key(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every canonical text counted
+    made: list[Any] = []
+    canonical_json = canonical.canonical_json
+
+    def counted(value: Any) -> str:
+        made.append(value)
+        return canonical_json(value)
+
+    monkeypatch.setattr(canonical, "canonical_json", counted)
+    # When a new task is submitted with content dedup on
+    answer = await api.submit(image_body("digested"))
+    # Then its params went into two texts: the fingerprint's body and the dedup key's
+    # (the single-flight key is the dedup key, not a third digest)
+    assert answer.status_code == 201
+    assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 2
+    # And a content-dedup hit needs only its dedup key
+    made.clear()
+    again = await api.submit(image_body("digested"))
+    assert again.json()["deduplicated"] is True
+    assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 1

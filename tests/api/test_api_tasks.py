@@ -372,3 +372,26 @@ async def test_an_unreachable_database_answers_503_and_the_server_keeps_serving(
         assert_error(await api.client.get("/readyz"), 503, "not_ready")
         # And the server still answers what needs no database
         assert (await api.client.get("/healthz")).status_code == 200
+
+
+async def test_a_get_reads_the_task_and_its_position_in_one_store_read(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two queued tasks
+    await api.submit(image_body("first"))
+    second = (await api.submit(image_body("second"))).json()
+    store = api.kiln.engine.store
+    reads: list[object] = []
+    read = store._read
+
+    async def counted(op: Any) -> Any:
+        reads.append(op)
+        return await read(op)
+
+    monkeypatch.setattr(store, "_read", counted)
+    # When the second is read
+    found = await api.client.get(f"/v1/tasks/{second['id']}")
+    # Then the answer holds its position, read with the task in one round trip
+    assert found.status_code == 200
+    assert found.json()["queue_position"] == 2
+    assert len(reads) == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from kiln.store import Clock, Store
 
 from .backends import BACKENDS, Backend, PostgresDatabases, Row
 from .factories import KIND
+from .queue_counts import assert_kept_counts_agree
 
 
 @pytest.fixture(params=BACKENDS, ids=[b.name for b in BACKENDS])
@@ -58,3 +59,11 @@ def engine(store: Store, settings: Settings) -> kiln.App:
     app = kiln.App(store=store, settings=settings, rng=random.Random(7))
     app.task(KIND)(_handler)
     return app
+
+
+@pytest.fixture
+def queue_counts_checked(backend: Backend, store: Store) -> Iterator[None]:
+    """After the test, the kept counts of the queue equal a recount of the tasks (a module
+    asks for it with ``pytestmark = pytest.mark.usefixtures("queue_counts_checked")``)."""
+    yield
+    assert_kept_counts_agree(backend, store)

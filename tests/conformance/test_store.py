@@ -23,6 +23,8 @@ from kiln.store import Progress, Store
 from .backends import Backend, Row
 from .factories import KIND, SettableClock, claim_one, drive, make_new_task, step_change
 
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+
 Truth = Callable[..., list[Row]]
 S = Status
 LIVE_OR_SUCCESSFUL = [

@@ -24,6 +24,8 @@ from services.postgres import PostgresServer
 
 from .factories import KIND, SettableClock, claim_one, drive, make_new_task, step_change
 
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+
 OTHER_KIND = "conformance.other"
 
 

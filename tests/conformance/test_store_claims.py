@@ -7,6 +7,8 @@ import asyncio
 import random
 from pathlib import Path
 
+import pytest
+
 from kiln.models import Task
 from kiln.states import Event, Status
 from kiln.store import Store
@@ -14,6 +16,8 @@ from kiln.store.claims import MAX_TENANTS, ClaimPolicy
 
 from .backends import Backend
 from .factories import KIND, SettableClock, drive, make_new_task, step_change
+
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
 
 
 async def submit(

@@ -40,6 +40,7 @@ from kiln.worker import release_fields
 
 from .backends import Backend
 from .factories import KIND, SettableClock
+from .queue_counts import kept_and_recounted
 
 T = TypeVar("T")
 S = Status
@@ -628,6 +629,11 @@ class StoreMachine(RuleBasedStateMachine):
             assert replay(logs[task_id]) is model.status, task_id  # I6
             assert len(logs[task_id]) == versions[task_id]  # one event per status change
             assert finals[task_id] == (model.status in FINAL)
+
+    @invariant()
+    def queue_counts_agree_with_the_table(self) -> None:
+        kept, recounted = kept_and_recounted(self.db)
+        assert kept == recounted
 
     @invariant()
     def stats_agree_with_the_table(self) -> None:

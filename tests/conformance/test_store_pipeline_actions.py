@@ -31,6 +31,8 @@ from .test_store_pipelines import (
 )
 from .test_store_pipelines import app as app  # the fixture, under its own name
 
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+
 
 async def test_a_running_pipeline_takes_no_place_under_its_tenants_running_cap(
     store: Store, settings: Settings

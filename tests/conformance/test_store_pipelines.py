@@ -25,6 +25,8 @@ from kiln.store import pipelines as store_pipelines
 
 from .backends import Row
 
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+
 GEN, USE, SHEET = "pl.generate", "pl.use", "pl.sheet"
 
 

@@ -15,6 +15,7 @@ import pytest
 from kiln.errors import LeaseLost, StoreUnavailable
 from kiln.states import Event, Status, replay
 from kiln.store.effects import USAGE_ROW
+from kiln.store.positions import due_above_args, place_args
 from kiln.store.postgres import PostgresStore, migrate
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlstore import purge_candidates
@@ -194,7 +195,15 @@ HOT = {
     "claim a tenant's line": (Q.heads_of_tenant, ("k1", "t1", 1e9, 1e9, 8)),
     "claim a priority level": (Q.heads_of_level, ("k1", 2, 1e9, 1e9, 8)),
     "priority levels": (Q.levels_of_tenant, ("k1", "t1", "k1", "t1")),
-    "queue position": (Q.queue_ahead, ("k1", 2, 1e9, 1e9, "k1", 2, 500.0, "tsk_x", 1e9, 1e9)),
+    "queue position, levels above": (Q.queue_due_above, due_above_args("k1", None, 2, 1e9)),
+    "queue position in a level": (
+        Q.queue_place,
+        place_args(("k1", 2), 500.0, "tsk_x", 1e9, 256),
+    ),
+    "queue position in a tenant's level": (
+        Q.queue_place_of_tenant,
+        place_args(("k1", "t1", 2), 500.0, "tsk_x", 1e9, 256),
+    ),
     "a page's queue positions": (
         Q.queue_places_of_level,
         ("k1", 2, 500.0, "tsk_x", 600.0, "tsk_y", 1e9, 1e9, ["tsk_x"]),

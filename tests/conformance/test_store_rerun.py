@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
+
 from kiln.store import Store
 
 from .factories import make_new_task
+
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
 
 
 async def test_rerun_of_is_stored_by_every_submission_path(store: Store) -> None:

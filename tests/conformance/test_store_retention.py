@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
+
 from kiln.states import Status
 from kiln.store import Store
 
 from .backends import Row
 from .factories import SettableClock, drive, make_new_task
+
+pytestmark = pytest.mark.usefixtures("queue_counts_checked")
 
 Truth = Callable[..., list[Row]]
 

@@ -15,6 +15,7 @@ import pytest
 
 from kiln.errors import StoreUnavailable
 from kiln.store.effects import USAGE_ROW
+from kiln.store.positions import BELOW_ALL, due_above_args, place_args
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlite import SqliteStore, connect, migrate
 from kiln.store.sqlstore import purge_candidates
@@ -102,21 +103,31 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("tasks_claim_tenant",),
     ),
     "priority_levels": (Q.levels, ("kind.1", "kind.1"), ("tasks_claim",)),
-    "queue_position_aging_level": (
-        Q.queue_ahead_of_level,
-        ("kind.1", 1, NOW, NOW, NOW - 500, NOW - 500, "tsk_00000500"),
-        ("tasks_claim",),
-    ),
     "queue_positions_of_level": (
         Q.queue_places_of_level,
         ("kind.1", 1, NOW - 500, "tsk_00000500", NOW - 400, "tsk_00000600", NOW, NOW, "[]"),
         ("tasks_claim",),
     ),
     "usage_row": (USAGE_ROW["sqlite"], USAGE_ARGS, ("events_task",)),
-    "queue_position": (
-        Q.queue_ahead,
-        ("kind.1", 1, NOW, NOW, "kind.1", 1, NOW - 500, "tsk_00000500", NOW, NOW),
-        ("tasks_claim", "tasks_ready"),
+    "queue_position_levels_above": (
+        Q.queue_due_above,
+        due_above_args("kind.1", None, 1, NOW),
+        ("tasks_claim", "tasks_due"),
+    ),
+    "queue_position_in_level": (
+        Q.queue_place,
+        place_args(("kind.1", 1), NOW - 500, "tsk_00000500", NOW, 256),
+        ("tasks_claim", "tasks_due"),
+    ),
+    "queue_position_in_a_tenants_level": (
+        Q.queue_place_of_tenant,
+        place_args(("kind.1", "t1", 1), NOW - 500, "tsk_00000500", NOW, 256),
+        ("tasks_claim_tenant", "tasks_due"),
+    ),
+    "queue_depth_of_a_tenant": (
+        Q.queue_due_above_of_tenant,
+        due_above_args("kind.1", "t1", BELOW_ALL, NOW),
+        ("tasks_claim_tenant", "tasks_due"),
     ),
     # The autoscaling signals (store/load.py): live tasks only, whatever the history.
     "autoscaling_ready_by_kind": (Q.ready_by_kind, (NOW,), ("tasks_claim",)),
@@ -311,3 +322,41 @@ async def test_a_damaged_database_file_is_refused_with_what_to_do(tmp_path: Path
     assert str(path) in message and "KILN_DATABASE_URL" in message
     assert "file is not a database" in message
     assert refused.value.__cause__ is None  # no sqlite3 error chained behind it
+
+
+async def test_an_operation_that_fails_after_it_wrote_rolls_back_alone(tmp_path: Path) -> None:
+    """A batch runs without a savepoint per operation; one that fails after it changed a
+    row sends the batch round again with a savepoint each, and rolls back alone (I11)."""
+    store = SqliteStore(str(tmp_path / "kiln.db"), clock=lambda: NOW)
+    try:
+        await store._write(lambda tx: tx.run("CREATE TABLE t (n INTEGER)"))
+
+        def put(n: int) -> Any:
+            async def op(tx: Any) -> int:
+                return await tx.run("INSERT INTO t VALUES (?)", (n,))
+
+            return op
+
+        async def put_then_refuse(tx: Any) -> None:
+            await tx.run("INSERT INTO t VALUES (99)")
+            raise ValueError("refused after it wrote")
+
+        async def refuse(tx: Any) -> None:
+            raise ValueError("refused before it wrote")
+
+        # Given a batch in which one operation fails before it writes: no second round
+        done = await store._write_many([put(1), refuse, put(2)])
+        assert [type(d) for d in done] == [int, ValueError, int]
+        assert store._writer.reruns == 0
+
+        # When one fails after it wrote
+        done = await store._write_many([put(3), put_then_refuse, put(4)])
+
+        # Then its row is gone, the others' rows are there, and its error is its own
+        assert [type(d) for d in done] == [int, ValueError, int]
+        assert str(done[1]) == "refused after it wrote"
+        rows = await store._read(lambda tx: tx.all("SELECT n FROM t ORDER BY n"))
+        assert [r[0] for r in rows] == [1, 2, 3, 4]
+        assert store._writer.reruns == 1
+    finally:
+        await store.close()

@@ -86,6 +86,7 @@ def test_the_summary_takes_medians_and_computes_kiln_ratios(peers: ModuleType) -
     base = {
         "kiln_sqlite_normal": 3000.0,
         "kiln_sqlite_full": 1500.0,
+        "kiln_sqlite_full_one_process": 700.0,
         "kiln_postgres": 800.0,
         "dramatiq": 1000.0,
         "dramatiq_enqueue_drain": 900.0,
@@ -112,6 +113,9 @@ def test_the_summary_takes_medians_and_computes_kiln_ratios(peers: ModuleType) -
     assert body["ratios"]["postgres_vs_pgqueuer_drain"] == 0.5
     assert body["ratios"]["postgres_vs_pgqueuer_enqueue_drain"] == 2.0
     assert body["ratios"]["postgres_vs_oban_drain"] is None
+    # And the one-process figure has its ratio; a baseline that did not run has none
+    assert body["ratios"]["sqlite_full_one_process_vs_dramatiq"] == 0.7
+    assert body["ratios"]["sqlite_full_baseline_vs_dramatiq"] is None
     assert body["pickup_ms"]["pgqueuer"] == {"p50": 5.0, "p99": 20.0, "started_per_s": 500.0}
     # And a system that started fewer tasks than offered is shown as saturated
     assert "saturated" in peers.pickup_cell({"p50": 1, "p99": 9, "started_per_s": 120}, 500)

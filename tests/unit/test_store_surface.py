@@ -45,6 +45,8 @@ CORE = frozenset(
         "purge",
         "queue_position",
         "queue_positions",
+        "read_dedup",
+        "read_standing",
         "request_cancel",
         "request_yields",
         "retry_pipeline",

@@ -39,6 +39,7 @@ from kiln.api import usage as usage_routes
 from kiln.api import workers as worker_routes
 from kiln.api.auth import check_settings
 from kiln.api.errors import error_response, error_responses
+from kiln.api.hot_paths import HotPaths
 from kiln.api.metrics import RequestMetrics, sees_tenants
 from kiln.api.openapi import openapi_builder
 from kiln.api.request_spans import RequestSpans
@@ -378,6 +379,9 @@ def create_app(
     api.add_middleware(RequestMetrics, metrics=state.metrics)
     if app.engine.tracing is not None:  # KILN_TRACING: outermost, so it spans the rest
         api.add_middleware(RequestSpans, tracing=app.engine.tracing)
+    else:  # the busiest requests skip the router (kiln.api.hot_paths)
+        build = api.build_middleware_stack
+        api.build_middleware_stack = lambda: HotPaths(build(), state)  # type: ignore[method-assign]
     api.include_router(bulk_actions.router)  # before /tasks/{task_id}/...
     api.include_router(tasks.router)
     api.include_router(bulk.router)

@@ -401,24 +401,30 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        body_done = False
+        await self.app(scope, timed_receive(receive, self.timeout_s), send)
 
-        async def receive_in_time() -> Message:
-            nonlocal body_done
-            if body_done:
-                return await receive()
-            try:
-                # asyncio.timeout, not wait_for: no task per receive on the hot path.
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                log.warning("request_body_timeout", extra={"timeout_s": self.timeout_s})
-                raise RequestTimeout(
-                    f"the request body did not arrive within {self.timeout_s:g} s "
-                    "(KILN_BODY_TIMEOUT_S allows more)"
-                ) from None
-            body_done = message["type"] != "http.request" or not message.get("more_body")
-            return message
 
-        await self.app(scope, receive_in_time, send)
+def timed_receive(receive: Receive, timeout_s: float) -> Receive:
+    """``receive`` whose body messages must all arrive within ``timeout_s`` from now
+    (:class:`BodyDeadline`); past that it raises :class:`RequestTimeout`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    body_done = False
+
+    async def receive_in_time() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        try:
+            # asyncio.timeout, not wait_for: no task per receive on the hot path.
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            log.warning("request_body_timeout", extra={"timeout_s": timeout_s})
+            raise RequestTimeout(
+                f"the request body did not arrive within {timeout_s:g} s "
+                "(KILN_BODY_TIMEOUT_S allows more)"
+            ) from None
+        body_done = message["type"] != "http.request" or not message.get("more_body")
+        return message
+
+    return receive_in_time

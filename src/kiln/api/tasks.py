@@ -18,7 +18,7 @@ from pydantic import BeforeValidator
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
-from kiln import canonical, pipelines, wire
+from kiln import pipelines, wire
 from kiln.api.auth import Principal, require_principal, require_reviewer
 from kiln.api.errors import error_responses, validation_details
 from kiln.api.schemas import ReviewRequest, StatsOut, SubmitRequest, TaskList, TaskOut
@@ -134,8 +134,17 @@ def _body_doc(model: type[pydantic.BaseModel]) -> dict[str, Any]:
 # Answers --------------------------------------------------------------------------------
 
 
-async def standing(state: ApiState, task: Task) -> Standing:
-    position = await state.app.queue_position(task)
+class Unread:
+    """A queue position not read yet."""
+
+
+UNREAD = Unread()
+
+
+async def standing(state: ApiState, task: Task, position: int | Unread | None = UNREAD) -> Standing:
+    """Where the task stands; ``position`` when it was read with the task."""
+    if isinstance(position, Unread):
+        position = await state.app.queue_position(task)
     steps = await state.app.pipeline_steps(task) if task.kind == pipelines.KIND else None
     return Standing(task, position, await state.app.pool_wait(task), steps)
 
@@ -215,17 +224,26 @@ def submission(
 
 async def submit(state: ApiState, submission: Submission) -> Submitted:
     """Store a submission; identical concurrent requests share one round trip, and the
-    reading of where the task stands."""
+    reading of where the task stands. Those are identical that the store would answer
+    alike: the same Idempotency-Key and fingerprint, or (without a key) the same content,
+    each digested once."""
     app = state.app
+    key = submission.idempotency_key
+    content = submission.content_key() if key is None else None  # None: no content dedup
+    new = app.task_row(submission) if key is not None else None
 
     async def call() -> Submitted:
-        result = await app.enter(submission)
+        if content is not None:
+            hit = await app.dedup_hit(submission, content)  # one read, no insert
+            if hit is not None:
+                return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
+        row = new if new is not None else app.task_row(submission, content)
+        result = await app.enter(submission, row)
         return Submitted(result, await standing(state, result.task))
 
-    key = submission.idempotency_key
-    if key is None and not submission.dedup:
+    if key is None and content is None:  # no key, no content dedup: nothing to share
         return await call()
-    flight = (submission.tenant, key, canonical.digest(submission.body()))
+    flight = (submission.tenant, key, new.fingerprint if new is not None else content)
     first, led = await state.submissions.run(flight, call)
     if led:
         return first
@@ -305,14 +323,27 @@ async def submit_task(
     state = api_state(request)
     if media_type(request) == "multipart/form-data":
         submitted = await submit_upload(request, state, principal, idempotency_key)
+        return submitted_response(submitted)
+    raw = await json_bytes(request, state.settings.max_body_bytes)
+    return await submit_json(state, principal, raw, idempotency_key)
+
+
+async def submit_json(
+    state: ApiState, principal: Principal, raw: bytes, idempotency_key: str | None
+) -> Response:
+    """A JSON submission's body (as sent) checked, stored and answered: the route's work,
+    also done by :mod:`kiln.api.hot_paths` without the router."""
+    body = validated(SubmitRequest, parse_json(raw))
+    checked = submission(state, principal, body, idempotency_key)
+    if checked.references:  # inputs named by reference (docs/uploads.md)
+        submitted = await submit_with_inputs(state, checked)
     else:
-        body = validated(SubmitRequest, await json_body(request, state.settings.max_body_bytes))
-        checked = submission(state, principal, body, idempotency_key)
-        if checked.references:  # inputs named by reference (docs/uploads.md)
-            submitted = await submit_with_inputs(state, checked)
-        else:
-            await state.app.admit(checked)
-            submitted = await submit(state, checked)
+        await state.app.admit(checked)
+        submitted = await submit(state, checked)
+    return submitted_response(submitted)
+
+
+def submitted_response(submitted: Submitted) -> Response:
     status_code, headers = _submit_answer(submitted.result)
     return standing_response(
         submitted.standing,
@@ -333,7 +364,8 @@ async def submit_task(
 )
 async def get_task(task_id: str, request: Request, principal: Caller) -> Response:
     state = api_state(request)
-    return await task_response(state, await state.app.get(task_id, principal.scope))
+    task, position = await state.app.standing(task_id, principal.scope)  # one store read
+    return standing_response(await standing(state, task, position))
 
 
 @router.get(

@@ -49,6 +49,7 @@ from kiln.cli.base import (
     port_text,
     settings_of,
 )
+from kiln.cli.worker_processes import process_count, started_beside
 
 #: The extra that provides a URL scheme's driver: what to install when it is missing.
 EXTRAS = {
@@ -180,6 +181,9 @@ def serve(
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
     workers: Annotated[int | None, option("workers", "--workers", min=0)] = None,
+    worker_processes: Annotated[
+        str | None, option("worker_processes", "--worker-processes", metavar="N|auto")
+    ] = None,
     no_workers: Annotated[bool, option("no_workers", "--no-workers")] = False,
     no_supervisor: Annotated[bool, option("no_supervisor", "--no-supervisor")] = False,
     gpus: Gpus = None,
@@ -198,6 +202,8 @@ def serve(
         gpus=gpus,
         insecure=insecure or None,
     )
+    if worker_processes is not None:  # auto is None, which the overrides would skip
+        settings = settings.with_(worker_processes=_processes_of(worker_processes))
     _refuse_an_open_address(settings)
     from kiln.api.app import create_app
 
@@ -218,6 +224,17 @@ def serve(
         _serve(app, api, listening)
     finally:
         listening.close()
+
+
+def _processes_of(raw: str) -> int | None:
+    """``--worker-processes`` as its setting reads it: ``auto`` (None) or a count."""
+    var = config.variable("worker_processes")
+    try:
+        value = var.parse(raw)
+    except ValueError:
+        raise var.refusal("--worker-processes", raw) from None
+    assert value is None or isinstance(value, int)
+    return value
 
 
 def _serve(app: kiln.App, api: FastAPI, listening: socket.socket) -> None:
@@ -252,7 +269,8 @@ async def _served(
     for sig in SIGNALS:
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
-    await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
+    with started_beside(app):  # once the database and the storage answer
+        await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -301,6 +319,9 @@ def _print_banner(settings: Settings, port: int) -> None:
     out.print(f"database: {_hidden(settings.resolved_database_url)}")
     out.print(f"storage:  {_hidden(settings.resolved_storage_url)}")
     out.print(f"workers:  {workers}; auth: {'on' if settings.auth_enabled else 'off'}")
+    extra = process_count(settings)
+    if extra:
+        out.print(f"worker processes: {extra} (`kiln worker`, {workers} tasks each)")
 
 
 @cli.command()

@@ -31,6 +31,7 @@ from kiln import counters as names
 from kiln import logs
 from kiln.models import Task
 from kiln.states import CLAIMABLE, Event, Status
+from kiln.store.positions import Places
 from kiln.store.rows import task_from_row
 from kiln.store.tx import EventRow, Ops, Tx
 
@@ -202,20 +203,6 @@ def room(
         cap = policy.cap(tenant)
         found[tenant] = None if cap is None else max(cap - int(running.get(tenant, 0)), 0)
     return found
-
-
-def ahead_args(
-    kind: str, tenant: str | None, level: int | None, task: Any, now: float, aging_s: float | None
-) -> tuple[Any, ...]:
-    """Parameters of the ``queue_ahead*`` queries for ``task`` (id, priority, ready_at)."""
-    key: tuple[Any, ...] = (kind,) if tenant is None else (kind, tenant)
-    if level is None:
-        higher = (*key, task.priority, now, now)
-        same_level_ahead = (*key, task.priority, task.ready_at, task.id, now, now)
-        return (*higher, *same_level_ahead)
-    assert aging_s is not None
-    bound = task.ready_at + (level - task.priority) * aging_s
-    return (*key, level, now, now, bound, bound, task.id)
 
 
 def fair_position(own: int, others: Iterable[int]) -> int:
@@ -457,9 +444,35 @@ class ClaimOps(Ops):
         turns, an estimate from the task's place in its tenant's line), while it is ready."""
 
         now = self.clock()
-        if task.status not in CLAIMABLE or task.ready_at > now or task.deadline_at <= now:
+        if not _queued_and_due(task, now):
             return None
         return await self._read(lambda tx: self._position(tx, task, policy, now))
+
+    async def read_standing(
+        self, task_id: str, policy: ClaimPolicy | None = None
+    ) -> tuple[Task | None, int | None]:
+        """The task and its :meth:`queue_position`, in one read (a GET's one round trip)."""
+
+        return await self._read(lambda tx: self._standing(tx, self.q.get_task, (task_id,), policy))
+
+    async def read_dedup(
+        self, tenant: str, dedup_key: str, policy: ClaimPolicy | None = None
+    ) -> tuple[Task | None, int | None]:
+        """The live or successful task holding a dedup key, and its :meth:`queue_position`,
+        in one read: what a submission of that content is answered with (no write)."""
+        args = (tenant, dedup_key)
+        return await self._read(lambda tx: self._standing(tx, self.q.dedup_lookup, args, policy))
+
+    async def _standing(
+        self, tx: Tx, sql: str, args: tuple[str, ...], policy: ClaimPolicy | None
+    ) -> tuple[Task | None, int | None]:
+        row = await tx.one(sql, args)
+        if row is None:
+            return None, None
+        task, now = task_from_row(row), self.clock()
+        if not _queued_and_due(task, now):
+            return task, None
+        return task, await self._position(tx, task, policy, now)
 
     async def queue_positions(
         self, tasks: Sequence[Task], policy: ClaimPolicy | None = None
@@ -470,7 +483,7 @@ class ClaimOps(Ops):
         the level's first one and one pass over the level from it to its last; under aging
         or fair turns, task by task."""
         now = self.clock()
-        ready = [t for t in tasks if t.status in CLAIMABLE and t.ready_at <= now < t.deadline_at]
+        ready = [t for t in tasks if _queued_and_due(t, now)]
         if not ready:
             return {}
         if policy is not None and (policy.fair or policy.aging_s is not None):
@@ -484,47 +497,30 @@ class ClaimOps(Ops):
         for task in ready:
             levels.setdefault((task.kind, task.priority), []).append(task)
         found: dict[str, int] = {}
+        places = Places(tx, self.q, now)
         for (kind, priority), level in levels.items():
             level.sort(key=lambda t: (t.ready_at, t.id))
             first, last = level[0], level[-1]
-            ahead = await self._ahead(tx, first, None, None, now)
+            ahead = await places.ahead(first, None, None)
             args = (kind, priority, first.ready_at, first.id, last.ready_at, last.id, now, now)
             rows = await tx.all(self.q.queue_places_of_level, (*args, [t.id for t in level]))
             found.update({str(row[0]): ahead + int(row[1]) for row in rows})
         return found
 
     async def _position(self, tx: Tx, task: Task, policy: ClaimPolicy | None, now: float) -> int:
+        """From the kept counts (:mod:`kiln.store.positions`): flat in the line's length."""
+        places = Places(tx, self.q, now)
         aging_s = None if policy is None else policy.aging_s
         if policy is None or not policy.fair:
-            return await self._ahead(tx, task, None, aging_s, now) + 1
-        own = await self._ahead(tx, task, task.tenant, aging_s, now) + 1
+            return await places.ahead(task, None, aging_s) + 1
+        own = await places.ahead(task, task.tenant, aging_s) + 1
         others = [r[0] for r in await tx.all(self.q.ready_tenants) if r[0] != task.tenant]
-        depths = []
-        for other in others:
-            row = await tx.one(self.q.tenant_depth, (task.kind, other, now, now, own - 1))
-            depths.append(0 if row is None else int(row[0]))
+        depths = [await places.depth(task.kind, other) for other in others]
         return fair_position(own, depths)
 
-    async def _ahead(
-        self, tx: Tx, task: Task, tenant: str | None, aging_s: float | None, now: float
-    ) -> int:
-        """Ready tasks of the task's line (of one tenant, or all) claimed before it."""
-        q = self.q
 
-        async def count(sql: str, args: Sequence[Any]) -> int:
-            row = await tx.one(sql, args)
-            return 0 if row is None else int(row[0])
-
-        if aging_s is None:
-            sql = q.queue_ahead if tenant is None else q.queue_ahead_of_tenant
-            return await count(sql, ahead_args(task.kind, tenant, None, task, now, None))
-        key = (task.kind,) if tenant is None else (task.kind, tenant)
-        levels = await tx.all(q.levels if tenant is None else q.levels_of_tenant, (*key, *key))
-        sql = q.queue_ahead_of_level if tenant is None else q.queue_ahead_of_tenant_level
-        found = 0
-        for (level,) in levels:
-            found += await count(sql, ahead_args(task.kind, tenant, level, task, now, aging_s))
-        return found
+def _queued_and_due(task: Task, now: float) -> bool:
+    return task.status in CLAIMABLE and task.ready_at <= now < task.deadline_at
 
 
 async def _each(

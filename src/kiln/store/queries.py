@@ -68,6 +68,7 @@ _DIALECT_WORDS = {
         "GENERATING_S": "json_extract(timeouts, '$.generating_s')",
         "JOIN_POOLS": "group_concat(pool, ',')",
         "DAY": "strftime('%Y-%m-%d', ended_at, 'unixepoch')",
+        "BY_DUE": "INDEXED BY tasks_due",
     },
     "postgres": {
         "FOR_UPDATE": "FOR UPDATE",
@@ -82,6 +83,7 @@ _DIALECT_WORDS = {
         "GENERATING_S": "(timeouts::jsonb->>'generating_s')::float8",
         "JOIN_POOLS": "string_agg(pool, ',')",
         "DAY": "to_char(to_timestamp(ended_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+        "BY_DUE": "",
     },
 }
 

@@ -1,11 +1,15 @@
 """SQLite driver: WAL, stdlib ``sqlite3``, group commit on one writer thread.
 
 All writes of a process go through one writer thread that drains its queue and runs what
-it found in one ``BEGIN IMMEDIATE`` transaction, each operation in its own savepoint and
-each still its own compare-and-set: concurrent workers share one commit (and one fsync
+it found in one ``BEGIN IMMEDIATE`` transaction, each operation still its own
+compare-and-set (a savepoint each when one fails after it wrote, see
+:meth:`_DbThread._run_transaction`): concurrent workers share one commit (and one fsync
 with ``synchronous=FULL``) without sharing fate. Reads run on a second thread with its
 own connection; WAL lets them proceed while the writer commits. Other processes on the
-same file serialize through SQLite's write lock (``busy_timeout``).
+same file take turns at a file lock around each transaction, waiting in the kernel, and
+wake each other's workers after a commit that made work claimable
+(:mod:`kiln.store.sqlite_share`); SQLite's own lock and ``busy_timeout`` remain for a
+writer that does not take that lock.
 
 The store's operations (:mod:`kiln.store.sqlstore`) are async functions of a transaction;
 here they run to their end on the thread that owns the connection (:func:`run_sync`),
@@ -33,6 +37,7 @@ from kiln.models import TaskEvent
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
+from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlstore import Store
 from kiln.store.tx import (
     Args,
@@ -53,6 +58,8 @@ T = TypeVar("T")
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: The longest pause after a bulk page (it pauses as long as the page took).
 BULK_PAUSE_MAX_S = 1.0
+#: How long a connection waits for SQLite's own lock (by polling) before it gives up.
+BUSY_TIMEOUT_MS = 30_000
 
 
 def sqlite_path(url: str) -> str:
@@ -71,7 +78,7 @@ def connect(path: str, *, synchronous: str = "FULL") -> sqlite3.Connection:
     )
     _use_wal(conn)
     conn.execute(f"PRAGMA synchronous={synchronous}")
-    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     # Not temp_store=MEMORY: that keeps the savepoint journal in memory, and at the end of
     # every statement that wrote, SQLite cuts that in-memory journal back by walking it
     # from its start, so each write costs more the more the enclosing savepoint (the group
@@ -167,15 +174,24 @@ class _DbThread(threading.Thread):
     """Runs queued operations on its own connection; the writer batches them."""
 
     def __init__(
-        self, name: str, open_conn: Callable[[], sqlite3.Connection], *, writer: bool
+        self,
+        name: str,
+        open_conn: Callable[[], sqlite3.Connection],
+        *,
+        writer: bool,
+        lock: WriteLock | None = None,
+        wakeups: Wakeups | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._open_conn = open_conn
         self._writer = writer
+        self.lock = lock
+        self.wakeups = wakeups
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.max_batch = 512
         self.batches = 0
         self.operations = 0
+        self.reruns = 0  # batches run again with a savepoint per operation
 
     def put(self, job: _Job | None) -> None:
         self._jobs.put(job)
@@ -192,35 +208,29 @@ class _DbThread(threading.Thread):
                 if job is None:
                     return
                 batch = [job]
-                stop = False
-                while len(batch) < self.max_batch:
-                    try:
-                        more = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stop = True
-                        break
-                    batch.append(more)
-                self._run(conn, batch)
-                if stop:
+                if self._run(conn, batch, stop=self._fill(batch)):
                     return
         finally:
             conn.close()
 
-    def _run(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
-        self.batches += 1
-        self.operations += len(batch)
+    def _fill(self, batch: list[_Job]) -> bool:
+        """Add what is queued to ``batch``, up to :attr:`max_batch`; whether the stop
+        sentinel came."""
+        while len(batch) < self.max_batch:
+            try:
+                more = self._jobs.get_nowait()
+            except queue.Empty:
+                return False
+            if more is None:
+                return True
+            batch.append(more)
+        return False
+
+    def _run(self, conn: sqlite3.Connection, batch: list[_Job], *, stop: bool) -> bool:
+        """Run the batch and answer its callers; whether the thread is to stop."""
         outcomes: list[tuple[_Job, Any, BaseException | None]]
         if self._writer:
-            try:
-                outcomes = self._run_transaction(conn, batch)
-            except Exception as exc:  # the transaction itself broke: fail the whole batch
-                log.exception("sqlite_batch_failed", extra={"operations": len(batch)})
-                with contextlib.suppress(sqlite3.Error):
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                outcomes = [(job, None, exc) for job in batch]
+            outcomes, stop = self._locked_transaction(conn, batch, stop=stop)
         else:
             outcomes = []
             for job in batch:
@@ -235,32 +245,82 @@ class _DbThread(threading.Thread):
             # RuntimeError: the caller's loop is closed, and nobody waits for the answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
+        self.batches += 1
+        self.operations += len(batch)
+        return stop
 
-    @staticmethod
-    def _run_transaction(
-        conn: sqlite3.Connection, batch: list[_Job]
-    ) -> list[tuple[_Job, Any, BaseException | None]]:
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+    def _locked_transaction(
+        self, conn: sqlite3.Connection, batch: list[_Job], *, stop: bool
+    ) -> tuple[list[tuple[_Job, Any, BaseException | None]], bool]:
+        """The batch's transaction under the processes' file lock (when there is one),
+        then the wake-up of the other processes when it made work claimable. What was
+        queued while another process held the lock joins the batch (one commit, one
+        turn at the lock, for all of it)."""
+        if self.lock is not None and self.lock.acquire() and not stop:
+            stop = self._fill(batch)
+        try:
+            outcomes = self._run_transaction(conn, batch)
+        except Exception as exc:  # the transaction itself broke: fail the whole batch
+            log.exception("sqlite_batch_failed", extra={"operations": len(batch)})
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            outcomes = [(job, None, exc) for job in batch]
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        ready = _connection(conn)
+        if ready.ready:
+            ready.ready = False
+            if self.wakeups is not None:
+                self.wakeups.notify()
+        return outcomes, stop
+
+    def _begin(self, conn: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE``: at once under the file lock; only when a writer outside
+        it holds SQLite's lock, waited for by ``busy_timeout``, and counted."""
+        if self.lock is None:
+            conn.execute("BEGIN IMMEDIATE")
+            return
         try:
             conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "") != "SQLITE_BUSY":
+                raise
+            self.lock.busy_waits += 1
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            finally:
+                conn.execute("PRAGMA busy_timeout=0")
+
+    def _run_transaction(
+        self, conn: sqlite3.Connection, batch: list[_Job]
+    ) -> list[tuple[_Job, Any, BaseException | None]]:
+        """The batch in one transaction, each operation its own compare-and-set.
+
+        First without a savepoint per operation (two statements each, inside the lock):
+        an operation that fails before it changed a row needs none. Only when one fails
+        after it changed rows is the transaction rolled back and the whole batch run again,
+        each operation in its own savepoint, so that one rolls back alone (operations are
+        functions of the transaction, run again after any rollback, as on PostgreSQL).
+        """
+        try:
+            self._begin(conn)
         except sqlite3.Error as exc:
             return [(job, None, exc) for job in batch]
-        tally = _tally(conn)
-        committed = Tally()
-        for job in batch:
-            conn.execute("SAVEPOINT op")
-            tally.clear()
+        done = _run_operations(conn, batch, savepoints=False)
+        if done is None:
+            self.reruns += 1
+            conn.execute("ROLLBACK")
+            _connection(conn).ready = False
             try:
-                result = job.fn(conn)
-            except Exception as exc:
-                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
-                conn.execute("RELEASE op")
-                outcomes.append((job, None, exc))
-                continue
-            conn.execute("RELEASE op")
-            committed.update(tally)
-            outcomes.append((job, result, None))
-        tally.clear()
+                self._begin(conn)
+            except sqlite3.Error as exc:
+                return [(job, None, exc) for job in batch]
+            done = _run_operations(conn, batch, savepoints=True)
+        assert done is not None
+        outcomes, committed = done
         try:
             flush_tally(conn, committed)
             conn.execute("COMMIT")
@@ -269,6 +329,39 @@ class _DbThread(threading.Thread):
                 conn.execute("ROLLBACK")
             return [(job, None, exc) for job in batch]
         return outcomes
+
+
+def _run_operations(
+    conn: sqlite3.Connection, batch: list[_Job], *, savepoints: bool
+) -> tuple[list[tuple[_Job, Any, BaseException | None]], Tally] | None:
+    """Run the batch's operations in the open transaction: their outcomes and the counter
+    deltas of those that succeeded; None when, without savepoints, one failed after it
+    changed rows (``total_changes`` moved), which only a rollback can undo."""
+    outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+    tally = _tally(conn)
+    committed = Tally()
+    for job in batch:
+        if savepoints:
+            conn.execute("SAVEPOINT op")
+        changes = conn.total_changes
+        tally.clear()
+        try:
+            result = job.fn(conn)
+        except Exception as exc:
+            if savepoints:
+                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
+                conn.execute("RELEASE op")
+            elif conn.total_changes != changes:
+                tally.clear()
+                return None
+            outcomes.append((job, None, exc))
+            continue
+        if savepoints:
+            conn.execute("RELEASE op")
+        committed.update(tally)
+        outcomes.append((job, result, None))
+    tally.clear()
+    return outcomes, committed
 
 
 # One transaction as the store's operations see it ------------------------------------------
@@ -290,11 +383,16 @@ class Connection(sqlite3.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tally = Tally()
+        self.ready = False  # an operation of this transaction made work claimable
+
+
+def _connection(conn: sqlite3.Connection) -> Connection:
+    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
+    return conn
 
 
 def _tally(conn: sqlite3.Connection) -> Tally:
-    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
-    return conn.tally
+    return _connection(conn).tally
 
 
 def flush_tally(conn: sqlite3.Connection, tally: Tally) -> None:
@@ -403,7 +501,9 @@ class SqliteTx(Counting):
         return False
 
     async def notify_ready(self) -> None:
-        """Workers in other processes on the same file find new work by polling."""
+        """After the commit, the writer wakes the other processes' workers
+        (:class:`~kiln.store.sqlite_share.Wakeups`)."""
+        _connection(self.conn).ready = True
 
 
 # The store ------------------------------------------------------------------------------
@@ -433,8 +533,15 @@ class SqliteStore(Store):
                 f"cannot open the SQLite database {path}: {exc} (restore it from a backup,"
                 " or point KILN_DATABASE_URL at another file)"
             ) from None
+        shared = path != ":memory:" and not path.startswith("file:")
+        self._lock = WriteLock(path) if shared else None
+        self._wakeups = Wakeups(path) if shared else None
         self._writer = _DbThread(
-            "kiln-sqlite-writer", lambda: connect(path, synchronous=synchronous), writer=True
+            "kiln-sqlite-writer",
+            lambda: self._writer_connection(path, synchronous),
+            writer=True,
+            lock=self._lock,
+            wakeups=self._wakeups,
         )
         self._reader = _DbThread(
             "kiln-sqlite-reader", lambda: connect(path, synchronous=synchronous), writer=False
@@ -442,6 +549,23 @@ class SqliteStore(Store):
         self._writer.start()
         self._reader.start()
         self._closed = False
+
+    def _writer_connection(self, path: str, synchronous: str) -> sqlite3.Connection:
+        conn = connect(path, synchronous=synchronous)
+        if self._lock is not None:  # SQLite's lock is free whenever the file lock is ours
+            conn.execute("PRAGMA busy_timeout=0")
+        return conn
+
+    def watch_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when a writer of another process made work claimable."""
+        if self._wakeups is not None:
+            self._wakeups.watch(callback)
+
+    def lock_stats(self) -> dict[str, float]:
+        """How this process's writer used the file lock: times taken, times it blocked
+        because another process held it, seconds blocked, and times it had to wait on
+        SQLite's ``busy_timeout`` (a writer outside the lock)."""
+        return {} if self._lock is None else self._lock.stats()
 
     def _job(self, op: Callable[[Tx], Awaitable[Any]]) -> Callable[[sqlite3.Connection], Any]:
         q = self.q
@@ -489,9 +613,10 @@ class SqliteStore(Store):
         """After a page of a bulk action (:mod:`kiln.store.bulk`), a pause as long as it
         took (up to :data:`BULK_PAUSE_MAX_S`) before the next page can start: a run of
         pages holds the file's write lock at most half the time. This process's own writes
-        queue behind a page in order, but other processes on the file (workers renewing
-        their leases) wait for SQLite's lock by polling (``busy_timeout``: every 100 ms at
-        most), and back-to-back pages would leave them only the moments between two."""
+        queue behind a page in order; other processes on the file (workers renewing their
+        leases) wait for the file lock (:class:`~kiln.store.sqlite_share.WriteLock`), which
+        is not handed over in arrival order, and back-to-back pages would leave them only
+        the moments between two."""
         await asyncio.sleep(min(took_s, BULK_PAUSE_MAX_S))
 
     @property
@@ -507,6 +632,10 @@ class SqliteStore(Store):
         self._reader.put(None)
         await asyncio.to_thread(self._writer.join)
         await asyncio.to_thread(self._reader.join)
+        if self._wakeups is not None:
+            self._wakeups.close()
+        if self._lock is not None:
+            self._lock.close()
 
 
 __all__ = ["SqliteStore", "connect", "migrate", "sqlite_path"]

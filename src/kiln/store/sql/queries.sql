@@ -359,14 +359,76 @@ WITH RECURSIVE levels(p) AS (
     FROM levels WHERE levels.p IS NOT NULL
 ) SELECT p FROM levels WHERE p IS NOT NULL
 
--- queue_ahead --
--- Ready tasks of a kind claimed before a given one: those of a higher priority, plus those
--- of its priority ahead of it in (ready_at, id). Two index ranges, so a task near the head
--- of its line costs little: (kind, priority, now, now, kind, priority, ready_at, id, now, now).
-SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority > ?
-        AND ready_at <= ? AND deadline_at > ?)
-    + (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
-        AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?)
+-- queue_due_above --
+-- The due tasks (ready, before their deadline) of a kind's levels above a priority: the
+-- kept counts (queue_counts) less, per level, those not yet ready (one index range each)
+-- and those past their deadline the sweep has not ended yet (the due index):
+-- (now, kind, priority, now, kind, priority, now).
+SELECT coalesce(sum(level.n - (SELECT COUNT(*) FROM tasks WHERE kind = level.kind
+        AND status IN {CLAIMABLE} AND priority = level.priority AND ready_at > ?)), 0)
+    - (SELECT COUNT(*) FROM tasks {BY_DUE} WHERE due_at <= ? AND status IN {CLAIMABLE}
+        AND kind = ? AND priority > ? AND ready_at <= ?)
+FROM (SELECT kind, priority, sum(n) AS n FROM queue_counts WHERE kind = ? AND priority > ?
+    GROUP BY kind, priority) AS level
+
+-- queue_due_above_of_tenant --
+-- (now, now, kind, tenant, priority, now, kind, tenant, priority).
+SELECT coalesce(sum(level.n - (SELECT COUNT(*) FROM tasks WHERE kind = level.kind
+        AND tenant = level.tenant AND status IN {CLAIMABLE} AND priority = level.priority
+        AND ready_at > ?)), 0)
+    - (SELECT COUNT(*) FROM tasks {BY_DUE} WHERE due_at <= ? AND status IN {CLAIMABLE}
+        AND kind = ? AND tenant = ? AND priority > ? AND ready_at <= ?)
+FROM (SELECT kind, tenant, priority, sum(n) AS n FROM queue_counts_of_tenant
+    WHERE kind = ? AND tenant = ? AND priority > ? GROUP BY kind, tenant, priority) AS level
+
+-- queue_place --
+-- One priority level of a kind's line around a key (ready_at, id): its due tasks (as in
+-- queue_due_above), those of them at or after the key counted up to a limit, and, when
+-- that limit was reached, those before the key counted up to a limit (else -1). Each
+-- count walks the level's index range from one end, so the place of a task near either
+-- end of its line costs little: (kind, priority, now, now, kind, priority, now, kind,
+-- priority, ready_at, id, now, now, limit, limit, kind, priority, ready_at, id, now, now,
+-- limit).
+SELECT due, behind, CASE WHEN behind < ? THEN -1 ELSE
+    (SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND status IN {CLAIMABLE}
+        AND priority = ? AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?
+        LIMIT ?) AS ahead) END
+FROM (SELECT
+    coalesce((SELECT sum(n) FROM queue_counts WHERE kind = ? AND priority = ?), 0)
+    - (SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
+        AND ready_at > ?)
+    - (SELECT COUNT(*) FROM tasks {BY_DUE} WHERE due_at <= ? AND status IN {CLAIMABLE}
+        AND kind = ? AND priority = ? AND ready_at <= ?) AS due,
+    (SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND status IN {CLAIMABLE}
+        AND priority = ? AND (ready_at, id) >= (?, ?) AND ready_at <= ? AND deadline_at > ?
+        LIMIT ?) AS after) AS behind) AS level
+
+-- queue_place_of_tenant --
+-- The same in one tenant's line.
+SELECT due, behind, CASE WHEN behind < ? THEN -1 ELSE
+    (SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND tenant = ?
+        AND status IN {CLAIMABLE} AND priority = ? AND (ready_at, id) < (?, ?)
+        AND ready_at <= ? AND deadline_at > ? LIMIT ?) AS ahead) END
+FROM (SELECT
+    coalesce((SELECT sum(n) FROM queue_counts_of_tenant WHERE kind = ? AND tenant = ?
+        AND priority = ?), 0)
+    - (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
+        AND priority = ? AND ready_at > ?)
+    - (SELECT COUNT(*) FROM tasks {BY_DUE} WHERE due_at <= ? AND status IN {CLAIMABLE}
+        AND kind = ? AND tenant = ? AND priority = ? AND ready_at <= ?) AS due,
+    (SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND tenant = ?
+        AND status IN {CLAIMABLE} AND priority = ? AND (ready_at, id) >= (?, ?)
+        AND ready_at <= ? AND deadline_at > ? LIMIT ?) AS after) AS behind) AS level
+
+-- queue_levels --
+-- The priorities of a kind's queued tasks, highest first, from the kept counts: (kind).
+SELECT priority FROM queue_counts WHERE kind = ? GROUP BY priority HAVING sum(n) > 0
+ORDER BY priority DESC
+
+-- queue_levels_of_tenant --
+-- (kind, tenant).
+SELECT priority FROM queue_counts_of_tenant WHERE kind = ? AND tenant = ?
+GROUP BY priority HAVING sum(n) > 0 ORDER BY priority DESC
 
 -- queue_places_of_level --
 -- Places, counted from 1, in one priority level of a kind's line from a given task on, of
@@ -378,30 +440,6 @@ SELECT id, place FROM (
         AND (ready_at, id) >= (?, ?) AND (ready_at, id) <= (?, ?)
         AND ready_at <= ? AND deadline_at > ?
 ) AS level WHERE id {IN_LIST}
-
--- queue_ahead_of_tenant --
--- (kind, tenant, priority, now, now, kind, tenant, priority, ready_at, id, now, now).
-SELECT (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
-        AND priority > ? AND ready_at <= ? AND deadline_at > ?)
-    + (SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
-        AND priority = ? AND (ready_at, id) < (?, ?) AND ready_at <= ? AND deadline_at > ?)
-
--- queue_ahead_of_level --
--- Those of one priority level that became ready before a bound (the ready time at which
--- that level ties with the task): (kind, priority, now, now, bound, bound, id).
-SELECT COUNT(*) FROM tasks WHERE kind = ? AND status IN {CLAIMABLE} AND priority = ?
-    AND ready_at <= ? AND deadline_at > ? AND (ready_at < ? OR (ready_at = ? AND id < ?))
-
--- queue_ahead_of_tenant_level --
--- (kind, tenant, priority, now, now, bound, bound, id).
-SELECT COUNT(*) FROM tasks WHERE kind = ? AND tenant = ? AND status IN {CLAIMABLE}
-    AND priority = ? AND ready_at <= ? AND deadline_at > ?
-    AND (ready_at < ? OR (ready_at = ? AND id < ?))
-
--- tenant_depth --
--- How many ready tasks a tenant's line holds, up to a bound: (kind, tenant, now, now, bound).
-SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE kind = ? AND tenant = ?
-    AND status IN {CLAIMABLE} AND ready_at <= ? AND deadline_at > ? LIMIT ?) AS line
 
 -- ready_tenants --
 -- Tenants with claimable tasks, from the per-status counts (no task row is read).
