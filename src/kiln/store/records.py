@@ -86,7 +86,7 @@ WORKER = Fence(fenced=True)
 BUMP = Fence(bump=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Applied:
     """What a change wrote, as its effects see it: the change, the task as updated, and
     the row as it was locked before (``attempt``, ``epoch``, the ``dwell_s`` in the status

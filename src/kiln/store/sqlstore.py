@@ -177,13 +177,20 @@ def update_sets(change: Change, target: Status, now: float) -> list[Set]:
     return sets
 
 
+#: Each column's clause in an UPDATE: set to a value, or a value added to it.
+_SET = {column: f"{column} = ?" for column in TASK_COLUMNS}
+_ADD = {column: f"{column} = {column} + ?" for column in TASK_COLUMNS}
+
+
 def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
     """The UPDATE of a change whose row is locked and checked (``?`` placeholders)."""
-    sets = update_sets(change, target, now)
-    clauses = ", ".join(f"{c} = {c} + ?" if added else f"{c} = ?" for c, _, added in sets)
-    args = [value for _, value, _ in sets]
+    clauses: list[str] = []
+    args: list[Any] = []
+    for column, value, added in update_sets(change, target, now):
+        clauses.append(_ADD[column] if added else _SET[column])
+        args.append(value)
     args.append(change.task_id)
-    return f"UPDATE tasks SET {clauses} WHERE id = ? RETURNING *", args
+    return f"UPDATE tasks SET {', '.join(clauses)} WHERE id = ? RETURNING *", args
 
 
 def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
