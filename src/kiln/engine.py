@@ -328,21 +328,12 @@ class Engine:
             raise NotFound(f"no task {task_id!r}")
         return task
 
-    async def queue_position(self, task: Task) -> int | None:
-        """1 for the next task a worker of its kind would claim, while it is ready."""
-        return await self.store.queue_position(task, self.claim_policy)
-
     async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
-        """:meth:`get` and :meth:`queue_position` in one read of the store."""
+        """:meth:`get` and the task's queue position in one read of the store."""
         task, position = await self.store.read_standing(task_id, self.claim_policy)
         if task is None or (tenant is not None and task.tenant != tenant):
             raise NotFound(f"no task {task_id!r}")
         return task, position
-
-    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
-        """The queue positions of many tasks by id (those with none left out), as
-        :meth:`queue_position` gives each, counted together (a listing's page)."""
-        return await self.store.queue_positions(tasks, self.claim_policy)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
