@@ -29,6 +29,7 @@ from kiln import canonical
 from kiln.models import NewTask, Task, Timeouts
 from kiln.states import Event, Status
 from kiln.store import Change, Store, open_store
+from kiln.store.records import WORKER
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "bench.noop"
@@ -46,7 +47,7 @@ def new_task(n: int) -> NewTask:
 
 def acquire(task: Task) -> Change:
     return Change(task.id, task.status, task.epoch, ((Event.ACQUIRE, Status.GENERATING),),
-                  fenced=True)  # fmt: skip
+                  fence=WORKER)  # fmt: skip
 
 
 async def phase(ops: Sequence[Awaitable[Any]], concurrency: int) -> tuple[float, list[Any]]:

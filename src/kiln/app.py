@@ -30,7 +30,8 @@ from kiln.backends.comfy_workflow_params import KIND as COMFY_WORKFLOW
 from kiln.breakers import Breakers
 from kiln.bus import Message, ProgressEvent
 from kiln.config import Settings
-from kiln.engine import Count, Engine
+from kiln.contributions import Counts, Retry
+from kiln.engine import Engine
 from kiln.errors import (
     RateLimited,
 )
@@ -50,6 +51,8 @@ from kiln.states import Event, Status
 from kiln.storage import Storage
 from kiln.store import LeaderToken, Store
 from kiln.store.bulk import BulkFilter
+from kiln.store.effects import Count
+from kiln.store.records import Fence
 from kiln.submission import (
     DEFAULT_TENANT,
     Submission,
@@ -148,20 +151,19 @@ class App(KindRegistry, EngineParts, TaskReads):
         retry_after_s: float | None = None,
         then: Event | None = None,
     ) -> Task:
-        """The one way a status changes: see :meth:`Engine.apply <kiln.engine.Engine.apply>`."""
+        """The one way a status changes: see :meth:`Engine.apply <kiln.engine.Engine.apply>`
+        (``fenced``, ``bump_epoch`` and ``leader`` make its fence; ``retry_error``,
+        ``retry_after_s`` and ``then`` its retry)."""
+        wants_retry = retry_error is not None or then is not None
         return await self.engine.apply(
             task,
             event,
             target,
             fields=fields,
             error=error,
-            fenced=fenced,
-            bump_epoch=bump_epoch,
-            leader=leader,
-            retry_error=retry_error,
-            counters=counters,
-            retry_after_s=retry_after_s,
-            then=then,
+            fence=Fence(fenced, bump_epoch, leader),
+            retry=Retry(retry_error, retry_after_s, then) if wants_retry else None,
+            facts=(Counts(tuple(counters)),) if counters else (),
         )
 
     # submission

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kiln import pipelines
-from kiln.engine import Engine, failure, rerun_fields
+from kiln.contributions import Counts, failure
+from kiln.engine import Engine, rerun_fields
 from kiln.errors import AlreadyFinal, Conflict, InvalidRequest, NotInReview, NotRetryable
 from kiln.models import JSON, StoredOutput, Task
 from kiln.states import ENDED_UNSUCCESSFULLY, RUNNING, Event, Status
@@ -96,9 +97,9 @@ class Actions:
             else:
                 message = reason or "rejected by a moderator"
                 error = {"code": "content_rejected", "message": message, "retryable": False}
-            counters = [failure(task, str(error["code"]))]
+            counted = Counts((failure(task, str(error["code"])),))
             updated = await self.engine.apply(
-                task, Event.REJECT, error=error, fields={"error": error}, counters=counters
+                task, Event.REJECT, error=error, fields={"error": error}, facts=[counted]
             )
         except Conflict:
             raise NotInReview(f"task {task_id} left NEEDS_REVIEW") from None

@@ -105,4 +105,5 @@ class Operations:
         self, *, since: float, until: float, group_by: Sequence[str] = (), tenant: str | None
     ) -> list[UsageSum]:
         """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
-        return await self.engine.usage(since=since, until=until, group_by=group_by, tenant=tenant)
+        store = self.engine.store
+        return await store.usage.report(since=since, until=until, group_by=group_by, tenant=tenant)

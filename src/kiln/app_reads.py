@@ -51,7 +51,7 @@ class TaskReads:
 
     async def queue_position(self, task: Task) -> int | None:
         """1 for the next task a worker of its kind would claim, while it is ready."""
-        return await self.engine.queue_position(task)
+        return await self.engine.store.queue_position(task, self.engine.claim_policy)
 
     async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
         """The task (NotFound as :meth:`get`) and its queue position, read together."""
@@ -85,7 +85,7 @@ class TaskReads:
 
     async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
         """The positions of many tasks by id (one count per priority level, not per task)."""
-        return await self.engine.queue_positions(tasks)
+        return await self.engine.store.queue_positions(tasks, self.engine.claim_policy)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
@@ -104,7 +104,7 @@ class TaskReads:
 
         A ``cursor`` that no page gave is refused (InvalidCursor) before the store is read."""
         check_cursor(cursor)
-        return await self.engine.list_tasks(
+        return await self.engine.store.list_tasks(
             tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
         )
 

@@ -5,10 +5,11 @@ take one :class:`Engine`; :class:`kiln.App` owns one and adds the registry, subm
 the user actions and the streams on top. The engine holds:
 
 - the wiring: the store and the storage (opened lazily), the event hub, the clock;
-- the one way a status changes (:meth:`Engine.apply`): the state table's check, the retry
-  rules and the failure counters, then one fenced compare-and-set in the store;
-- the claim policy, the submission rate limit, and the reads the faces need (a task, its
-  queue position, the stats with the ghost rule), so no face reads the store itself.
+- the one way a status changes (:meth:`Engine.apply`): the state table's check and the
+  retry rules, then one fenced compare-and-set in the store with the effects the
+  features' contributions add (:mod:`kiln.contributions`);
+- the claim policy, the submission rate limit, and the reads the faces need (a task, the
+  stats with the ghost rule, the metrics' reads), so no face reads the store itself.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from kiln import logs
 from kiln.autoscaling import Autoscaling, signals
 from kiln.bus import EventHub, ProgressEvent
 from kiln.config import Settings
+from kiln.contributions import (
+    CONTRIBUTIONS,
+    Contribution,
+    Draft,
+    Retry,
+    committed,
+    effects_of,
+)
 from kiln.counters import (
     DEDUP_HITS,
-    FAILURES,
-    FAILURES_BY_MINUTE,
     ILLEGAL_TRANSITIONS,
     RATE_LIMITED,
 )
@@ -37,26 +44,16 @@ from kiln.models import JSON, NewTask, SubmitResult, Task, TaskEvent
 from kiln.retry import RetryPolicy, retry_slot
 from kiln.states import CLAIMABLE, RULES, RUNNING, Event, IllegalTransition, Status, check
 from kiln.storage import Storage, open_storage
-from kiln.store import BreakerRecord, Change, LeaderToken, Stats, Store, WorkerRecord, open_store
+from kiln.store import BreakerRecord, Change, Stats, Store, WorkerRecord, open_store
 from kiln.store.bulk import BulkFilter, BulkPage, Plan
 from kiln.store.claims import Route, claim_policy
 from kiln.store.pools import PoolUsage, PoolWait
-from kiln.store.records import AttemptUsage
-from kiln.store.usage import FOREVER, UsageSum, outcome_of
-from kiln.tracing import (
-    EVENTS_READ,
-    Load,
-    Tracing,
-    ended_attempt,
-    ended_review,
-    open_tracing,
-    spans_of,
-)
+from kiln.store.records import UNFENCED, Fence
+from kiln.store.usage import FOREVER
+from kiln.tracing import Tracing, open_tracing
 
 log = logging.getLogger("kiln")
-
-#: A counter to add to in the transaction of a change: ``(name, labels)``.
-Count = tuple[str, str]
+Contributions = Sequence[Contribution]
 
 
 def ghost_after_s(lease_ttl_s: float, interval_s: float) -> float:
@@ -97,6 +94,8 @@ class Engine:
         self.cancel_listeners: list[Callable[[str], None]] = []
         self._tracing: Tracing | None = None
         self._tracing_opened = False
+        #: The features' contributions to every status change (kiln.contributions).
+        self.contributions: Contributions = CONTRIBUTIONS
 
     # wiring
 
@@ -198,8 +197,8 @@ class Engine:
         else:
             result = await self.store.submit(new)
         if result.created:
-            logs.line(log, "transition", {"task_id": result.task.id, "event": "submit",
-                                          "to": "PENDING", "attempt": 0})  # fmt: skip
+            submitted = {"task_id": result.task.id, "event": "submit", "to": "PENDING"}
+            logs.line(log, "transition", {**submitted, "attempt": 0})
             self.submitted()
         return result
 
@@ -218,86 +217,39 @@ class Engine:
         *,
         fields: dict[str, Any] | None = None,
         error: JSON | None = None,
-        fenced: bool = False,
-        bump_epoch: bool = False,
-        leader: LeaderToken | None = None,
-        retry_error: JSON | None = None,
-        counters: Sequence[Count] = (),
-        retry_after_s: float | None = None,
-        then: Event | None = None,
-        loading_s: float = 0.0,
-        pool: str | None = None,
-        share: float = 1.0,
-        loads: Sequence[Load] = (),
+        fence: Fence = UNFENCED,
+        retry: Retry | None = None,
+        facts: Sequence[object] = (),
     ) -> Task:
         """Apply ``event`` to ``task`` as read: CAS on its status (and on its epoch when
-        fenced, led, or bumping the epoch: an epoch bump applies only at the epoch seen).
+        the ``fence`` says so: a worker's write, a leader's, an epoch bump).
 
-        With ``retry_error`` the failure may schedule the next attempt in the same
-        transaction (``fail``/``expire`` then ``schedule_retry``), no sooner than
-        ``retry_after_s`` from now when given. ``then`` chains one more event in the same
-        transaction unconditionally (``lose`` then ``schedule_retry``). An event the state
-        table refuses raises IllegalTransition and is counted, never applied.
-
-        An event that ends a running attempt writes its row of the GPU-second ledger in the
-        same transaction (``kiln.store.usage``): ``loading_s``, ``pool`` and ``share`` (of
-        a batch's call) are what its worker knows (the supervisor passes none: no load
-        timed, the pools from the attempt's pool slots, a whole share). An event that leaves
-        GENERATING after a model load records the load's seconds on its row (``loading_s``).
-
-        With tracing on, a change that ends an attempt (or a review) emits its spans,
-        built from the task's event rows; ``loads`` are the model loads its worker timed.
+        ``retry`` may schedule the next attempt, or chain one more event, in the same
+        transaction (:class:`~kiln.contributions.Retry`). An event the state table
+        refuses raises IllegalTransition and is counted, never applied. ``error`` goes on
+        the event rows (the retry's error when not given). ``facts`` are what the caller
+        tells the features' contributions (:mod:`kiln.contributions`: what a worker knows
+        of the attempt, counters to add); they add the change's effects in its
+        transaction (the GPU-second ledger's row, ...) and act after its commit (trace
+        spans, ...).
         """
         try:
             to = check(task.status, event, target)
         except IllegalTransition as exc:
             await self._refused(task, event, exc)
             raise
-        steps = [(event, to)]
-        if then is not None:
-            steps.append((then, check(to, then)))
-        changes = dict(fields or {})
-        if to not in RUNNING:  # no worker holds the task any more
-            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
-        counted = list(counters)
-        if retry_error is not None:
-            changes["error"] = retry_error
-            counted.append(failure(task, str(retry_error["code"])))
-            due = self._retry_due(task, retry_error, retry_after_s)
-            if due is not None and self.settings.retry_rate is not None:
-                due = await retry_slot(self.store, task, due, self.settings.retry_rate)
-            if due is not None:
-                steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
-                changes.update(next_retry_at=due, ready_at=due)
-        usage = attempt_usage(task, steps, retry_error, loading_s, pool, share)
-        change = Change(
-            task_id=task.id, expect_status=task.status,
-            expect_epoch=task.epoch if (fenced or bump_epoch or leader is not None) else None,
-            steps=tuple(steps), fields=changes, error=error if error is not None else retry_error,
-            bump_epoch=bump_epoch, fenced=fenced, leader=leader,
-            counters=self._with_minutes(counted), usage=usage, pipeline_id=task.pipeline_id,
-            loading_s=loading_s if loading_s > 0 and task.status is Status.GENERATING else None,
-        )  # fmt: skip
-        updated, events = await self.store.apply(change)
+        draft = Draft(task, [(event, to)], retry, facts, self.now())
+        changes = _released(to, fields)
+        if retry is not None:
+            changes.update(await _plan_retry(self, draft, retry))
+            error = retry.error if error is None else error
+        updated, events = await self.store.apply(
+            _change(draft, changes, error, fence, self.contributions)
+        )
         _log_transitions(events)
         self.written(events)
-        if self.tracing is not None and (ended_attempt(events) or ended_review(events)):
-            await self._trace(self.tracing, updated, events, loads)
-        if updated.pipeline_id is not None and updated.final:
-            self.submitted()  # the step may have made the next ones: streams and workers look
+        await committed(self, draft, updated, events, self.contributions)
         return updated
-
-    async def _trace(
-        self, tracing: Tracing, task: Task, events: list[TaskEvent], loads: Sequence[Load]
-    ) -> None:
-        """Emit the spans of the attempt or review ``events`` ended. Tracing never fails a
-        change: what goes wrong here is logged and the change stands."""
-        try:
-            history = await self.store.events(task_id=task.id, limit=EVENTS_READ)
-            stored = await self.store.trace(task.id)
-            tracing.emit(spans_of(task, history, events, stored, loads))
-        except Exception:
-            log.exception("tracing_failed", extra={"task_id": task.id})
 
     async def _refused(self, task: Task, event: Event, exc: IllegalTransition) -> None:
         """Count an event the state table refused (here and in the store) and log it."""
@@ -305,26 +257,6 @@ class Engine:
         wanted = exc.target or "|".join(sorted(RULES[event].targets))
         await self.store.bump(ILLEGAL_TRANSITIONS, f"{task.status}>{wanted}")
         log.error("illegal_transition", extra={"task_id": task.id, "event": str(event)})
-
-    def _retry_due(self, task: Task, error: JSON, retry_after_s: float | None) -> float | None:
-        """When the failed attempt's task retries by its kind's backoff, or None: a
-        permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
-        push it later: see :func:`kiln.retry.retry_slot`.)"""
-        if not error.get("retryable") or task.cancel_requested:
-            return None
-        kind = self.kinds.get(task.kind)
-        policy = (kind.retry if kind is not None else None) or self.retry_policy
-        return policy.next_retry_at(task, self.now(), self.rng, min_delay_s=retry_after_s or 0.0)
-
-    def _with_minutes(self, counted: list[Count]) -> tuple[Count, ...]:
-        """The counters plus each failure's per-minute bucket."""
-        minute = int(self.now() // 60)
-        buckets = [
-            (FAILURES_BY_MINUTE, f"{minute:010d}:{labels}")
-            for name, labels in counted
-            if name == FAILURES
-        ]
-        return (*counted, *buckets)
 
     # claims
 
@@ -343,9 +275,14 @@ class Engine:
         back acquired (GENERATING: they wait for no resource); ``route`` prefers the
         tasks of the models the worker holds (warm-model routing)."""
         return self.store.claim(
-            worker_id=worker_id, kinds=kinds, limit=limit, lease_ttl_s=lease_ttl_s,
-            policy=self.claim_policy, acquire=acquire, route=route,
-        )  # fmt: skip
+            worker_id=worker_id,
+            kinds=kinds,
+            limit=limit,
+            lease_ttl_s=lease_ttl_s,
+            policy=self.claim_policy,
+            acquire=acquire,
+            route=route,
+        )
 
     async def request_cancel(self, task: Task) -> Task:
         """Ask the worker running ``task`` to stop; a worker of this process hears at once."""
@@ -362,13 +299,8 @@ class Engine:
         (cancel, retry: no retry to plan, no attempt ended), for a page of such changes in
         one transaction (:meth:`act_page`). IllegalTransition when the table refuses."""
         to = check(task.status, event)
-        changes = dict(fields or {})
-        if to not in RUNNING:
-            changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
-        return Change(
-            task_id=task.id, expect_status=task.status, expect_epoch=None,
-            steps=((event, to),), fields=changes, pipeline_id=task.pipeline_id,
-        )  # fmt: skip
+        draft = Draft(task, [(event, to)], None, (), self.now())
+        return _change(draft, _released(to, fields), None, UNFENCED, self.contributions)
 
     async def act_page(
         self, found: BulkFilter, after: str | None, limit: int, plan: Callable[[Task], Plan]
@@ -396,48 +328,18 @@ class Engine:
             raise NotFound(f"no task {task_id!r}")
         return task
 
-    async def queue_position(self, task: Task) -> int | None:
-        """1 for the next task a worker of its kind would claim, while it is ready."""
-        return await self.store.queue_position(task, self.claim_policy)
-
     async def standing(self, task_id: str, tenant: str | None = None) -> tuple[Task, int | None]:
-        """:meth:`get` and :meth:`queue_position` in one read of the store."""
+        """:meth:`get` and the task's queue position in one read of the store."""
         task, position = await self.store.read_standing(task_id, self.claim_policy)
         if task is None or (tenant is not None and task.tenant != tenant):
             raise NotFound(f"no task {task_id!r}")
         return task, position
-
-    async def queue_positions(self, tasks: Sequence[Task]) -> dict[str, int]:
-        """The queue positions of many tasks by id (those with none left out), as
-        :meth:`queue_position` gives each, counted together (a listing's page)."""
-        return await self.store.queue_positions(tasks, self.claim_policy)
 
     async def pool_wait(self, task: Task) -> PoolWait | None:
         """Where a WAITING_FOR_RESOURCE task stands in a shared pool's line, or None."""
         if task.status is not Status.WAITING_FOR_RESOURCE or not self.settings.pools:
             return None
         return await self.store.pools.wait(task.id)
-
-    async def list_tasks(
-        self,
-        *,
-        tenant: str | None,
-        status: Status | None = None,
-        kind: str | None = None,
-        limit: int = 50,
-        cursor: str | None = None,
-    ) -> tuple[list[Task], str | None]:
-        """A page of tasks, newest first, and the cursor of the next page (None: the last)."""
-        return await self.store.list_tasks(
-            tenant=tenant, status=status, kind=kind, limit=limit, cursor=cursor
-        )
-
-    async def events(
-        self, *, task_id: str | None = None, tenant: str | None = None, after: int = 0,
-        limit: int = 500,
-    ) -> list[TaskEvent]:  # fmt: skip
-        """Persisted status events after ``after``, in seq order."""
-        return await self.store.events(task_id=task_id, tenant=tenant, after=after, limit=limit)
 
     @property
     def ghost_after_s(self) -> float:
@@ -447,6 +349,19 @@ class Engine:
     async def stats(self, tenant: str | None) -> Stats:
         """Counts, dwell times, failures and ghosts of a tenant's tasks (None: all)."""
         return await self.store.stats(tenant=tenant, ghost_after_s=self.ghost_after_s)
+
+    # what the faces read (the API's metrics, the dashboard, the App)
+
+    async def events(
+        self,
+        *,
+        task_id: str | None = None,
+        tenant: str | None = None,
+        after: int = 0,
+        limit: int = 500,
+    ) -> list[TaskEvent]:
+        """Persisted status events after ``after``, in seq order."""
+        return await self.store.events(task_id=task_id, tenant=tenant, after=after, limit=limit)
 
     async def counters(self) -> dict[tuple[str, str], int]:
         """Every counter the store keeps (names in :mod:`kiln.counters`), by (name, labels)."""
@@ -464,6 +379,17 @@ class Engine:
         """The worker processes whose beat has not lapsed (the worker registry)."""
         return await self.store.workers.live()
 
+    async def gpu_seconds(
+        self, *, since: float = 0.0, until: float = FOREVER
+    ) -> dict[tuple[str, str, str, str], float]:
+        """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
+        ``[since, until)``."""
+        return await self.store.usage.gpu_seconds(since=since, until=until)
+
+    async def webhook_pending(self) -> int:
+        """Webhook deliveries not yet delivered or given up."""
+        return await self.store.outbox.pending()
+
     async def autoscaling(
         self,
         *,
@@ -478,30 +404,6 @@ class Engine:
         if pools is None:
             pools = await self.pools()
         return signals(load, workers, pools, self.kinds)
-
-    async def usage(
-        self,
-        *,
-        since: float,
-        until: float,
-        group_by: Sequence[str] = (),
-        tenant: str | None = None,
-    ) -> list[UsageSum]:
-        """The GPU-second ledger's sums of the attempts that ended in ``[since, until)``."""
-        return await self.store.usage.report(
-            since=since, until=until, group_by=group_by, tenant=tenant
-        )
-
-    async def gpu_seconds(
-        self, *, since: float = 0.0, until: float = FOREVER
-    ) -> dict[tuple[str, str, str, str], float]:
-        """GPU-seconds by (tenant, kind, model, outcome) of the attempts that ended in
-        ``[since, until)``."""
-        return await self.store.usage.gpu_seconds(since=since, until=until)
-
-    async def webhook_pending(self) -> int:
-        """Webhook deliveries not yet delivered or given up."""
-        return await self.store.outbox.pending()
 
     async def probe(self, key: str) -> None:
         """Raise unless the store answers and the storage takes and drops ``key``."""
@@ -544,33 +446,69 @@ class Engine:
             await self.store.bump(DEDUP_HITS, how, n)
 
 
+async def _plan_retry(engine: Engine, draft: Draft, retry: Retry) -> dict[str, Any]:
+    """The steps and the columns of ``retry``: its ``then``, and its failure's next
+    attempt when the kind's backoff (and KILN_RETRY_RATE) allows one."""
+    task, to = draft.task, draft.steps[0][1]
+    if retry.then is not None:
+        draft.steps.append((retry.then, check(to, retry.then)))
+    if retry.error is None:
+        return {}
+    due = _retry_due(engine, task, retry.error, retry.after_s)
+    if due is not None and engine.settings.retry_rate is not None:
+        due = await retry_slot(engine.store, task, due, engine.settings.retry_rate)
+    if due is None:
+        return {"error": retry.error}
+    draft.steps.append((Event.SCHEDULE_RETRY, check(to, Event.SCHEDULE_RETRY)))
+    return {"error": retry.error, "next_retry_at": due, "ready_at": due}
+
+
+def _retry_due(
+    engine: Engine, task: Task, error: JSON, retry_after_s: float | None
+) -> float | None:
+    """When the failed attempt's task retries by its kind's backoff, or None: a
+    permanent error, a cancel asked, no attempts or no time left. (KILN_RETRY_RATE may
+    push it later: see :func:`kiln.retry.retry_slot`.)"""
+    if not error.get("retryable") or task.cancel_requested:
+        return None
+    kind = engine.kinds.get(task.kind)
+    policy = (kind.retry if kind is not None else None) or engine.retry_policy
+    return policy.next_retry_at(task, engine.now(), engine.rng, min_delay_s=retry_after_s or 0.0)
+
+
+def _released(to: Status, fields: dict[str, Any] | None) -> dict[str, Any]:
+    """The columns a change to ``to`` sets: ``fields``, and no lease when no worker holds
+    the task any more."""
+    changes = dict(fields or {})
+    if to not in RUNNING:
+        changes.update(lease_owner=None, lease_expires_at=None, state_deadline_at=None)
+    return changes
+
+
+def _change(
+    draft: Draft, fields: dict[str, Any], error: JSON | None, fence: Fence, by: Contributions
+) -> Change:
+    """The compare-and-set of a drafted change, with the effects the contributions add."""
+    task = draft.task
+    expect_epoch = task.epoch if fence.on_epoch else None
+    steps, effects = tuple(draft.steps), effects_of(draft, by)
+    return Change(task.id, task.status, expect_epoch, steps, fields, error, fence, effects)
+
+
 def _log_transitions(events: Sequence[TaskEvent]) -> None:
     for e in events:
-        fields = {"task_id": e.task_id, "attempt": e.attempt, "epoch": e.epoch,
-                  "from": e.from_status, "to": e.status, "event": str(e.event),
-                  "duration_s": e.dwell_s}  # fmt: skip
+        fields = {
+            "task_id": e.task_id,
+            "attempt": e.attempt,
+            "epoch": e.epoch,
+            "from": e.from_status,
+            "to": e.status,
+            "event": str(e.event),
+            "duration_s": e.dwell_s,
+        }
         if e.loading_s is not None:
             fields["loading_s"] = e.loading_s
         logs.line(log, "transition", fields)
-
-
-def attempt_usage(
-    task: Task,
-    steps: Sequence[tuple[Event, Status]],
-    retry_error: JSON | None,
-    loading_s: float,
-    pool: str | None,
-    share: float = 1.0,
-) -> AttemptUsage | None:
-    """What the ledger records of the attempt that ``steps`` end, or None when they end
-    none (the task was not running, or still is)."""
-    event, to = steps[0]
-    if task.status not in RUNNING or to in RUNNING:
-        return None
-    code = None if retry_error is None else str(retry_error.get("code"))
-    retried = steps[-1][0] is Event.SCHEDULE_RETRY
-    outcome = outcome_of(event, to, retried=retried, error_code=code)
-    return AttemptUsage(outcome, loading_s, pool, task.lease_owner, share)
 
 
 def rerun_fields(task: Task, now: float) -> dict[str, Any]:
@@ -585,11 +523,6 @@ def rerun_fields(task: Task, now: float) -> dict[str, Any]:
         "cancel_requested_at": None,
         "deadline_at": max(task.deadline_at, now + task.deadline_s),
     }
-
-
-def failure(task: Task, code: str) -> Count:
-    """The ``failures`` counter of a failed attempt of ``task`` with ``code``."""
-    return (FAILURES, f"{task.tenant}:{code}")
 
 
 class SupportsEngine(Protocol):

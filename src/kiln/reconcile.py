@@ -32,12 +32,14 @@ from enum import StrEnum
 from typing import Any
 
 from kiln import inputs
-from kiln.engine import Engine, SupportsEngine, engine_of, failure, rerun_fields
+from kiln.contributions import Counts, Retry, failure
+from kiln.engine import Engine, SupportsEngine, engine_of, rerun_fields
 from kiln.errors import Conflict, LeaseLost, NotFound
 from kiln.models import JSON, StoredOutput, Task
 from kiln.states import FINAL, Event, Status
 from kiln.storage import MANIFEST, ObjectInfo, Storage, sha256_hex
 from kiln.store import LeaderToken
+from kiln.store.records import Fence
 
 log = logging.getLogger("kiln.reconcile")
 
@@ -308,12 +310,11 @@ async def lose_result(
     return await engine.apply(
         task,
         Event.LOSE,
-        then=Event.SCHEDULE_RETRY if rerun else None,
+        retry=Retry(then=Event.SCHEDULE_RETRY) if rerun else None,
         fields=fields,
         error=error,
-        bump_epoch=True,
-        leader=leader,
-        counters=[failure(task, RESULT_LOST)],
+        fence=Fence(bump=True, leader=leader),
+        facts=[Counts((failure(task, RESULT_LOST),))],
     )
 
 

@@ -20,12 +20,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kiln import canonical, counters, reconcile, retention, scheduler, webhooks
-from kiln.engine import Engine, SupportsEngine, engine_of, failure, ghost_after_s
+from kiln.contributions import Counts, Retry, failure
+from kiln.engine import Engine, SupportsEngine, engine_of, ghost_after_s
 from kiln.errors import Conflict, LeaseLost, NotLeader
 from kiln.models import JSON, Task
 from kiln.states import CLAIMABLE, MAY_HAVE_OUTPUTS, Event
 from kiln.storage import read_complete_manifest
 from kiln.store import LeaderToken
+from kiln.store.records import Fence
 
 log = logging.getLogger("kiln.supervisor")
 
@@ -271,8 +273,13 @@ class Supervisor:
 
     # actions
 
+    @property
+    def _fence(self) -> Fence:
+        """A write of this leader that fences the worker out (epoch+1)."""
+        return Fence(bump=True, leader=self.token)
+
     async def _force_cancel(self, task: Task, report: SweepReport) -> None:
-        await self.engine.apply(task, Event.FORCE_CANCEL, leader=self.token, bump_epoch=True)
+        await self.engine.apply(task, Event.FORCE_CANCEL, fence=self._fence)
         report.force_cancelled += 1
         log.info("force_cancelled", extra={"task_id": task.id, "epoch": task.epoch})
 
@@ -282,10 +289,10 @@ class Supervisor:
             await self.engine.apply(
                 task,
                 Event.DEADLINE,
-                leader=self.token,
+                fence=Fence(leader=self.token),
                 fields={"error": error},
                 error=error,
-                counters=[failure(task, "deadline_exceeded")],
+                facts=[Counts((failure(task, "deadline_exceeded"),))],
             )
             report.deadlined += 1
             return
@@ -307,21 +314,18 @@ class Supervisor:
                 await self.engine.apply(
                     task,
                     Event.RECOVER,
-                    leader=self.token,
-                    bump_epoch=True,
+                    fence=self._fence,
                     fields={
                         "result": {"outputs": [o.to_json() for o in outputs]},
                         "error": None,
                         "stage": None,
                     },
-                    counters=[(counters.RECOVERED, "")],
+                    facts=[Counts(((counters.RECOVERED, ""),))],
                 )
                 report.recovered += 1
                 log.info("recovered", extra={"task_id": task.id, "attempt": task.attempt})
                 return
-        await self.engine.apply(
-            task, Event.EXPIRE, leader=self.token, bump_epoch=True, retry_error=error
-        )
+        await self.engine.apply(task, Event.EXPIRE, fence=self._fence, retry=Retry(error))
         report.expired += 1
         log.info("expired", extra={"task_id": task.id, "code": error["code"]})
 

@@ -8,6 +8,8 @@ from kiln import canonical
 from kiln.models import JSON, NewTask, Task, Timeouts
 from kiln.states import FINAL, Event, Status, check
 from kiln.store import Change, Store
+from kiln.store.effects import Counted
+from kiln.store.records import Fence
 
 KIND = "conformance.job"
 
@@ -92,9 +94,8 @@ def step_change(
         steps=tuple(steps),
         fields=changes,
         error=error,
-        bump_epoch=bump_epoch,
-        fenced=fenced,
-        counters=counters,
+        fence=Fence(fenced=fenced, bump=bump_epoch),
+        effects=(Counted(counters),) if counters else (),
     )
 
 

@@ -14,10 +14,12 @@ import pytest
 
 from kiln.errors import LeaseLost, StoreUnavailable
 from kiln.states import Event, Status, replay
+from kiln.store.effects import USAGE_ROW
 from kiln.store.positions import due_above_args, place_args
 from kiln.store.postgres import PostgresStore, migrate
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlstore import purge_candidates
+from kiln.store.tx import Args
 from services.postgres import PostgresServer, free_port
 
 from .factories import KIND, make_new_task, step_change
@@ -220,13 +222,14 @@ HOT = {
     ),
 }
 #: An attempt's ledger row as the supervisor writes it (no pool: its slot rows are read).
-USAGE_ARGS = (
-    "tsk_500", 1, 1, "t1", "k1", None, None, "tsk_500", 1, "w", "expired", "GENERATING", 1.0,
-    0.0, "GENERATING", 1.0, 1.0, 1e9, "tsk_500", 1, 1,
-)  # fmt: skip
+USAGE_ARGS = {
+    "task_id": "tsk_500", "attempt": 1, "epoch": 1, "tenant": "t1", "kind": "k1",
+    "model": None, "pool": None, "worker": "w", "outcome": "expired", "source": "GENERATING",
+    "dwell_s": 1.0, "loading_s": 0.0, "share": 1.0, "ended_at": 1e9,
+}  # fmt: skip
 
 
-def plan(conn: psycopg.Connection[Any], sql: str, args: tuple[Any, ...]) -> str:
+def plan(conn: psycopg.Connection[Any], sql: str, args: Args) -> str:
     rows = conn.execute(f"EXPLAIN {sql}", args).fetchall()  # type: ignore[arg-type]
     return "\n".join(row[0] for row in rows)
 
@@ -254,7 +257,7 @@ def test_an_attempts_ledger_row_reads_its_events_through_their_index(
     filled: psycopg.Connection[Any],
 ) -> None:
     # (pool_slots is empty here, so a scan of it is the cheap plan: not checked)
-    found = plan(filled, Q.record_usage, USAGE_ARGS)
+    found = plan(filled, USAGE_ROW["postgres"], USAGE_ARGS)
     assert "Index Scan using events_task on events" in found, found
     assert "Seq Scan on events" not in found, found
 

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from kiln.errors import StoreUnavailable
+from kiln.store.effects import USAGE_ROW
 from kiln.store.positions import BELOW_ALL, due_above_args, place_args
 from kiln.store.queries import migrations, queries
 from kiln.store.sqlite import SqliteStore, connect, migrate
 from kiln.store.sqlstore import purge_candidates
+from kiln.store.tx import Args
 
 from .factories import make_new_task
 
@@ -55,10 +57,11 @@ Q = queries("sqlite")
 
 #: name -> (query, parameters, the indexes it may use)
 #: An attempt's ledger row as the supervisor writes it (no pool: its slot rows are read).
-USAGE_ARGS = (
-    "tsk_00000500", 1, 1, "t1", "kind.1", None, None, "tsk_00000500", 1, "w", "expired",
-    "GENERATING", 1.0, 0.0, "GENERATING", 1.0, 1.0, NOW, "tsk_00000500", 1, 1,
-)  # fmt: skip
+USAGE_ARGS = {
+    "task_id": "tsk_00000500", "attempt": 1, "epoch": 1, "tenant": "t1", "kind": "kind.1",
+    "model": None, "pool": None, "worker": "w", "outcome": "expired", "source": "GENERATING",
+    "dwell_s": 1.0, "loading_s": 0.0, "share": 1.0, "ended_at": NOW,
+}  # fmt: skip
 HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
     "claim": (Q.claim_candidates, ("kind.1", NOW, NOW, 16), ("tasks_claim",)),
     "claim_warm": (Q.claim_warm, ("kind.1", "m1", NOW, NOW, 16), ("tasks_claim_model",)),
@@ -105,7 +108,7 @@ HOT_QUERIES: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {
         ("kind.1", 1, NOW - 500, "tsk_00000500", NOW - 400, "tsk_00000600", NOW, NOW, "[]"),
         ("tasks_claim",),
     ),
-    "record_usage": (Q.record_usage, USAGE_ARGS, ("events_task",)),
+    "usage_row": (USAGE_ROW["sqlite"], USAGE_ARGS, ("events_task",)),
     "queue_position_levels_above": (
         Q.queue_due_above,
         due_above_args("kind.1", None, 1, NOW),
@@ -148,7 +151,7 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sqlite3.Connect
     conn.close()
 
 
-def plan(conn: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> list[str]:
+def plan(conn: sqlite3.Connection, sql: str, args: Args) -> list[str]:
     return [row["detail"] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, args)]
 
 

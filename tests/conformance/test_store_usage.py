@@ -10,12 +10,14 @@ import pytest
 
 import kiln
 from kiln.api.metrics import GPU_FROZEN_AFTER_S, GpuSeconds
+from kiln.contributions import Ran, Retry
 from kiln.engine import Engine
 from kiln.errors import LeaseLost
 from kiln.models import Task, TaskEvent
 from kiln.states import RUNNING, Event, Status
 from kiln.store import Store
 from kiln.store.postgres import PostgresStore
+from kiln.store.records import BUMP, WORKER, Fence
 from kiln.store.usage import UsageRecord
 from kiln.worker import release_fields
 
@@ -66,9 +68,9 @@ async def claim(core: Engine, *, acquire: bool = False, worker: str = "w-1") -> 
 
 async def run_to_upload(core: Engine, clock: SettableClock, task: Task) -> Task:
     clock.advance(1.5)
-    task = await core.apply(task, Event.ACQUIRE, fenced=True)
+    task = await core.apply(task, Event.ACQUIRE, fence=WORKER)
     clock.advance(2.25)
-    task = await core.apply(task, Event.GENERATED, fenced=True)
+    task = await core.apply(task, Event.GENERATED, fence=WORKER)
     clock.advance(0.5)
     return task
 
@@ -81,8 +83,8 @@ async def test_a_successful_attempt_writes_one_row_with_the_logs_seconds(
     await store.submit(new)
     task = await run_to_upload(core, clock, await claim(core))
     # When the upload lands, with the load the worker timed and the pool its kind takes
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True, loading_s=0.75,
-                     pool="gpu")  # fmt: skip
+    ran = Ran(loading_s=0.75, pool="gpu")
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER, facts=[ran])
     # Then the ledger holds one row whose seconds are those of the event log
     (row,) = await assert_ledger_matches_log(store, new.id)
     assert (row.waiting_s, row.generating_s, row.loading_s) == (1.5, 2.25, 0.75)
@@ -100,9 +102,9 @@ async def test_a_claim_that_acquires_at_once_waited_zero(
     task = await claim(core, acquire=True)
     assert task.status is G
     clock.advance(3.0)
-    task = await core.apply(task, Event.GENERATED, fenced=True)
+    task = await core.apply(task, Event.GENERATED, fence=WORKER)
     # When it ends in review
-    await core.apply(task, Event.UPLOADED, Status.NEEDS_REVIEW, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.NEEDS_REVIEW, fence=WORKER)
     # Then it waited 0 seconds and generated 3
     (row,) = await assert_ledger_matches_log(store, new.id)
     assert (row.outcome, row.waiting_s, row.generating_s) == ("needs_review", 0.0, 3.0)
@@ -116,14 +118,14 @@ async def test_every_attempt_of_a_retried_task_counts(
     await store.submit(new)
     task = await claim(core)
     clock.advance(1.0)
-    task = await core.apply(task, Event.ACQUIRE, fenced=True)
+    task = await core.apply(task, Event.ACQUIRE, fence=WORKER)
     clock.advance(4.0)
-    task = await core.apply(task, Event.FAIL, fenced=True, retry_error=BROKEN)
+    task = await core.apply(task, Event.FAIL, fence=WORKER, retry=Retry(BROKEN))
     assert task.status is Status.RETRYING
     # When the second attempt succeeds
     clock.advance(120)
     task = await run_to_upload(core, clock, await claim(core, worker="w-2"))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     # Then both attempts are in the ledger, each with its own seconds and worker
     first, second = await assert_ledger_matches_log(store, new.id)
     assert (first.outcome, first.waiting_s, first.generating_s, first.worker) == (
@@ -144,11 +146,11 @@ async def test_a_failure_and_a_cancel_while_generating_count(
     await store.submit(cancelled)
     second = await claim(core)
     clock.advance(2.0)
-    await core.apply(first, Event.FAIL, fenced=True, retry_error=PERMANENT)
-    second = await core.apply(second, Event.ACQUIRE, fenced=True)
+    await core.apply(first, Event.FAIL, fence=WORKER, retry=Retry(PERMANENT))
+    second = await core.apply(second, Event.ACQUIRE, fence=WORKER)
     clock.advance(3.0)
     await core.request_cancel(second)
-    await core.apply(second, Event.STOPPED, fenced=True)
+    await core.apply(second, Event.STOPPED, fence=WORKER)
     # Then each attempt has its row: the failure waited 2 s, the cancel generated 3 s
     (failed,) = await assert_ledger_matches_log(store, failing.id)
     (stopped,) = await assert_ledger_matches_log(store, cancelled.id)
@@ -164,13 +166,13 @@ async def test_a_released_attempt_counts_and_the_next_one_has_its_own_row(
     await store.submit(new)
     task = await claim(core)
     clock.advance(1.0)
-    task = await core.apply(task, Event.ACQUIRE, fenced=True)
+    task = await core.apply(task, Event.ACQUIRE, fence=WORKER)
     clock.advance(2.0)
-    await core.apply(task, Event.RELEASE, fenced=True, bump_epoch=True,
-                     fields=release_fields(task))  # fmt: skip
+    fence = Fence(fenced=True, bump=True)
+    await core.apply(task, Event.RELEASE, fields=release_fields(task), fence=fence)
     # When the next claim runs it to the end (the same attempt number, a new epoch)
     task = await run_to_upload(core, clock, await claim(core))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     # Then the released attempt is in the ledger beside the successful one
     released, done = await assert_ledger_matches_log(store, new.id)
     assert (released.outcome, released.attempt, released.epoch) == ("released", 1, 1)
@@ -190,7 +192,7 @@ async def test_the_supervisor_writes_the_rows_of_the_attempts_it_ends(
     await claim(core)
     clock.advance(1.0)
     assert await store.pools.acquire(first.id, first.epoch, {"gpu": 1}, {"gpu": 2}) is None
-    first = await core.apply(first, Event.ACQUIRE, fenced=True)
+    first = await core.apply(first, Event.ACQUIRE, fence=WORKER)
     # When the lease lapses and the supervisor sweeps, then the waiting timeout passes
     clock.advance(40)
     await engine.supervisor(owner="sup").sweep()
@@ -212,10 +214,10 @@ async def test_a_stale_replay_of_the_final_write_adds_nothing(
     new = make_new_task()
     await store.submit(new)
     task = await run_to_upload(core, clock, await claim(core))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     # When its worker sends the same write again
     with pytest.raises(LeaseLost):
-        await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+        await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     # Then the ledger still holds one row
     assert len(await store.usage.of_task(new.id)) == 1
 
@@ -230,9 +232,9 @@ async def test_attempts_ending_together_each_write_their_row(
         tasks.append(await run_to_upload(core, clock, await claim(core)))
     # When they all succeed together
     before = store.write_statements if isinstance(store, PostgresStore) else 0
+    ran = Ran(loading_s=0.5, pool="gpu")
     await asyncio.gather(*(
-        core.apply(t, Event.UPLOADED, Status.SUCCESS, fenced=True, loading_s=0.5, pool="gpu")
-        for t in tasks
+        core.apply(t, Event.UPLOADED, Status.SUCCESS, fence=WORKER, facts=[ran]) for t in tasks
     ))  # fmt: skip
     if isinstance(store, PostgresStore):  # some went as one statement over arrays
         assert 0 < store.write_statements - before < len(tasks) - 1
@@ -251,9 +253,10 @@ async def test_sums_by_group_and_a_tenants_own(
         await store.submit(make_new_task({"n": n}, tenant=tenant))
         task = await run_to_upload(core, clock, await claim(core))
         if n == 1:
-            await core.apply(task, Event.FAIL, fenced=True, retry_error=PERMANENT)
+            await core.apply(task, Event.FAIL, fence=WORKER, retry=Retry(PERMANENT))
         else:
-            await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True, loading_s=1.0)
+            ran = Ran(loading_s=1.0)
+            await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER, facts=[ran])
     # When the ledger is summed by tenant and outcome
     sums = await store.usage.report(since=start, until=clock() + 1, group_by=["tenant", "outcome"])
     # Then each group has its attempts and seconds
@@ -287,7 +290,7 @@ async def test_the_retention_purge_keeps_the_ledger(
     new = make_new_task()
     await store.submit(new)
     task = await run_to_upload(core, clock, await claim(core))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     clock.advance(86400)
     # When the retention purge deletes it with its events
     assert [t.id for t in await store.purge(finished_before=clock())] == [new.id]
@@ -304,14 +307,14 @@ async def test_the_gpu_seconds_metric_reads_the_ledger_incrementally_and_counts_
     reader = GpuSeconds()
     await store.submit(make_new_task({"n": 1}))
     task = await run_to_upload(core, clock, await claim(core))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     key = ("acme", KIND, "", "success")
     assert await reader.read(core) == {key: 2.25}
     # When another ends minutes later, and the reader's mark moves past both
     clock.advance(400)
     await store.submit(make_new_task({"n": 2}))
     task = await run_to_upload(core, clock, await claim(core))
-    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fenced=True)
+    await core.apply(task, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
     first_mark = reader.mark
     assert await reader.read(core) == {key: 4.5}
     clock.advance(2 * GPU_FROZEN_AFTER_S)
@@ -331,15 +334,15 @@ async def test_the_supervisors_other_endings_name_their_outcomes(
         await store.submit(make_new_task({"n": n}))
         task = await claim(core)
         clock.advance(1.0)
-        tasks.append(await core.apply(task, Event.ACQUIRE, fenced=True))
+        tasks.append(await core.apply(task, Event.ACQUIRE, fence=WORKER))
     clock.advance(5.0)
     timed_out, cancelled, recovered = tasks
     # When the supervisor ends each as its sweep would
     code = {"code": "generating_timeout", "message": "too long", "retryable": False}
-    await core.apply(timed_out, Event.EXPIRE, bump_epoch=True, retry_error=code)
-    await core.apply(await core.request_cancel(cancelled), Event.FORCE_CANCEL, bump_epoch=True)
-    await core.apply(recovered, Event.RECOVER, bump_epoch=True,
-                     fields={"result": {"outputs": []}})  # fmt: skip
+    await core.apply(timed_out, Event.EXPIRE, fence=BUMP, retry=Retry(code))
+    await core.apply(await core.request_cancel(cancelled), Event.FORCE_CANCEL, fence=BUMP)
+    recover = {"result": {"outputs": []}}
+    await core.apply(recovered, Event.RECOVER, fields=recover, fence=BUMP)
     # Then each attempt's row says how it ended, with the log's seconds
     outcomes = []
     for task in tasks:

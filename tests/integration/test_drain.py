@@ -19,6 +19,7 @@ from kiln.config import Settings
 from kiln.errors import LeaseLost
 from kiln.models import Output, Task
 from kiln.states import RUNNING, Event, Status
+from kiln.store.records import Fence
 from kiln.supervisor import LEADER
 from kiln.worker import Worker
 
@@ -233,9 +234,8 @@ async def test_a_release_from_a_stale_epoch_is_refused(gated: tuple[kiln.App, Ga
 
     # When the old worker tries to give it back (its view: running at the old epoch)
     with pytest.raises(LeaseLost):
-        await app.engine.apply(
-            claimed, Event.RELEASE, fenced=True, bump_epoch=True, fields={"attempt": 0}
-        )
+        fence = Fence(fenced=True, bump=True)
+        await app.engine.apply(claimed, Event.RELEASE, fields={"attempt": 0}, fence=fence)
 
     # Then nothing changed
     assert await app.get(task.id) == requeued

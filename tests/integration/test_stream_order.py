@@ -13,6 +13,7 @@ from kiln.bus import Message, ProgressEvent
 from kiln.config import Settings
 from kiln.models import Task, TaskEvent
 from kiln.states import Event, Status
+from kiln.store.records import WORKER
 
 KIND = "test.plain"
 
@@ -67,8 +68,8 @@ async def test_progress_that_overtakes_its_generating_event_is_shown_right_after
             worker_id="w", kinds=[KIND], limit=1, lease_ttl_s=30, acquire=[KIND]
         )
         app.engine.hub.poke()
-        generated = await app.engine.apply(claimed, Event.GENERATED, fenced=True)
-        await app.engine.apply(generated, Event.UPLOADED, Status.SUCCESS, fenced=True)
+        generated = await app.engine.apply(claimed, Event.GENERATED, fence=WORKER)
+        await app.engine.apply(generated, Event.UPLOADED, Status.SUCCESS, fence=WORKER)
         seen = await stream.to_the_end()
     # Then the stream shows it right after the GENERATING event, once
     assert seen == [

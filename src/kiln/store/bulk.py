@@ -40,7 +40,7 @@ from kiln.states import ENDED_UNSUCCESSFULLY, Status
 from kiln.store import pipelines
 from kiln.store.records import Change
 from kiln.store.rows import task_from_row
-from kiln.store.tx import Concern, EventRow, Op, Refused, Row, Tally, Tx, alone
+from kiln.store.tx import Args, Concern, EventRow, Op, Refused, Row, Tally, Tx, alone
 
 #: What the policy plans for a running task that a cancel names: ask its worker to stop.
 ASK_TO_STOP: Literal["ask_to_stop"] = "ask_to_stop"
@@ -151,19 +151,19 @@ class RowCount:
     def tally(self, value: Tally) -> None:
         self.tx.tally = value
 
-    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+    async def one(self, sql: str, args: Args = ()) -> Row | None:
         row = await self.tx.one(sql, args)
         if row is not None and _writes(sql):
             self.rows += 1
         return row
 
-    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, args: Args = ()) -> list[Row]:
         rows = await self.tx.all(sql, args)
         if _writes(sql):
             self.rows += len(rows)
         return rows
 
-    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+    async def run(self, sql: str, args: Args = ()) -> int:
         changed = await self.tx.run(sql, args)
         self.rows += max(changed, 0) if _writes(sql) else 0
         return changed

@@ -1,17 +1,18 @@
 """The batch of one-statement writes of a PostgreSQL store's process.
 
 Submissions without a key and workers' plain steps that arrive while a batch commits go
-together into the next one: one transaction and one round trip (psycopg's pipeline mode). Writes of
-one shape (submissions; steps that set the same columns) go as one statement over typed
-arrays (``submit_many``, ``step_many``); each row is still its own compare-and-set with
-its own event row, and a write whose row did not match gets no row back.
+together into the next one: one transaction and one round trip (psycopg's pipeline mode).
+Writes of one shape (submissions; steps that set the same columns) go as one statement
+over typed arrays passed as named parameters (``submit_many``; steps:
+:mod:`kiln.store.pgstep`); each row is still its own compare-and-set with its own event
+row, and a write whose row did not match gets no row back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,8 +21,9 @@ import psycopg.errors
 from psycopg_pool import PoolTimeout
 
 from kiln.errors import StoreUnavailable
+from kiln.store.pgstep import StepShape, arrays_of, step_sql
 from kiln.store.pgtx import READY_CHANNEL, Conn, PostgresTx, Q
-from kiln.store.tx import Row, Tally
+from kiln.store.tx import Args, Row, Tally
 
 #: Writes one batch transaction takes at most.
 BATCH_MAX = 256
@@ -55,16 +57,15 @@ SUBMITTED = (
     "step",
     "step_copy",
 )
-#: Appended to a step's shape when it ends an attempt (its ledger row goes with it).
-USAGE_SHAPE = " +usage"
-#: The types of the arrays a step that ends an attempt adds: pool, worker, outcome,
-#: loading_s, share (``step_many_usage``).
-USAGE_TYPES = ("text", "text", "text", "double precision", "double precision")
+#: The names of a submission's values (``insert_values``, then its event's): ``k_<name>``.
+SUBMIT_NAMES = (*SUBMITTED, "event", "at")
 #: The tasks table's column types (for the typed arrays).
 COLUMN_TYPES = (
     "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute"
     " WHERE attrelid = 'tasks'::regclass AND attnum > 0 AND NOT attisdropped"
 )
+#: A statement's shape: submissions, or steps that set the same columns.
+Shape = StepShape | str
 
 
 class Host(Protocol):
@@ -74,68 +75,53 @@ class Host(Protocol):
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Conn]: ...
 
-    async def _statement(
-        self, sql: str, args: Sequence[Any], *, notify: bool = False
-    ) -> Row | None: ...
+    async def _statement(self, sql: str, args: Args, *, notify: bool = False) -> Row | None: ...
 
     async def _drop_broken(self) -> None: ...
 
 
 class Shapes:
-    """The statements over arrays, rendered once per shape from the columns' types."""
+    """The statements over arrays, built once per shape from the columns' types."""
 
     def __init__(self) -> None:
         self._types: dict[str, str] = {}
-        self._sql: dict[str, str] = {}
+        self._sql: dict[Shape, str] = {}
+        self._one: dict[StepShape, str] = {}
 
     async def read_types(self, conn: Conn) -> None:
-        """Read the tasks table's column types once (before any ``step_many``)."""
+        """Read the tasks table's column types once (before any statement over arrays)."""
         if not self._types:
             rows = await (await conn.execute(COLUMN_TYPES)).fetchall()
             self._types = {str(name): str(kind) for name, kind in rows}
 
-    def sql(self, shape: str) -> str:
+    def sql(self, shape: Shape) -> str:
         """The statement over arrays of the writes of ``shape``: ``submit_many`` for
-        submissions, ``step_many`` for steps that set the columns ``shape`` names."""
-        if shape != SUBMIT_SHAPE:
-            return self._steps(shape)
+        submissions, :func:`kiln.store.pgstep.step_sql` for steps."""
         sql = self._sql.get(shape)
         if sql is None:
-            types = [self._types[column] for column in SUBMITTED] + ["text", "double precision"]
-            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
-            sql = self._sql[shape] = Q.submit_many.replace("{arrays}", arrays)
-        return sql
-
-    def _steps(self, shape: str) -> str:
-        """``step_many`` for steps that set ``sets`` (``col = %s, ...``, as ``step_rows``
-        has them; the shape, without :data:`USAGE_SHAPE` when they end their attempts):
-        each value becomes an array of the column's type."""
-        sql = self._sql.get(shape)
-        if sql is None:
-            sets = shape.removesuffix(USAGE_SHAPE)
-            usage = sets != shape
-            types = ["text", "text", self._types["epoch"]]
-            rendered: list[str] = []
-            for clause in sets.split(", "):
-                column = clause.split(" = ", 1)[0]
-                if "%s" in clause:
-                    types.append(self._types[column])
-                    clause = clause.replace("%s", f"d.k_v{len(types) - 3}")
-                rendered.append(clause)
-            values = ", ".join(f"k_v{i}" for i in range(1, len(types) - 2))
-            types += ["text", "text", "text", "boolean", "text", "double precision"]
-            if usage:
-                types += USAGE_TYPES
-            arrays = ", ".join(f"%s::text[]::{kind}[]" for kind in types)
-            columns = ", k_pool, k_worker, k_outcome, k_loading, k_share" if usage else ""
             sql = self._sql[shape] = (
-                Q.step_many.replace("{arrays}", arrays)
-                .replace("{values}", values)
-                .replace("{sets}", ", ".join(rendered))
-                .replace("{usage_columns}", columns)
-                .replace("{usage}", f" {Q.step_many_usage}" if usage else "")
+                step_sql(shape, self._types, many=True)
+                if isinstance(shape, StepShape)
+                else self._submit()
             )
         return sql
+
+    def one(self, shape: StepShape) -> str:
+        """The statement of one step of ``shape``, its values given as they are."""
+        sql = self._one.get(shape)
+        if sql is None:
+            sql = self._one[shape] = step_sql(shape, self._types, many=False)
+        return sql
+
+    def _submit(self) -> str:
+        types = [self._types[column] for column in SUBMITTED] + ["text", "double precision"]
+        arrays = ", ".join(
+            f"%(k_{name})s::text[]::{kind}[]"
+            for name, kind in zip(SUBMIT_NAMES, types, strict=True)
+        )
+        columns = ", ".join(f"k_{name}" for name in SUBMIT_NAMES)
+        unnest = f"WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d({columns}, k_n))"
+        return f"{unnest}, {Q.submit_many}"
 
 
 @dataclass(slots=True)
@@ -144,15 +130,15 @@ class Write:
     that row adds, and whether it makes work claimable (NOTIFY)."""
 
     order: str
-    counted: tuple[str, list[Any]]  # the statement alone, counting itself (autocommit)
-    bare: tuple[str, list[Any]]  # the statement in a batch, counted by the batch
+    counted: tuple[str, Args]  # the statement alone, counting itself (autocommit)
+    bare: tuple[str, Args]  # the statement in a batch, counted by the batch
     counts: Callable[[Row, Tally], None]
     notify: bool
     future: asyncio.Future[Row | None]
-    #: Steps of one shape (the same SET columns) share one statement over arrays
-    #: (``step_many``); ``values`` is this step's row of those arrays.
-    shape: str | None = None
-    values: list[Any] = field(default_factory=list)
+    #: Writes of one shape share one statement over arrays (:meth:`Shapes.sql`);
+    #: ``values`` is this write's row of those arrays, by name.
+    shape: Shape | None = None
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 class WriteBatch:
@@ -249,20 +235,19 @@ class WriteBatch:
                     await conn.execute(f"NOTIFY {READY_CHANNEL}")
         return rows
 
-    def _sql(self, writes: list[Write]) -> tuple[str, list[Any]]:
+    def _sql(self, writes: list[Write]) -> tuple[str, Args]:
         """One write's own statement, or the one statement over arrays of many."""
         if len(writes) == 1:
             return writes[0].bare
         assert writes[0].shape is not None
-        columns = zip(*(write.values for write in writes), strict=True)
-        return self.store.shapes.sql(writes[0].shape), [[as_text(v) for v in c] for c in columns]
+        return self.store.shapes.sql(writes[0].shape), arrays_of([w.values for w in writes])
 
 
 def statements_of(batch: list[Write]) -> list[list[Write]]:
     """The batch's statements: the writes of one shape together (one task each: a task
     written twice in a batch keeps its second write to itself), the others alone."""
-    shaped: dict[str, list[Write]] = {}
-    taken: dict[str, set[str]] = {}
+    shaped: dict[Shape, list[Write]] = {}
+    taken: dict[Shape, set[str]] = {}
     statements: list[list[Write]] = []
     for write in batch:
         if write.shape is None or write.order in taken.setdefault(write.shape, set()):
@@ -285,12 +270,3 @@ def rows_of(writes: list[Write], rows: list[Row]) -> list[tuple[Write, Row | Non
         return [(writes[0], rows[0] if rows else None)]
     by_place = {row[-2]: (*row[:-2], row[-1]) for row in rows}
     return [(write, by_place.get(n)) for n, write in enumerate(writes, 1)]
-
-
-def as_text(value: Any) -> str | None:
-    """A value as the text PostgreSQL parses back to it (the arrays are cast from text)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)  # an int, or a float's shortest exact form

@@ -16,7 +16,7 @@ from kiln.models import TaskEvent
 from kiln.store.claims import ADVISORY_CAPS
 from kiln.store.queries import queries
 from kiln.store.rows import dumps
-from kiln.store.tx import Counting, EventRow, Row, Tally, violation
+from kiln.store.tx import Args, Counting, EventRow, Row, Tally, violation
 
 Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 Q = queries("postgres")
@@ -40,19 +40,19 @@ class PostgresTx(Counting):
         self.notify = notify
         self.tally = Tally()
 
-    async def _execute(self, sql: str, args: Sequence[Any]) -> psycopg.AsyncCursor[Row]:
+    async def _execute(self, sql: str, args: Args) -> psycopg.AsyncCursor[Row]:
         try:
             return await self.conn.execute(sql, args)
         except psycopg.errors.IntegrityError as exc:
             raise translated(exc) from None
 
-    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+    async def one(self, sql: str, args: Args = ()) -> Row | None:
         return await (await self._execute(sql, args)).fetchone()
 
-    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, args: Args = ()) -> list[Row]:
         return await (await self._execute(sql, args)).fetchall()
 
-    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+    async def run(self, sql: str, args: Args = ()) -> int:
         return (await self._execute(sql, args)).rowcount
 
     async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:

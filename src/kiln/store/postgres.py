@@ -39,14 +39,16 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
-from kiln.store.pgbatch import SUBMIT_SHAPE, USAGE_SHAPE, Shapes, Write, WriteBatch
+from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
+from kiln.store.effects import Ledger, effects_of
+from kiln.store.pgbatch import SUBMIT_NAMES, SUBMIT_SHAPE, Shape, Shapes, Write, WriteBatch
+from kiln.store.pgstep import StepShape, step_values
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
-from kiln.store.records import AttemptUsage, Change, Clock
-from kiln.store.rows import TASK_COLUMNS, dumps, event_from_row, task_from_row
-from kiln.store.sqlstore import Store, insert_args, update_sql
-from kiln.store.tx import Op, Refused, Row, Tally, Tx, alone
+from kiln.store.records import Change, Clock
+from kiln.store.rows import TASK_COLUMNS, event_from_row, task_from_row
+from kiln.store.sqlstore import Store, insert_args, update_sets
+from kiln.store.tx import Args, Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
 
@@ -58,11 +60,6 @@ ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
 #: The one-statement writes, alone (counting themselves) or in a batch (counted by it).
 SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
 SUBMIT_BARE = f"{Q.submit_rows} {Q.submit_end}"
-STEP_COUNTED = f"{Q.step_rows} {Q.step_count} {Q.step_end}"
-STEP_BARE = f"{Q.step_rows} {Q.step_end}"
-#: The same for a step that ends its attempt: its ledger row in the same statement.
-STEP_USAGE_COUNTED = f"{Q.step_rows} {Q.step_usage} {Q.step_count} {Q.step_end}"
-STEP_USAGE_BARE = f"{Q.step_rows} {Q.step_usage} {Q.step_end}"
 
 
 async def migrate(conn: Conn) -> int:
@@ -182,6 +179,7 @@ class PostgresStore(Store):
         async with conn:
             await migrate(conn)
             await _check_task_columns(conn)
+            await self.shapes.read_types(conn)
         self._migrated = True
 
     @contextlib.asynccontextmanager
@@ -352,6 +350,7 @@ class PostgresStore(Store):
         now = self.clock()
         bare = [*insert_args(new, now), str(Event.SUBMIT), now]
         counted = [*bare, random.randrange(COUNTER_SHARDS)]
+        values = {f"k_{name}": value for name, value in zip(SUBMIT_NAMES, bare, strict=True)}
 
         def counts(row: Row, tally: Tally) -> None:
             tally.count_status(row[1], Status.PENDING, 1)
@@ -363,20 +362,20 @@ class PostgresStore(Store):
             counts,
             notify=self._notify_due(now),
             shape=SUBMIT_SHAPE,
-            values=bare,
+            values=values,
         )
         return None if row is None else task_from_row(row)
 
     async def _batched(
         self,
         order: str,
-        counted: tuple[str, list[Any]],
-        bare: tuple[str, list[Any]],
+        counted: tuple[str, Args],
+        bare: tuple[str, Args],
         counts: Callable[[Row, Tally], None],
         *,
         notify: bool = False,
-        shape: str | None = None,
-        values: list[Any] | None = None,
+        shape: Shape | None = None,
+        values: dict[str, Any] | None = None,
     ) -> Row | None:
         """One write through this loop's batch (``pgbatch.WriteBatch``); one of a ``shape`` may
         share a statement with others of it, ``values`` its row of the arrays."""
@@ -386,12 +385,10 @@ class PostgresStore(Store):
             batch = self._batches[loop] = WriteBatch(self)
         future = loop.create_future()
         return await batch.run(
-            Write(order, counted, bare, counts, notify, future, shape, values or [])
+            Write(order, counted, bare, counts, notify, future, shape, values or {})
         )
 
-    async def _statement(
-        self, sql: str, args: Sequence[Any], *, notify: bool = False
-    ) -> Row | None:
+    async def _statement(self, sql: str, args: Args, *, notify: bool = False) -> Row | None:
         """One statement in autocommit (NOTIFY after it when it wrote a row and ``notify``).
         A broken connection may have committed it: the caller's retry re-reads the row
         and either finds the change done (a refusal) or does it."""
@@ -422,24 +419,16 @@ class PostgresStore(Store):
 
     async def _apply_in_one_statement(self, change: Change) -> tuple[Task, list[TaskEvent]] | None:
         """A worker's plain step (acquire, generated, uploaded, fail without retry) as one
-        statement: lock and check the row, update it, insert its event and add the counts.
-        None when the row did not match (the caller then words the refusal)."""
+        statement (:mod:`kiln.store.pgstep`): lock and check the row, update it, insert its
+        event (and the ledger's row of the attempt it ends) and add the counts. None when
+        the row did not match (the caller then words the refusal)."""
         now = self.clock()
-        target, source = change.steps[0][1], change.expect_status
-        sql, set_args = update_sql(change, target, now)
-        sql = Q.sql(sql)
-        sets = sql.removeprefix("UPDATE tasks SET ").removesuffix(" WHERE id = %s RETURNING *")
-        shard = random.randrange(COUNTER_SHARDS)
-        bare = _step_args(change, set_args, now)
-        values = bare[:-1]
-        counted_sql, bare_sql, shape = STEP_COUNTED, STEP_BARE, sets
-        if change.usage is not None:  # it ends the attempt: the ledger row goes with it
-            used = change.usage
-            bare += _usage_args(used, source, now)
-            values += [used.pool, used.worker, used.outcome, used.loading_s, used.share]
-            counted_sql, bare_sql = STEP_USAGE_COUNTED, STEP_USAGE_BARE
-            shape = sets + USAGE_SHAPE
-        counted = [*bare, shard, str(source), str(target), f"{source}>{target}", shard]
+        target, source = change.target, change.expect_status
+        sets = update_sets(change, target, now)
+        usage = next((e.usage for e in change.effects if isinstance(e, Ledger)), None)
+        values = step_values(change, sets, usage, now)
+        shape = StepShape(tuple((column, added) for column, _, added in sets), usage is not None)
+        shard = {"shard": random.randrange(COUNTER_SHARDS)}
 
         def counts(row: Row, tally: Tally) -> None:
             tally.count_status(row[1], source, -1)
@@ -448,8 +437,8 @@ class PostgresStore(Store):
 
         row = await self._batched(
             change.task_id,
-            (counted_sql.replace("{sets}", sets), counted),
-            (bare_sql.replace("{sets}", sets), bare),
+            (self.shapes.one(shape.alone()), {**values, **shard}),
+            (self.shapes.one(shape), values),
             counts,
             shape=shape,
             values=values,
@@ -496,21 +485,19 @@ class PostgresStore(Store):
 
 
 def _is_plain(change: Change) -> bool:
-    """A fenced single step of a worker that needs nothing but the row, its event and the
-    counts: no leader, no epoch bump, no extra counters, no wake-up, no dedup re-entry, no
+    """A worker's fenced single step that needs nothing but the row, its event and the
+    counts, and effects the one statement writes itself (the ledger's row): no leader, no
+    epoch bump, no dedup re-entry, no counters, no wake-up, no pipeline to advance, no
     model load to record on its event."""
-    target = change.steps[-1][1]
+    fence = change.fence
     return (
         len(change.steps) == 1
-        and change.fenced
+        and fence.fenced
         and change.expect_epoch is not None
-        and change.leader is None
-        and not change.bump_epoch
-        and not change.counters
-        and target not in CLAIMABLE
+        and fence.leader is None
+        and not fence.bump
         and change.expect_status not in ENDED_UNSUCCESSFULLY
-        and change.loading_s is None  # rare (a model was loaded): the transaction writes it
-        and (change.pipeline_id is None or target not in FINAL)  # a step's end goes on
+        and all(effect.in_statement for effect in effects_of(change))
     )
 
 
@@ -527,23 +514,9 @@ async def _check_task_columns(conn: Conn) -> None:
 __all__ = ["PostgresStore", "migrate"]
 
 
-def _step_args(change: Change, set_args: Sequence[Any], now: float) -> list[Any]:
-    """The parameters of a plain step's statement (STEP_BARE): the row's match, its new
-    fields, and its event row."""
-    (event, target), source = change.steps[0], change.expect_status
-    match = [change.task_id, str(source), change.expect_epoch]
-    logged = [str(event), str(source), str(target), target in FINAL, dumps(change.error)]
-    return [*match, *set_args[:-1], *logged, now, now]
-
-
-def _usage_args(used: AttemptUsage, source: Status, now: float) -> list[Any]:
-    """The parameters a step that ends an attempt adds (STEP_USAGE_BARE): its ledger row."""
-    ledger = [used.pool, used.worker, used.outcome, str(source), now, used.loading_s]
-    return [*ledger, str(source), now, used.share, now]
-
-
 def _step_event(change: Change, task: Task, row: Row, now: float) -> TaskEvent:
-    """The event row a plain step wrote (``row`` ends with its dwell start and seq)."""
+    """The event row a plain step wrote (``row``: the task's columns, its dwell start, ...,
+    its event's seq)."""
     (event, target), source = change.steps[0], change.expect_status
     return TaskEvent(
         seq=row[-1],
@@ -557,6 +530,6 @@ def _step_event(change: Change, task: Task, row: Row, now: float) -> TaskEvent:
         epoch=task.epoch,
         error=change.error,
         at=now,
-        dwell_s=now - row[-2],
+        dwell_s=now - row[len(TASK_COLUMNS)],
         final=target in FINAL,
     )

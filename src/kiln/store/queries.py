@@ -7,11 +7,13 @@ Queries live in ``sql/queries.sql`` (both dialects) and ``sql/<dialect>/queries.
     -- What the query does: (its parameters).
     SELECT ...
 
-Parameters are written ``?`` (PostgreSQL gets ``%s``). ``{NAME}`` tokens are rendered at
-load time: status sets from :mod:`kiln.states` (``{CLAIMABLE}`` → ``('PENDING',
-'RETRYING')``) and the few words the dialects spell differently (``{FOR_UPDATE}``,
-``{SKIP_LOCKED}``, ``{GREATEST}``, ``{IN_LIST}``, ...). Every name is defined once per
-dialect: in the shared file or in the dialect's own, never both.
+Parameters are written ``?`` (PostgreSQL gets ``%s``), or named, ``:name`` (PostgreSQL
+gets ``%(name)s``; both drivers take a mapping of them), never both in one query.
+``{NAME}`` tokens are rendered at load time: status sets from :mod:`kiln.states`
+(``{CLAIMABLE}`` → ``('PENDING', 'RETRYING')``) and the few words the dialects spell
+differently (``{FOR_UPDATE}``, ``{SKIP_LOCKED}``, ``{GREATEST}``, ``{IN_LIST}``, ...).
+Every name is defined once per dialect: in the shared file or in the dialect's own, never
+both.
 
 SQL that is built from a request's shape (the columns a change sets, a listing's filters)
 is written beside its builder with ``?`` and goes through :meth:`Queries.sql`.
@@ -34,6 +36,8 @@ from kiln.states import (
 
 _BLOCK = re.compile(r"^-- ([a-z_][a-z0-9_]*) --$", re.MULTILINE)
 _TOKEN = re.compile(r"\{([A-Z_]+)\}")
+#: A named parameter, ``:name`` (not a ``::type`` cast, not inside a word).
+_NAMED = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 
 
 def status_set(statuses: frozenset[Status] | set[Status]) -> str:
@@ -120,6 +124,7 @@ def _render(dialect: str, text: str) -> str:
     rendered = _TOKEN.sub(token, text)
     if dialect == "postgres":
         rendered = rendered.replace("%", "%%").replace("?", "%s")
+        rendered = _NAMED.sub(r"%(\1)s", rendered)
     return rendered
 
 

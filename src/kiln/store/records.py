@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kiln.models import JSON, Task
 from kiln.states import Event, Status
+from kiln.store.tx import EventRow, Ops, Tx
 
 Clock = Callable[[], float]
 
@@ -58,12 +59,92 @@ class AttemptUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class Fence:
+    """How a change is guarded besides the status it expects.
+
+    ``fenced``: a worker's write at the epoch it holds (a row that moved on is a lost
+    lease: ``LeaseLost``, counted as a stale write); ``bump``: the change raises the epoch
+    (fencing the holder out); ``leader``: a supervisor's write, refused once another
+    leader took over. Each of them applies the change only at the epoch read.
+    """
+
+    fenced: bool = False
+    bump: bool = False
+    leader: LeaderToken | None = None
+
+    @property
+    def on_epoch(self) -> bool:
+        """Whether the change applies only at the epoch read."""
+        return self.fenced or self.bump or self.leader is not None
+
+
+#: No guard but the status: a user's action.
+UNFENCED = Fence()
+#: A worker's write at the epoch it holds.
+WORKER = Fence(fenced=True)
+#: A change that fences the holder out (expire, recover, force-cancel, lose, release).
+BUMP = Fence(bump=True)
+
+
+@dataclass(slots=True)
+class Applied:
+    """What a change wrote, as its effects see it: the change, the task as updated, and
+    the row as it was locked before (``attempt``, ``epoch``, the ``dwell_s`` in the status
+    it left), at ``now``."""
+
+    change: Change
+    task: Task
+    attempt: int
+    epoch: int
+    dwell_s: float
+    now: float
+
+
+class Effect:
+    """What a change does besides its row and its event rows, in its transaction: a
+    contribution a feature adds to the change (:mod:`kiln.store.effects`), written once
+    over :class:`~kiln.store.tx.Tx` for both drivers. Every hook does nothing unless the
+    effect says otherwise; the store calls them in this order:
+
+    - :meth:`lock`, before the task's row is locked (one lock order everywhere);
+    - :meth:`before_events`, after the row's update, before its event rows;
+    - :meth:`amend`, on the event rows about to be written;
+    - :meth:`after`, once the event rows are written.
+
+    :attr:`in_statement` says that PostgreSQL's one-statement path writes the effect
+    itself (:mod:`kiln.store.pgstep`); any other effect takes the transaction.
+    """
+
+    __slots__ = ()
+    in_statement: ClassVar[bool] = False
+
+    def needed(self, change: Change) -> bool:
+        """Whether the effect does anything for ``change`` (a standing effect decides)."""
+        return True
+
+    async def lock(self, ops: Ops, tx: Tx, change: Change) -> None:
+        return None
+
+    async def before_events(self, ops: Ops, tx: Tx, applied: Applied) -> None:
+        return None
+
+    def amend(self, rows: list[EventRow]) -> None:
+        return None
+
+    async def after(self, ops: Ops, tx: Tx, applied: Applied) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class Change:
     """One compare-and-set on a task plus the event rows of its status changes.
 
     The UPDATE matches only ``(task_id, expect_status, expect_epoch)``; ``steps`` chain
     from ``expect_status`` (``fail`` then ``schedule_retry`` is two steps, one
-    transaction). ``fields`` are the columns to set besides status and bookkeeping.
+    transaction). ``fields`` are the columns to set besides status and bookkeeping;
+    ``error`` goes on the event rows; ``fence`` guards it; ``effects`` are what the
+    features add to it in the same transaction (the ledger row, counters, a pipeline's
+    advance, ...: :class:`Effect`).
     """
 
     task_id: str
@@ -72,19 +153,13 @@ class Change:
     steps: tuple[tuple[Event, Status], ...]
     fields: dict[str, Any] = field(default_factory=dict)
     error: JSON | None = None
-    bump_epoch: bool = False
-    fenced: bool = False
-    leader: LeaderToken | None = None
-    counters: tuple[tuple[str, str], ...] = ()
-    #: Set when the change ends a running attempt: its row of the GPU-second ledger is
-    #: written in the same transaction.
-    usage: AttemptUsage | None = None
-    #: The seconds the attempt spent loading models in GENERATING, for the event row of
-    #: the step that leaves it (None: no model was loaded, or it does not leave it).
-    loading_s: float | None = None
-    #: The pipeline of a step (docs/pipelines.md): a final status advances it in the same
-    #: transaction. None for every other task (and for the changes that path makes).
-    pipeline_id: str | None = None
+    fence: Fence = UNFENCED
+    effects: tuple[Effect, ...] = ()
+
+    @property
+    def target(self) -> Status:
+        """The status the change ends in."""
+        return self.steps[-1][1]
 
 
 @dataclass(frozen=True, slots=True)

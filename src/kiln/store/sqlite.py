@@ -39,7 +39,18 @@ from kiln.store.records import Clock
 from kiln.store.rows import TASK_COLUMNS
 from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlstore import Store
-from kiln.store.tx import Counting, EventRow, Op, Refused, Row, Tally, Tx, run_sync, violation
+from kiln.store.tx import (
+    Args,
+    Counting,
+    EventRow,
+    Op,
+    Refused,
+    Row,
+    Tally,
+    Tx,
+    run_sync,
+    violation,
+)
 
 log = logging.getLogger("kiln.store")
 
@@ -400,8 +411,8 @@ def flush_tally(conn: sqlite3.Connection, tally: Tally) -> None:
 _TAKES_LISTS = frozenset(sql for sql in queries("sqlite")._named.values() if "json_each(?)" in sql)
 
 
-def _params(sql: str, args: Sequence[Any]) -> Sequence[Any]:
-    if sql not in _TAKES_LISTS:
+def _params(sql: str, args: Args) -> Args:
+    if sql not in _TAKES_LISTS or not isinstance(args, Sequence):
         return args
     return [json.dumps(a) if type(a) is list else a for a in args]
 
@@ -425,20 +436,20 @@ class SqliteTx(Counting):
         self.q = q
         self.tally = _tally(conn)
 
-    def _execute(self, sql: str, args: Sequence[Any]) -> sqlite3.Cursor:
+    def _execute(self, sql: str, args: Args) -> sqlite3.Cursor:
         try:
             return self.conn.execute(sql, _params(sql, args))
         except sqlite3.DatabaseError as exc:
             raise _translated(exc) from None
 
-    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+    async def one(self, sql: str, args: Args = ()) -> Row | None:
         row: Row | None = self._execute(sql, args).fetchone()
         return row
 
-    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, args: Args = ()) -> list[Row]:
         return self._execute(sql, args).fetchall()
 
-    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+    async def run(self, sql: str, args: Args = ()) -> int:
         return self._execute(sql, args).rowcount
 
     async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:

@@ -28,17 +28,18 @@ from kiln.errors import (
 )
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent, TraceContext
 from kiln.pipelines import KIND as PIPELINE
-from kiln.states import CLAIMABLE, ENDED_UNSUCCESSFULLY, FINAL, Event, Status
+from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store import pipelines
 from kiln.store.bulk import Bulk
 from kiln.store.claims import ClaimOps
+from kiln.store.effects import effects_of
 from kiln.store.inputs import Inputs, Keys
 from kiln.store.load import Load
 from kiln.store.outbox import Outbox
 from kiln.store.pools import Limits, Pools
 from kiln.store.preempt import PreemptOps
 from kiln.store.queries import Queries
-from kiln.store.records import Change, Clock, Due, LeaderToken, Progress, Stats
+from kiln.store.records import Applied, Change, Clock, Due, LeaderToken, Progress, Stats
 from kiln.store.rows import (
     JSON_COLUMNS,
     TASK_COLUMNS,
@@ -50,7 +51,7 @@ from kiln.store.rows import (
 )
 from kiln.store.schedules import Schedules
 from kiln.store.tx import EventRow, IntegrityViolation, Op, Ops, Refused, Row, Tx, UniqueViolation
-from kiln.store.usage import Usage, usage_args
+from kiln.store.usage import Usage
 from kiln.store.workers import Workers
 
 log = logging.getLogger("kiln.store")
@@ -117,8 +118,8 @@ def event_rows(
     change: Change, task: Task, version: int, dwell: float, now: float
 ) -> list[EventRow]:
     """The event rows of ``change``'s steps, numbered on from the row's ``version``: the
-    first step leaves the status the row held for ``dwell`` seconds (and carries the
-    attempt's loading time), each next one leaves a status it held for none."""
+    first step leaves the status the row held for ``dwell`` seconds, each next one leaves
+    a status it held for none (the change's effects may amend them)."""
     rows: list[EventRow] = []
     source: Status = change.expect_status
     for offset, (event, target) in enumerate(change.steps, start=1):
@@ -133,7 +134,6 @@ def event_rows(
                 at=now,
                 dwell_s=dwell,
                 final=offset == len(change.steps) and target in FINAL,
-                loading_s=change.loading_s if offset == 1 else None,
             )
         )
         source, dwell = target, 0.0
@@ -152,22 +152,45 @@ def input_rows(new: NewTask) -> list[tuple[str, str]]:
     )
 
 
-def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
-    """The UPDATE of a change whose row is locked and checked (``?`` placeholders)."""
-    sets = ["status = ?", "version = version + ?", "updated_at = ?", "status_since = ?"]
-    args: list[Any] = [str(target), len(change.steps), now, now]
-    if change.bump_epoch:
-        sets.append("epoch = epoch + 1")
+#: A column a change sets: ``(column, value, added)``; ``added``: ``column + value``.
+Set = tuple[str, Any, bool]
+
+
+def update_sets(change: Change, target: Status, now: float) -> list[Set]:
+    """What the UPDATE of a change whose row is locked and checked sets, in order: one
+    description for the row path (:func:`update_sql`) and PostgreSQL's one-statement path
+    (:mod:`kiln.store.pgstep`)."""
+    sets: list[Set] = [
+        ("status", str(target), False),
+        ("version", len(change.steps), True),
+        ("updated_at", now, False),
+        ("status_since", now, False),
+    ]
+    if change.fence.bump:
+        sets.append(("epoch", 1, True))
     if target in FINAL and "finished_at" not in change.fields:
-        sets.append("finished_at = ?")
-        args.append(now)
+        sets.append(("finished_at", now, False))
     for column, value in change.fields.items():
         if column not in TASK_COLUMNS:
             raise ValueError(f"unknown task column {column!r}")
-        sets.append(f"{column} = ?")
-        args.append(dumps(value) if column in JSON_COLUMNS else value)
+        sets.append((column, dumps(value) if column in JSON_COLUMNS else value, False))
+    return sets
+
+
+#: Each column's clause in an UPDATE: set to a value, or a value added to it.
+_SET = {column: f"{column} = ?" for column in TASK_COLUMNS}
+_ADD = {column: f"{column} = {column} + ?" for column in TASK_COLUMNS}
+
+
+def update_sql(change: Change, target: Status, now: float) -> tuple[str, list[Any]]:
+    """The UPDATE of a change whose row is locked and checked (``?`` placeholders)."""
+    clauses: list[str] = []
+    args: list[Any] = []
+    for column, value, added in update_sets(change, target, now):
+        clauses.append(_ADD[column] if added else _SET[column])
+        args.append(value)
     args.append(change.task_id)
-    return f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? RETURNING *", args
+    return f"UPDATE tasks SET {', '.join(clauses)} WHERE id = ? RETURNING *", args
 
 
 def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
@@ -187,7 +210,7 @@ def refusal(tx: Tx, change: Change, current: Row | None) -> Refused | None:
             # its pipeline): the attempt goes on.
             return Refused(StaleDecision(f"task {change.task_id}: its cancel was taken back"))
         return None
-    if change.fenced:
+    if change.fence.fenced:
         tx.bump(names.STALE_WRITES)
         return Refused(LeaseLost(f"task {change.task_id} moved on (now {status}, epoch {epoch})"))
     return Refused(Conflict(f"task {change.task_id} is {status}, not {change.expect_status}"))
@@ -383,18 +406,18 @@ class TaskOps(Ops):
 
     async def _apply(self, tx: Tx, change: Change) -> tuple[Task, list[TaskEvent]] | Refused:
         now = self.clock()
-        if change.leader is not None and not await self._holds(tx, change.leader, now):
-            return Refused(NotLeader(f"{change.leader.owner} no longer leads"))
-        target = change.steps[-1][1]
-        if change.pipeline_id is not None and target in FINAL:
-            # A step's end advances its pipeline: one lock order everywhere, the pipeline's
-            # row first, then its steps (kiln.store.pipelines), or fan-outs deadlock.
-            await tx.one(self.q.lock_task, (change.pipeline_id,))
+        leader = change.fence.leader
+        if leader is not None and not await self._holds(tx, leader, now):
+            return Refused(NotLeader(f"{leader.owner} no longer leads"))
+        effects = effects_of(change)
+        for effect in effects:
+            await effect.lock(self, tx, change)
         current = await tx.one(self.q.lock_task, (change.task_id,))
         refused = refusal(tx, change, current)
         if refused is not None:
             return refused
         assert current is not None
+        target = change.target
         sql, args = update_sql(change, target, now)
         if change.expect_status in ENDED_UNSUCCESSFULLY and target not in ENDED_UNSUCCESSFULLY:
             row = await self._revive(tx, self.q.sql(sql), args)
@@ -402,23 +425,19 @@ class TaskOps(Ops):
             row = await tx.one(self.q.sql(sql), args)
         assert row is not None
         task = task_from_row(row)
-        source: Status = change.expect_status
         dwell: float = now - current[3]
-        if change.usage is not None:  # before the event rows: it adds this step's dwell
-            used = usage_args(change.usage, task, source, current[5], current[1], dwell, now)
-            await tx.run(self.q.record_usage, used)
+        applied = Applied(change, task, current[5], current[1], dwell, now)
         rows = event_rows(change, task, current[2], dwell, now)
+        for effect in effects:
+            await effect.before_events(self, tx, applied)
+            effect.amend(rows)
         for step in rows:
             tx.bump(names.TRANSITIONS, f"{step.source}>{step.target}")
         events = await tx.insert_events(rows)
         tx.count_status(task.tenant, change.expect_status, -1)
         tx.count_status(task.tenant, target, 1)
-        for name, labels in change.counters:
-            tx.bump(name, labels)
-        if target in CLAIMABLE:
-            await tx.notify_ready()
-        if change.pipeline_id is not None and target in FINAL:
-            await pipelines.step_ended(self, tx, task, change.steps[-1][0])
+        for effect in effects:
+            await effect.after(self, tx, applied)
         return task, events
 
     # pipelines (kiln.store.pipelines)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -23,6 +23,8 @@ from kiln.store.queries import Queries
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+#: A statement's parameters: in order (``?``), or by name (``:name``).
+Args = Sequence[Any] | Mapping[str, Any]
 
 
 class Tally(collections.Counter[tuple[str, str, str]]):
@@ -121,11 +123,11 @@ class EventRow:
 class Tx(Protocol):
     """One transaction of a driver, with the counter deltas it adds at commit."""
 
-    async def one(self, sql: str, args: Sequence[Any] = ()) -> Row | None: ...
+    async def one(self, sql: str, args: Args = ()) -> Row | None: ...
 
-    async def all(self, sql: str, args: Sequence[Any] = ()) -> list[Row]: ...
+    async def all(self, sql: str, args: Args = ()) -> list[Row]: ...
 
-    async def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+    async def run(self, sql: str, args: Args = ()) -> int:
         """Execute; the rows it changed."""
         ...
 

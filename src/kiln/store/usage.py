@@ -1,10 +1,11 @@
 """The GPU-second ledger: one row per attempt, written with the transition that ends it.
 
 A change that ends a running attempt (it leaves WAITING_FOR_RESOURCE, GENERATING or
-UPLOADING) carries an :class:`~kiln.store.records.AttemptUsage`; the store writes the
-attempt's row in the same transaction, before the change's own event rows
-(``record_usage``; on PostgreSQL's one-statement path, ``step_usage`` in the same
-statement). The row's ``waiting_s`` and ``generating_s`` are read from the event log, so
+UPLOADING) carries a :class:`~kiln.store.effects.Ledger` effect; the store writes the
+attempt's row in the same transaction, before the change's own event rows, with the one
+SQL text of the ledger (``usage_row``, over ``usage_ended``; on PostgreSQL's
+one-statement path, over the statement's own rows: :mod:`kiln.store.pgstep`).
+The row's ``waiting_s`` and ``generating_s`` are read from the event log, so
 they are exactly the ``dwell_s`` of the attempt's events that leave those statuses,
 whoever ends the attempt (a worker, or the supervisor with no memory of it). Its key is
 (task id, attempt, epoch): a replayed write adds nothing.
@@ -20,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.models import Task
 from kiln.states import Event, Status
-from kiln.store.records import AttemptUsage
+from kiln.store.records import Applied, AttemptUsage
 from kiln.store.tx import Concern, Driver, Row
 
 #: How an attempt ended, by the event that ended it: ``uploaded`` (success,
@@ -141,23 +141,27 @@ class UsageSum:
         }
 
 
-def usage_args(
-    usage: AttemptUsage,
-    task: Task,
-    source: Status,
-    attempt: int,
-    epoch: int,
-    dwell_s: float,
-    now: float,
-) -> tuple[Any, ...]:
-    """The parameters of ``record_usage`` for the attempt (``attempt``, ``epoch``: as it
-    ran, before the change) that the change of ``task`` from ``source`` ends."""
-    key = (task.id, attempt, epoch)
-    columns = (*key, task.tenant, task.kind, task.model)
-    pool = (usage.pool, task.id, epoch)  # None: the attempt's pool slots
-    left = (str(source), dwell_s)  # the status the change leaves, and its dwell there
-    seconds = (*left, usage.loading_s, *left, usage.share, now)
-    return (*columns, *pool, usage.worker, usage.outcome, *seconds, *key)
+def ledger_values(usage: AttemptUsage, applied: Applied) -> dict[str, Any]:
+    """The row of the relation ``usage_row`` reads (``usage_ended``'s parameters) for the
+    attempt that ``applied`` ends: as it ran (its attempt and epoch before the change),
+    the status the change left and its dwell there."""
+    task = applied.task
+    return {
+        "task_id": task.id,
+        "attempt": applied.attempt,
+        "epoch": applied.epoch,
+        "tenant": task.tenant,
+        "kind": task.kind,
+        "model": task.model,
+        "pool": usage.pool,  # None: the attempt's pool slots
+        "worker": usage.worker,
+        "outcome": usage.outcome,
+        "source": str(applied.change.expect_status),
+        "dwell_s": applied.dwell_s,
+        "loading_s": usage.loading_s,
+        "share": usage.share,
+        "ended_at": applied.now,
+    }
 
 
 def report_sql(

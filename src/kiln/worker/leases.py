@@ -15,11 +15,13 @@ import logging
 from typing import Any
 
 from kiln.bus import ProgressEvent
+from kiln.contributions import Ran, Retry
 from kiln.engine import Engine
 from kiln.errors import LeaseLost, StaleDecision, StoreUnavailable
 from kiln.models import JSON
 from kiln.states import Event, Status
 from kiln.store import Progress
+from kiln.store.records import Fence
 from kiln.worker.attempt import Attempt, ids
 from kiln.worker.slots import Slots
 
@@ -136,12 +138,12 @@ class Leases:
                 progress_step=attempt.progress.step,
                 progress_total=attempt.progress.total,
             )
+        retry = None if retry_error is None else Retry(retry_error, retry_after_s)
+        fence = Fence(fenced=True, bump=bump_epoch)
         delay = STORE_RETRY_S[0]
         while True:
             try:
-                await self._apply(
-                    attempt, event, target, changes, retry_error, retry_after_s, bump_epoch
-                )
+                await self._apply(attempt, event, target, changes, retry, fence)
                 return
             except StaleDecision:
                 # A cancel was asked after the read this change was planned on (a retry):
@@ -173,9 +175,8 @@ class Leases:
         event: Event,
         target: Status | None,
         changes: dict[str, Any],
-        retry_error: JSON | None,
-        retry_after_s: float | None,
-        bump_epoch: bool,
+        retry: Retry | None,
+        fence: Fence,
     ) -> None:
         """One try of the write. Cancelled (a cancel request, a shutdown) while the write
         is in flight, it lets the write land, so the attempt knows the status it left."""
@@ -185,14 +186,9 @@ class Leases:
                 event,
                 target,
                 fields=changes,
-                fenced=True,
-                retry_error=retry_error,
-                retry_after_s=retry_after_s,
-                bump_epoch=bump_epoch,
-                loading_s=attempt.loading_s,
-                pool=attempt.pools,
-                share=attempt.share,
-                loads=attempt.loads,
+                fence=fence,
+                retry=retry,
+                facts=[Ran(attempt.loading_s, attempt.pools, attempt.share, attempt.loads)],
             )
         )
         try:

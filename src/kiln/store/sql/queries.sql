@@ -213,27 +213,44 @@ DELETE FROM tasks WHERE id {IN_LIST}
 
 -- the GPU-second ledger (kiln/store/usage.py) ----------------------------------------------
 
--- record_usage --
--- An attempt's row of the ledger, written by the change that ends it before that change's
--- own event rows: the seconds waiting and generating are the dwell_s of the attempt's
--- event rows so far that leave those statuses, plus the ending step's dwell in the status
--- it leaves; a NULL pool reads the attempt's pool slots. A replay adds nothing:
--- (task_id, attempt, epoch, tenant, kind, model, pool, task_id, epoch, worker, outcome,
--- from, dwell, loading_s, from, dwell, share, ended_at, task_id, attempt, epoch).
+-- usage_row --
+-- An attempt's row of the ledger, written by the change that ends it, from the relation
+-- ``ended`` (task_id, attempt, epoch, tenant, kind, model, pool, worker, outcome, source,
+-- dwell_s, loading_s, share, ended_at) that the statement around it defines: the row path
+-- (usage_ended, before the change's own event rows) and PostgreSQL's one-statement path
+-- (kiln/store/pgstep.py, which cannot see its own event row). The seconds waiting and
+-- generating are the dwell_s of the attempt's event rows so far that leave those statuses,
+-- plus the ending step's dwell in the status it leaves (source); a NULL pool reads the
+-- attempt's pool slots. A replay adds nothing. The one text of the GPU-seconds.
 INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
     outcome, waiting_s, loading_s, generating_s, share, ended_at)
-SELECT ?, ?, ?, ?, ?, ?,
-    coalesce(?, (SELECT {JOIN_POOLS} FROM (SELECT pool FROM pool_slots
-        WHERE task_id = ? AND epoch = ? ORDER BY pool) AS p), ''),
-    ?, ?,
-    coalesce(sum(CASE WHEN from_status = 'WAITING_FOR_RESOURCE' THEN dwell_s END), 0)
-        + CASE WHEN ? = 'WAITING_FOR_RESOURCE' THEN ? ELSE 0 END,
-    ?,
-    coalesce(sum(CASE WHEN from_status = 'GENERATING' THEN dwell_s END), 0)
-        + CASE WHEN ? = 'GENERATING' THEN ? ELSE 0 END,
-    ?, ?
-FROM events WHERE task_id = ? AND attempt = ? AND epoch = ?
+SELECT s.task_id, s.attempt, s.epoch, s.tenant, s.kind, s.model,
+    coalesce(s.pool, (SELECT {JOIN_POOLS} FROM (SELECT pool FROM pool_slots
+        WHERE task_id = s.task_id AND epoch = s.epoch ORDER BY pool) AS p), ''),
+    s.worker, s.outcome,
+    coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = s.task_id
+        AND v.attempt = s.attempt AND v.epoch = s.epoch
+        AND v.from_status = 'WAITING_FOR_RESOURCE'), 0)
+        + CASE WHEN s.source = 'WAITING_FOR_RESOURCE' THEN s.dwell_s ELSE 0 END,
+    s.loading_s,
+    coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = s.task_id
+        AND v.attempt = s.attempt AND v.epoch = s.epoch
+        AND v.from_status = 'GENERATING'), 0)
+        + CASE WHEN s.source = 'GENERATING' THEN s.dwell_s ELSE 0 END,
+    s.share, s.ended_at
+FROM ended AS s WHERE 1 = 1
 ON CONFLICT (task_id, attempt, epoch) DO NOTHING
+
+-- usage_ended --
+-- The relation usage_row reads, on the row path: named parameters (the attempt and epoch
+-- as it ran, before the change; the status the change leaves and its dwell there).
+SELECT CAST(:task_id AS TEXT) AS task_id, CAST(:attempt AS INTEGER) AS attempt,
+    CAST(:epoch AS INTEGER) AS epoch, CAST(:tenant AS TEXT) AS tenant,
+    CAST(:kind AS TEXT) AS kind, CAST(:model AS TEXT) AS model, CAST(:pool AS TEXT) AS pool,
+    CAST(:worker AS TEXT) AS worker, CAST(:outcome AS TEXT) AS outcome,
+    CAST(:source AS TEXT) AS source, CAST(:dwell_s AS DOUBLE PRECISION) AS dwell_s,
+    CAST(:loading_s AS DOUBLE PRECISION) AS loading_s,
+    CAST(:share AS DOUBLE PRECISION) AS share, CAST(:ended_at AS DOUBLE PRECISION) AS ended_at
 
 -- usage_of_task --
 -- A task's rows of the ledger, in attempt order: (task_id).

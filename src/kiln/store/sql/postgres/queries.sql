@@ -67,112 +67,61 @@ e AS (
 -- submit_end --
 SELECT t.*, (SELECT seq FROM e) FROM t
 
--- step_rows --
--- A worker's fenced single step, as the first part of one statement: lock and check the
--- row, update it ({sets}: the change's columns), insert its event (which reads the updated
--- row, as tail requires): (id, status, epoch, the SET parameters, event, from, to, final,
--- error, now, now).
-WITH o AS (SELECT id, status_since FROM tasks WHERE id = ? AND status = ? AND epoch = ?
-    FOR UPDATE),
-u AS (UPDATE tasks SET {sets} FROM o WHERE tasks.id = o.id
-    RETURNING tasks.*, o.status_since AS since),
-e AS (
-    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
-        epoch, error, at, dwell_s)
-    SELECT u.id || ':' || u.version, u.id, u.tenant, ?, ?, ?, ?, u.attempt, u.epoch, ?, ?,
-        ? - u.since FROM u RETURNING seq)
-
--- step_usage --
--- The ledger row of the attempt the step ends (see record_usage), in the same statement:
--- the event rows of earlier statements give the seconds waiting and generating, and the
--- step's own dwell is added (a statement does not see its own event row): (pool, worker,
--- outcome, from, now, loading_s, from, now, share, now).
-, g AS (
-    INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
-        outcome, waiting_s, loading_s, generating_s, share, ended_at)
-    SELECT u.id, u.attempt, u.epoch, u.tenant, u.kind, u.model, coalesce(?::text, ''),
-        ?::text, ?::text,
-        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
-            AND v.attempt = u.attempt AND v.epoch = u.epoch
-            AND v.from_status = 'WAITING_FOR_RESOURCE'), 0)
-            + CASE WHEN ?::text = 'WAITING_FOR_RESOURCE' THEN ?::float8 - u.since ELSE 0 END,
-        ?::float8,
-        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
-            AND v.attempt = u.attempt AND v.epoch = u.epoch
-            AND v.from_status = 'GENERATING'), 0)
-            + CASE WHEN ?::text = 'GENERATING' THEN ?::float8 - u.since ELSE 0 END,
-        ?::float8, ?::float8
-    FROM u ON CONFLICT (task_id, attempt, epoch) DO NOTHING)
-
--- step_count --
--- The step's counts, in the same statement, rows in a fixed order within each table:
--- (shard, from, to, from>to, shard).
-, tc AS (
-    INSERT INTO task_counts (tenant, status, shard, n) SELECT u.tenant, d.s, ?, d.n
-    FROM u, (VALUES (?::text, -1), (?::text, 1)) AS d(s, n) ORDER BY d.s
-    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
-c AS (
-    INSERT INTO counters (name, labels, shard, n) SELECT 'transitions', ?, ?, 1 FROM u
-    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
-
--- step_end --
-SELECT u.*, (SELECT seq FROM e) FROM u
-
--- step_many --
--- Workers' plain steps of one shape (the same columns set) as one statement over arrays,
--- in a batch (which adds the counts): kiln/store/postgres.py renders {arrays} (the typed
--- arrays of id, status, epoch, {values}, event, from, to, final, error, now), {values}
--- (the SET values' names) and {sets} (the change's columns = d.k_v1, ...); steps that
--- end their attempts add {usage_columns} (the arrays of pool, worker, outcome, loading_s,
--- share) and {usage} (step_many_usage), else both are empty. Rows are locked and checked
--- in id order, updated, and their events inserted (reading the updated rows, as tail
--- requires); each updated row comes back with its place in the arrays and its event's seq.
-WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_status, k_epoch,
-    {values}, k_event, k_from, k_to, k_final, k_error, k_at{usage_columns}, k_n)),
+-- step_lock --
+-- PostgreSQL's one statement of workers' plain steps (kiln/store/pgstep.py builds it from
+-- one description, for one step or many): the relation d holds the steps' values, one
+-- row each (k_n: its place), named as the description names them. The rows that still
+-- match are locked in id order (the one lock order) ...
 o AS (SELECT tasks.id, tasks.status_since, d.k_n FROM tasks JOIN d ON tasks.id = d.k_id
     AND tasks.status = d.k_status AND tasks.epoch = d.k_epoch ORDER BY tasks.id
-    FOR UPDATE OF tasks),
-u AS (UPDATE tasks SET {sets} FROM o JOIN d ON d.k_n = o.k_n WHERE tasks.id = o.id
-    RETURNING tasks.*, o.status_since AS since, d.k_n),
+    FOR UPDATE OF tasks)
+
+-- step_events --
+-- ... updated (u), and their event rows inserted, reading the updated rows (so each
+-- transaction id comes before its seq, as tail requires).
 e AS (
     INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
         epoch, error, at, dwell_s)
     SELECT u.id || ':' || u.version, u.id, u.tenant, d.k_event, d.k_from, d.k_to, d.k_final,
         u.attempt, u.epoch, d.k_error, d.k_at, d.k_at - u.since
-    FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id){usage}
-SELECT u.*, e.seq FROM u JOIN e ON e.task_id = u.id
+    FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id)
 
--- step_many_usage --
--- The ledger rows of the attempts that step_many's steps end (see step_usage), in the
--- same statement.
-, g AS (
-    INSERT INTO usage_ledger (task_id, attempt, epoch, tenant, kind, model, pool, worker,
-        outcome, waiting_s, loading_s, generating_s, share, ended_at)
-    SELECT u.id, u.attempt, u.epoch, u.tenant, u.kind, u.model, coalesce(d.k_pool, ''),
-        d.k_worker, d.k_outcome,
-        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
-            AND v.attempt = u.attempt AND v.epoch = u.epoch
-            AND v.from_status = 'WAITING_FOR_RESOURCE'), 0)
-            + CASE WHEN d.k_from = 'WAITING_FOR_RESOURCE' THEN d.k_at - u.since ELSE 0 END,
-        d.k_loading,
-        coalesce((SELECT sum(v.dwell_s) FROM events v WHERE v.task_id = u.id
-            AND v.attempt = u.attempt AND v.epoch = u.epoch
-            AND v.from_status = 'GENERATING'), 0)
-            + CASE WHEN d.k_from = 'GENERATING' THEN d.k_at - u.since ELSE 0 END,
-        d.k_share, d.k_at
-    FROM u JOIN d ON d.k_n = u.k_n ON CONFLICT (task_id, attempt, epoch) DO NOTHING)
+-- step_ended --
+-- The attempts the steps end, as the ledger's row reads them (usage_row, which follows
+-- as the CTE g): the step's own dwell is its own (a statement does not see its own
+-- event row).
+ended AS (
+    SELECT u.id AS task_id, u.attempt AS attempt, u.epoch AS epoch, u.tenant AS tenant,
+        u.kind AS kind, u.model AS model, d.k_pool AS pool, d.k_worker AS worker,
+        d.k_outcome AS outcome, d.k_from AS source, d.k_at - u.since AS dwell_s,
+        d.k_loading AS loading_s, d.k_share AS share, d.k_at AS ended_at
+    FROM u JOIN d ON d.k_n = u.k_n)
+
+-- step_counts --
+-- A step written alone adds its own counts (a write batch adds them once for all), rows
+-- in a fixed order within each table: (shard).
+tc AS (
+    INSERT INTO task_counts (tenant, status, shard, n)
+    SELECT u.tenant, s.status, :shard, s.n
+    FROM u JOIN d ON d.k_n = u.k_n CROSS JOIN LATERAL (VALUES (d.k_from, -1), (d.k_to, 1))
+        AS s(status, n)
+    ORDER BY s.status
+    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
+c AS (
+    INSERT INTO counters (name, labels, shard, n)
+    SELECT 'transitions', d.k_from || '>' || d.k_to, :shard, 1 FROM u JOIN d ON d.k_n = u.k_n
+    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
+
+-- step_end --
+-- Each updated row comes back with its place in d and its event's seq.
+SELECT u.*, e.seq FROM u JOIN e ON e.task_id = u.id
 
 -- submit_many --
 -- Submissions without an idempotency key as one statement over arrays, in a batch (which
--- adds the counts): kiln/store/postgres.py renders {arrays}, the typed arrays of
--- (insert_task's parameters, submit, now). A content already live or done (by another
--- submission of this statement too) inserts nothing; each inserted task comes back with
--- its place in the arrays and its event's seq.
-WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d(k_id, k_tenant, k_kind,
-    k_priority, k_ready_at, k_params, k_metadata, k_inputs, k_fingerprint,
-    k_idempotency_key, k_dedup_key, k_max_attempts, k_deadline_s, k_deadline_at,
-    k_timeouts, k_created_at, k_updated_at, k_status_since, k_webhook, k_model,
-    k_batch_key, k_rerun_of, k_pipeline_id, k_step, k_step_copy, k_event, k_at, k_n)),
+-- adds the counts): kiln/store/pgbatch.py puts before it the relation d of their values
+-- (insert_task's parameters as k_<name>, k_event, k_at; k_n: the place). A content
+-- already live or done (by another submission of this statement too) inserts nothing;
+-- each inserted task comes back with its place in the arrays and its event's seq.
 t AS (
     INSERT INTO tasks (id, tenant, kind, status, priority, ready_at, params, metadata,
         inputs, fingerprint, idempotency_key, dedup_key, max_attempts, deadline_s,
