@@ -46,8 +46,8 @@ from kiln.store.pgstep import StepShape, step_values
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
-from kiln.store.rows import TASK_COLUMNS, event_from_row, task_from_row
-from kiln.store.sqlstore import Store, insert_args, update_sets
+from kiln.store.rows import TASK_COLUMNS, event_from_row, insert_args, task_from_row
+from kiln.store.sqlstore import Store, update_sets
 from kiln.store.tx import Args, Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")

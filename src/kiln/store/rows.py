@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kiln.models import Task, TaskEvent, Timeouts
+from kiln.models import NewTask, Task, TaskEvent, Timeouts
 from kiln.states import FINAL, Event, Status
 from kiln.store.records import Due
 
@@ -178,3 +178,57 @@ def classify_due(task: Task, now: float, due: Due) -> None:
         due.lease_expired.append(task)
     elif task.state_deadline_at is not None and task.state_deadline_at < now:
         due.state_expired.append(task)
+
+
+# What a new task writes ------------------------------------------------------------------
+
+
+def insert_args(new: NewTask, now: float) -> list[Any]:
+    """The parameters of the ``insert_task`` query. A delayed task (``run_at``) is ready,
+    and its deadline counts, from that moment."""
+    ready = now if new.run_at is None else max(now, new.run_at)
+    timeouts = {
+        "waiting_s": new.timeouts.waiting_s,
+        "generating_s": new.timeouts.generating_s,
+        "uploading_s": new.timeouts.uploading_s,
+    }
+    named = {  # in the order of the query's parameters
+        "id": new.id,
+        "tenant": new.tenant,
+        "kind": new.kind,
+        "priority": new.priority,
+        "ready_at": ready,
+        "params": dumps(new.params),
+        "metadata": dumps(new.metadata),
+        "inputs": dumps(new.inputs),
+        "fingerprint": new.fingerprint,
+        "idempotency_key": new.idempotency_key,
+        "dedup_key": new.dedup_key,
+        "max_attempts": new.max_attempts,
+        "deadline_s": new.deadline_s,
+        "deadline_at": ready + new.deadline_s,
+        "timeouts": dumps(timeouts),
+        "created_at": now,
+        "updated_at": now,
+        "status_since": now,
+        "webhook": dumps(new.webhook),
+        "model": new.model,
+        "batch_key": new.batch_key,
+        "rerun_of": new.rerun_of,
+        "pipeline_id": new.pipeline_id,
+        "step": new.step,
+        "step_copy": new.step_copy,
+    }
+    return list(named.values())
+
+
+def input_rows(new: NewTask) -> list[tuple[str, str]]:
+    """The ``task_inputs`` rows of a new task: its uploaded inputs by sha256 (an input with
+    a ``key`` is another task's object, read where it is, not an upload under ``inputs/``)."""
+    return sorted(
+        {
+            (str(item["sha256"]), new.id)
+            for item in new.inputs
+            if "sha256" in item and "key" not in item
+        }
+    )

@@ -47,6 +47,8 @@ from kiln.store.rows import (
     dumps,
     dwell_percentiles,
     event_from_row,
+    input_rows,
+    insert_args,
     task_from_row,
 )
 from kiln.store.schedules import Schedules
@@ -62,45 +64,6 @@ T = TypeVar("T")
 LOCK_PIPELINE_STEPS = "SELECT * FROM tasks WHERE pipeline_id {IN_LIST} ORDER BY id {FOR_UPDATE}"
 #: Transitions read for the dwell percentiles of ``stats``.
 DWELL_WINDOW = 10_000
-
-
-def insert_args(new: NewTask, now: float) -> list[Any]:
-    """The parameters of the ``insert_task`` query. A delayed task (``run_at``) is ready,
-    and its deadline counts, from that moment."""
-    ready = now if new.run_at is None else max(now, new.run_at)
-    timeouts = {
-        "waiting_s": new.timeouts.waiting_s,
-        "generating_s": new.timeouts.generating_s,
-        "uploading_s": new.timeouts.uploading_s,
-    }
-    named = {  # in the order of the query's parameters
-        "id": new.id,
-        "tenant": new.tenant,
-        "kind": new.kind,
-        "priority": new.priority,
-        "ready_at": ready,
-        "params": dumps(new.params),
-        "metadata": dumps(new.metadata),
-        "inputs": dumps(new.inputs),
-        "fingerprint": new.fingerprint,
-        "idempotency_key": new.idempotency_key,
-        "dedup_key": new.dedup_key,
-        "max_attempts": new.max_attempts,
-        "deadline_s": new.deadline_s,
-        "deadline_at": ready + new.deadline_s,
-        "timeouts": dumps(timeouts),
-        "created_at": now,
-        "updated_at": now,
-        "status_since": now,
-        "webhook": dumps(new.webhook),
-        "model": new.model,
-        "batch_key": new.batch_key,
-        "rerun_of": new.rerun_of,
-        "pipeline_id": new.pipeline_id,
-        "step": new.step,
-        "step_copy": new.step_copy,
-    }
-    return list(named.values())
 
 
 #: The queries a purge runs, in order: the rows that hang off the tasks, then the tasks.
@@ -138,18 +101,6 @@ def event_rows(
         )
         source, dwell = target, 0.0
     return rows
-
-
-def input_rows(new: NewTask) -> list[tuple[str, str]]:
-    """The ``task_inputs`` rows of a new task: its uploaded inputs by sha256 (an input with
-    a ``key`` is another task's object, read where it is, not an upload under ``inputs/``)."""
-    return sorted(
-        {
-            (str(item["sha256"]), new.id)
-            for item in new.inputs
-            if "sha256" in item and "key" not in item
-        }
-    )
 
 
 #: A column a change sets: ``(column, value, added)``; ``added``: ``column + value``.
