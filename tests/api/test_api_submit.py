@@ -42,6 +42,28 @@ async def test_new_task_is_201_with_location_and_the_task_json(api: ApiUnderTest
     assert task["created_at"].endswith("Z")
 
 
+async def test_a_new_task_is_answered_with_its_position_from_the_submit_alone(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store whose separate position reads fail
+    store = api.kiln.engine.store
+
+    async def no_read(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the position was read after the submit")
+
+    monkeypatch.setattr(store, "queue_position", no_read)
+    monkeypatch.setattr(store, "read_standing", no_read)
+    await api.submit(image_body("first"))
+    # When a task is submitted, with and without an Idempotency-Key, and replayed
+    new = await api.submit(image_body("second"))
+    keyed = await api.submit(image_body("third"), headers={"Idempotency-Key": "k-1"})
+    replayed = await api.submit(image_body("third"), headers={"Idempotency-Key": "k-1"})
+    # Then each answer's queue position came with the submit (one store call)
+    assert (new.status_code, new.json()["queue_position"]) == (201, 2)
+    assert (keyed.status_code, keyed.json()["queue_position"]) == (201, 3)
+    assert (replayed.status_code, replayed.json()["queue_position"]) == (200, 3)
+
+
 async def test_defaults_are_applied_and_timeouts_merge_with_defaults(api: ApiUnderTest) -> None:
     response = await api.submit(image_body(timeouts={"generating_s": 30}))
 
@@ -400,9 +422,9 @@ async def test_a_content_dedup_hit_is_read_not_inserted(
     inserts: list[object] = []
     submit = store.submit
 
-    async def counted(new: Any) -> Any:
+    async def counted(new: Any, **options: Any) -> Any:
         inserts.append(new)
-        return await submit(new)
+        return await submit(new, **options)
 
     monkeypatch.setattr(store, "submit", counted)
     # When the same content comes again, one request after another
