@@ -222,6 +222,49 @@ async def test_single_flight_gives_every_caller_the_error() -> None:
     assert all(isinstance(o, ValueError) for o in outcomes)
 
 
+async def test_single_flight_runs_the_call_in_the_first_callers_own_task() -> None:
+    flights: SingleFlight[object] = SingleFlight()
+
+    async def call() -> object:
+        return asyncio.current_task()
+
+    async def caller() -> tuple[object, object]:
+        ran_in, led = await flights.run("k", call)
+        assert led
+        return ran_in, asyncio.current_task()
+
+    ran_in, caller_task = await asyncio.ensure_future(caller())
+
+    assert ran_in is caller_task  # no task of its own: no extra turns of the loop
+    assert len(flights) == 0
+
+
+async def test_single_flight_callers_run_the_call_again_when_the_first_is_cancelled() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    first_started, release = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def call() -> int:
+        nonlocal calls
+        calls += 1
+        first_started.set()
+        await release.wait()
+        return 42
+
+    first = asyncio.ensure_future(flights.run("k", call))
+    await first_started.wait()
+    waiting = [asyncio.ensure_future(flights.run("k", call)) for _ in range(3)]
+    await asyncio.sleep(0)
+    first.cancel()
+    release.set()
+    outcomes = await asyncio.gather(*waiting)
+
+    assert first.cancelled()
+    assert {value for value, _ in outcomes} == {42}
+    assert sum(led for _, led in outcomes) == calls - 1  # one of them ran it again, or none
+    assert len(flights) == 0
+
+
 # Refusals: each answers the envelope and stores nothing -------------------------------
 
 INVALID_BODIES: list[tuple[str, Any]] = [

@@ -120,7 +120,12 @@ class RenderedJSON(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         try:
-            return super().render(content)
+            return _RENDER.encode(content).encode("utf-8")
         except (ValueError, RecursionError, TypeError) as exc:
             log.warning("response_degraded", extra={"error": type(exc).__name__})
             return super().render(_cleaned(content))
+
+
+#: What ``JSONResponse.render`` does (``json.dumps`` with these options), its encoder made
+#: once instead of on every answer.
+_RENDER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
