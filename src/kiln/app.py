@@ -220,13 +220,17 @@ class App(KindRegistry, EngineParts, TaskReads):
             )
         )
 
-    async def enter(self, submission: Submission, new: NewTask | None = None) -> SubmitResult:
+    async def enter(
+        self, submission: Submission, new: NewTask | None = None, *, place: bool = False
+    ) -> SubmitResult:
         """Store a :class:`Submission` (checked when it was made, not again): the task it
         creates, or the one an earlier identical request made. ``new``: its task row when
-        :meth:`task_row` made it already."""
+        :meth:`task_row` made it already; ``place``: its queue position read in the same
+        transaction (``SubmitResult.placed``; not for a pipeline)."""
         if new is None:
             new = self.task_row(submission)
-        return await self.engine.submit(new, pipeline=submission.kind == pipelines.KIND)
+        pipeline = submission.kind == pipelines.KIND
+        return await self.engine.submit(new, pipeline=pipeline, place=place)
 
     async def dedup_hit(
         self, submission: Submission, content: str

@@ -13,9 +13,14 @@ from typing import Any
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
 
+#: ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``, made
+#: once (``json.dumps`` with options builds an encoder on every call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> str:
     """One byte-exact JSON text per value: sorted keys, no spaces, UTF-8."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _CANONICAL.encode(value)
 
 
 def digest(value: Any) -> str:

@@ -190,12 +190,16 @@ class Engine:
             self._hub.poke()
         self.wake.set()
 
-    async def submit(self, new: NewTask, *, pipeline: bool = False) -> SubmitResult:
-        """Insert-or-get a checked submission's task (a pipeline with its first steps)."""
+    async def submit(
+        self, new: NewTask, *, pipeline: bool = False, place: bool = False
+    ) -> SubmitResult:
+        """Insert-or-get a checked submission's task (a pipeline with its first steps);
+        ``place``: a task's queue position read with it (``SubmitResult.placed``; not for
+        a pipeline)."""
         if pipeline:
             result = await self.store.submit_pipeline(new)
         else:
-            result = await self.store.submit(new)
+            result = await self.store.submit(new, place=place, policy=self.claim_policy)
         if result.created:
             submitted = {"task_id": result.task.id, "event": "submit", "to": "PENDING"}
             logs.line(log, "transition", {**submitted, "attempt": 0})

@@ -234,3 +234,7 @@ class SubmitResult:
     created: bool
     replayed: bool = False
     deduplicated: bool = False
+    #: The task's queue position, read in the submit's own transaction when the submit
+    #: asked for it (``placed``); None: not queued and due.
+    queue_position: int | None = None
+    placed: bool = False

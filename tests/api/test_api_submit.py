@@ -42,6 +42,28 @@ async def test_new_task_is_201_with_location_and_the_task_json(api: ApiUnderTest
     assert task["created_at"].endswith("Z")
 
 
+async def test_a_new_task_is_answered_with_its_position_from_the_submit_alone(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store whose separate position reads fail
+    store = api.kiln.engine.store
+
+    async def no_read(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the position was read after the submit")
+
+    monkeypatch.setattr(store, "queue_position", no_read)
+    monkeypatch.setattr(store, "read_standing", no_read)
+    await api.submit(image_body("first"))
+    # When a task is submitted, with and without an Idempotency-Key, and replayed
+    new = await api.submit(image_body("second"))
+    keyed = await api.submit(image_body("third"), headers={"Idempotency-Key": "k-1"})
+    replayed = await api.submit(image_body("third"), headers={"Idempotency-Key": "k-1"})
+    # Then each answer's queue position came with the submit (one store call)
+    assert (new.status_code, new.json()["queue_position"]) == (201, 2)
+    assert (keyed.status_code, keyed.json()["queue_position"]) == (201, 3)
+    assert (replayed.status_code, replayed.json()["queue_position"]) == (200, 3)
+
+
 async def test_defaults_are_applied_and_timeouts_merge_with_defaults(api: ApiUnderTest) -> None:
     response = await api.submit(image_body(timeouts={"generating_s": 30}))
 
@@ -198,6 +220,49 @@ async def test_single_flight_gives_every_caller_the_error() -> None:
     outcomes = await asyncio.gather(*waiting, return_exceptions=True)
 
     assert all(isinstance(o, ValueError) for o in outcomes)
+
+
+async def test_single_flight_runs_the_call_in_the_first_callers_own_task() -> None:
+    flights: SingleFlight[object] = SingleFlight()
+
+    async def call() -> object:
+        return asyncio.current_task()
+
+    async def caller() -> tuple[object, object]:
+        ran_in, led = await flights.run("k", call)
+        assert led
+        return ran_in, asyncio.current_task()
+
+    ran_in, caller_task = await asyncio.ensure_future(caller())
+
+    assert ran_in is caller_task  # no task of its own: no extra turns of the loop
+    assert len(flights) == 0
+
+
+async def test_single_flight_callers_run_the_call_again_when_the_first_is_cancelled() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    first_started, release = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def call() -> int:
+        nonlocal calls
+        calls += 1
+        first_started.set()
+        await release.wait()
+        return 42
+
+    first = asyncio.ensure_future(flights.run("k", call))
+    await first_started.wait()
+    waiting = [asyncio.ensure_future(flights.run("k", call)) for _ in range(3)]
+    await asyncio.sleep(0)
+    first.cancel()
+    release.set()
+    outcomes = await asyncio.gather(*waiting)
+
+    assert first.cancelled()
+    assert {value for value, _ in outcomes} == {42}
+    assert sum(led for _, led in outcomes) == calls - 1  # one of them ran it again, or none
+    assert len(flights) == 0
 
 
 # Refusals: each answers the envelope and stores nothing -------------------------------
@@ -400,9 +465,9 @@ async def test_a_content_dedup_hit_is_read_not_inserted(
     inserts: list[object] = []
     submit = store.submit
 
-    async def counted(new: Any) -> Any:
+    async def counted(new: Any, **options: Any) -> Any:
         inserts.append(new)
-        return await submit(new)
+        return await submit(new, **options)
 
     monkeypatch.setattr(store, "submit", counted)
     # When the same content comes again, one request after another

@@ -14,6 +14,7 @@ from api_support import (
     bearer,
     image_body,
     running_api,
+    wait_until,
 )
 
 import kiln
@@ -381,6 +382,8 @@ async def test_a_get_reads_the_task_and_its_position_in_one_store_read(
     await api.submit(image_body("first"))
     second = (await api.submit(image_body("second"))).json()
     store = api.kiln.engine.store
+    last = await store.last_seq()  # the event feed has read the log: none of its reads below
+    await wait_until(lambda: api.kiln.engine.hub.last_seq >= last)
     reads: list[object] = []
     read = store._read
 

@@ -66,6 +66,10 @@ def depth_of(value: Any, limit: int = MAX_DEPTH) -> int:
     return deepest
 
 
+#: ``json.dumps(data, ensure_ascii=False)``, its encoder made once.
+_SURROGATES = json.JSONEncoder(ensure_ascii=False)
+
+
 def parse_json(body: bytes, where: str = "body") -> Any:
     """The JSON in ``body``, or InvalidRequest (422) saying exactly what is wrong."""
     what = _what(where)
@@ -73,7 +77,7 @@ def parse_json(body: bytes, where: str = "body") -> Any:
         raise InvalidRequest(f"{what} is empty: send a JSON object")
     try:
         data = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates
+        _SURROGATES.encode(data).encode("utf-8")  # lone surrogates
     except _NotFinite as exc:
         message = f"{what} holds a number that is not finite: {exc}"
         raise _refusal(where, message, str(exc), "finite_number") from None
@@ -120,7 +124,12 @@ class RenderedJSON(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         try:
-            return super().render(content)
+            return _RENDER.encode(content).encode("utf-8")
         except (ValueError, RecursionError, TypeError) as exc:
             log.warning("response_degraded", extra={"error": type(exc).__name__})
             return super().render(_cleaned(content))
+
+
+#: What ``JSONResponse.render`` does (``json.dumps`` with these options), its encoder made
+#: once instead of on every answer.
+_RENDER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))

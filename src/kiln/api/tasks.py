@@ -238,8 +238,9 @@ async def submit(state: ApiState, submission: Submission) -> Submitted:
             if hit is not None:
                 return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
         row = new if new is not None else app.task_row(submission, content)
-        result = await app.enter(submission, row)
-        return Submitted(result, await standing(state, result.task))
+        result = await app.enter(submission, row, place=True)  # its position read with it
+        position = result.queue_position if result.placed else UNREAD
+        return Submitted(result, await standing(state, result.task, position))
 
     if key is None and content is None:  # no key, no content dedup: nothing to share
         return await call()

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln import counters as names
 from kiln import logs
-from kiln.models import Task
+from kiln.models import SubmitResult, Task
 from kiln.states import CLAIMABLE, Event, Status
 from kiln.store.positions import Places
 from kiln.store.rows import task_from_row
-from kiln.store.tx import EventRow, Ops, Tx
+from kiln.store.tx import EventRow, Ops, Refused, Tx
 
 if TYPE_CHECKING:
     from kiln.config import Settings
@@ -506,6 +506,20 @@ class ClaimOps(Ops):
             rows = await tx.all(self.q.queue_places_of_level, (*args, [t.id for t in level]))
             found.update({str(row[0]): ahead + int(row[1]) for row in rows})
         return found
+
+    async def _placed(
+        self, tx: Tx, submitted: Awaitable[SubmitResult | Refused], policy: ClaimPolicy | None
+    ) -> SubmitResult | Refused:
+        """A submit's answer (``submitted``, run in ``tx``) with its task's
+        :meth:`queue_position` read in the submit's own transaction (no read after it)."""
+        result = await submitted
+        if isinstance(result, Refused):
+            return result
+        task, now = result.task, self.clock()
+        position = None
+        if _queued_and_due(task, now):
+            position = await self._position(tx, task, policy, now)
+        return replace(result, queue_position=position, placed=True)
 
     async def _position(self, tx: Tx, task: Task, policy: ClaimPolicy | None, now: float) -> int:
         """From the kept counts (:mod:`kiln.store.positions`): flat in the line's length."""

@@ -40,6 +40,7 @@ from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
+from kiln.store.claims import ClaimPolicy
 from kiln.store.effects import Ledger, effects_of
 from kiln.store.pgbatch import SUBMIT_NAMES, SUBMIT_SHAPE, Shape, Shapes, Write, WriteBatch
 from kiln.store.pgstep import StepShape, step_values
@@ -334,14 +335,18 @@ class PostgresStore(Store):
 
     # the one-statement paths
 
-    async def submit(self, new: NewTask) -> SubmitResult:
+    async def submit(
+        self, new: NewTask, *, place: bool = False, policy: ClaimPolicy | None = None
+    ) -> SubmitResult:
         if new.idempotency_key is None and not new.inputs and new.trace is None:
             task = await self._insert_in_one_statement(new)
             if task is not None:
-                return SubmitResult(task, created=True)
+                # Batched with other submissions' statements: its position is read after.
+                position = await self.queue_position(task, policy) if place else None
+                return SubmitResult(task, created=True, queue_position=position, placed=place)
         # A key to claim, inputs or a trace context to record, or the same content already
-        # live or done: in a transaction.
-        return await super().submit(new)
+        # live or done: in a transaction (the position too, when asked).
+        return await super().submit(new, place=place, policy=policy)
 
     async def _insert_in_one_statement(self, new: NewTask) -> Task | None:
         """A submission without an idempotency key as one statement: the task (unless a

@@ -18,10 +18,14 @@ def loads(raw: str | None) -> Any:
     return None if raw is None else json.loads(raw)
 
 
+#: ``json.dumps(value, separators=(",", ":"), sort_keys=True)``, its encoder made once.
+_DUMPS = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def dumps(value: Any) -> str | None:
     if value is None:
         return None
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return _DUMPS.encode(value)
 
 
 #: The tasks table's columns in ``SELECT *`` order, after every migration; rows are read

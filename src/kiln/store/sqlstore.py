@@ -31,7 +31,7 @@ from kiln.pipelines import KIND as PIPELINE
 from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store import pipelines
 from kiln.store.bulk import Bulk
-from kiln.store.claims import ClaimOps
+from kiln.store.claims import ClaimOps, ClaimPolicy
 from kiln.store.effects import effects_of
 from kiln.store.inputs import Inputs, Keys
 from kiln.store.load import Load
@@ -608,6 +608,15 @@ class Store(TaskOps, ClaimOps, PreemptOps):
         self.limits = Limits(self)
         self.usage = Usage(self)
         self.bulk = Bulk(self)
+
+    async def submit(
+        self, new: NewTask, *, place: bool = False, policy: ClaimPolicy | None = None
+    ) -> SubmitResult:
+        """Insert-or-get a submission's task; ``place``: with its queue position under
+        ``policy`` read in the same transaction (``SubmitResult.placed``)."""
+        if not place:
+            return await super().submit(new)
+        return await self._write(lambda tx: self._placed(tx, self._submit(tx, new), policy))
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
         """Run several operations in one call, each its own unit: one that refuses or
