@@ -12,7 +12,9 @@ system alike:
   one worker process per core beyond the first, on the same file), CPU per lifecycle of
   all those processes; and at ``FULL`` in one process (``--worker-processes 0``), beside;
 - kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
-  on a throwaway cluster (fsync and synchronous_commit on);
+  on a throwaway cluster (fsync and synchronous_commit on); and, like the peers, its drain
+  (``lifecycle.py --drain``: all queued, then the workers start) and enqueue + drain with
+  submits in batches of ``--enqueue-batch`` (``--submit-batch``), PgQueuer's list size;
 - every peer: the drain rate (N jobs queued before the worker starts) and the enqueue +
   drain rate (enqueued while the worker runs, first enqueue to last job done), by
   ``benchmarks/peers/*.py``; Procrastinate and PgQueuer on the same cluster as kiln;
