@@ -388,8 +388,11 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
 def postgres_summary(
     median: dict[str, Any], rounds: list[dict[str, Any]], peers: Path
 ) -> dict[str, Any]:
-    """The summary of a --postgres-only run: kiln and the PostgreSQL peers, no pickup."""
+    """The summary of a --postgres-only run: kiln and the PostgreSQL peers (their pickup
+    figures too: their scripts measure it)."""
     ratios: dict[str, float | None] = {
+        "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
+        "postgres_vs_pgqueuer_drain": ratio(median["kiln_postgres"], median["pgqueuer"]),
         "postgres_vs_pgqueuer_enqueue_drain": ratio(
             median["kiln_postgres"], median["pgqueuer_enqueue_drain"]
         ),
@@ -403,7 +406,14 @@ def postgres_summary(
         "rounds": rounds,
         "median_per_s": median,
         "ratios": ratios,
-        "pickup_ms": {},
+        "pickup_ms": {
+            name: {
+                "p50": median[f"{name}_pickup_p50_ms"],
+                "p99": median[f"{name}_pickup_p99_ms"],
+                "started_per_s": median[f"{name}_pickup_started_per_s"],
+            }
+            for name in ("procrastinate", "pgqueuer")
+        },
         "oban": oban_note(peers),
         "machine": machine_line(),
     }
@@ -493,7 +503,8 @@ def main() -> None:
     parser.add_argument(
         "--postgres-only",
         action="store_true",
-        help="only kiln on PostgreSQL, Procrastinate and PgQueuer (no SQLite, Dramatiq, pickup)",
+        help="only kiln on PostgreSQL, Procrastinate and PgQueuer (no SQLite, no Dramatiq,"
+        " no kiln pickup; the peers' scripts still measure theirs)",
     )
     parser.add_argument(
         "--quick",

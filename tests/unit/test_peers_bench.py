@@ -139,6 +139,12 @@ def test_kiln_postgres_drain_and_batched_figures_are_compared_like_for_like(
         "pgqueuer": 1600.0,
         "pgqueuer_enqueue_drain": 400.0,
     }
+    for name in ("procrastinate", "pgqueuer"):
+        figures |= {
+            f"{name}_pickup_p50_ms": 5.0,
+            f"{name}_pickup_p99_ms": 20.0,
+            f"{name}_pickup_started_per_s": 500.0,
+        }
 
     # When summarised and shown
     body = peers.summary([figures], Path(sys.executable))
@@ -152,6 +158,8 @@ def test_kiln_postgres_drain_and_batched_figures_are_compared_like_for_like(
     assert ratios["postgres_drain_vs_procrastinate_drain"] == 24.0
     assert ratios["postgres_enqueue_drain_vs_procrastinate_enqueue_drain"] == 15.0
     assert ratios["postgres_vs_pgqueuer_enqueue_drain"] == 2.0
+    assert ratios["postgres_vs_pgqueuer_drain"] == 0.5
+    assert body["pickup_ms"]["pgqueuer"]["p99"] == 20.0
     # And the table has the batched row: drain, enqueue + drain, CPU per lifecycle
     row = next(line for line in lines if "batches of 500" in line)
     assert row.split()[3:6] == ["2,400", "1,200", "600"]
