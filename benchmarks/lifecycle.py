@@ -284,6 +284,15 @@ def backend_options(parser: argparse.ArgumentParser) -> None:
     postgres.add_argument(
         "--pgbench-seconds", type=float, default=PGBENCH_SECONDS, help="pgbench -T"
     )  # fmt: skip
+    postgres.add_argument(
+        "--drain", action="store_true",
+        help="queue every task first, then start the workers; time from their start",
+    )  # fmt: skip
+    postgres.add_argument(
+        "--submit-batch", type=int, default=None, metavar="B",
+        help="submit in batches of B, as POST /v1/tasks/batch does (default: 4 per"
+        " pooled connection in flight, batch after batch)",
+    )  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -336,7 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.worker_processes < 0:
         parser.error("--worker-processes must be 0 or more")
     numbers = (args.tasks, args.concurrency, args.raw_seconds, args.workers, args.pool_size,
-               args.pgbench_seconds, args.clients or 1)  # fmt: skip
+               args.pgbench_seconds, args.clients or 1, args.submit_batch or 1)  # fmt: skip
     if min(numbers) <= 0:
         parser.error("counts and seconds must be positive")
     return args

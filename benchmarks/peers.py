@@ -12,7 +12,9 @@ system alike:
   one worker process per core beyond the first, on the same file), CPU per lifecycle of
   all those processes; and at ``FULL`` in one process (``--worker-processes 0``), beside;
 - kiln on PostgreSQL, the same with ``--workers`` worker processes of ``--pg-slots`` slots
-  on a throwaway cluster (fsync and synchronous_commit on);
+  on a throwaway cluster (fsync and synchronous_commit on); and, like the peers, its drain
+  (``lifecycle.py --drain``: all queued, then the workers start) and enqueue + drain with
+  submits in batches of ``--enqueue-batch`` (``--submit-batch``), PgQueuer's list size;
 - every peer: the drain rate (N jobs queued before the worker starts) and the enqueue +
   drain rate (enqueued while the worker runs, first enqueue to last job done), by
   ``benchmarks/peers/*.py``; Procrastinate and PgQueuer on the same cluster as kiln;
@@ -169,6 +171,8 @@ def peer(
                 str(args.seconds),
                 "--scratch",
                 scratch,
+                "--enqueue-batch",
+                str(args.enqueue_batch),
             ],
             900,
             env,
@@ -214,8 +218,11 @@ def kiln_pickup(args: argparse.Namespace, name: str, database: str | None) -> di
     return pickup_keys(name, found)
 
 
+LIFECYCLE = [sys.executable, str(HERE / "lifecycle.py"), "--output-bytes", "0", "--json-only"]
+
+
 def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
-    lifecycle = [sys.executable, str(HERE / "lifecycle.py"), "--output-bytes", "0", "--json-only"]
+    lifecycle = LIFECYCLE
     figures: dict[str, Any] = {}
     for level in ("NORMAL", "FULL"):
         run = last_json([*lifecycle, "--tasks", str(args.tasks), "--synchronous", level], 600)
@@ -228,24 +235,32 @@ def kiln_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     figures["kiln_sqlite_full_one_process_cpu_us"] = run["cpu_us_per_lifecycle"]
     if args.baseline_src:
         figures.update(baseline_figures(args))
-    run = last_json(
-        [
-            *lifecycle,
-            "--database",
-            cluster.url,
-            "--workers",
-            str(args.workers),
-            "--concurrency",
-            str(args.pg_slots),
-            "--tasks",
-            str(args.pg_tasks),
-            "--pgbench-seconds",
-            "1",
-        ],
-        900,
-    )
-    figures["kiln_postgres"] = run["lifecycles_per_s"]
-    figures["kiln_postgres_cpu_us"] = run["cpu_us_per_lifecycle"]
+    return figures
+
+
+#: kiln's PostgreSQL figures: the key, and lifecycle.py's options beyond the common ones
+#: (B: --enqueue-batch). The first is the lifecycle, submitted one task per call.
+KILN_POSTGRES = (
+    ("kiln_postgres", ()),
+    ("kiln_postgres_enqueue_drain", ("--submit-batch", "B")),
+    ("kiln_postgres_drain", ("--drain", "--submit-batch", "B")),
+)
+
+
+def kiln_postgres_figures(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
+    """kiln on PostgreSQL three ways: the lifecycle (submits one per call while the workers
+    run), enqueue + drain (submits in batches of --enqueue-batch while they run), and the
+    drain (all queued, then the workers start); CPU of all processes and of the workers."""
+    common = [*LIFECYCLE, "--database", cluster.url, "--workers", str(args.workers),
+              "--concurrency", str(args.pg_slots), "--tasks", str(args.pg_tasks),
+              "--pgbench-seconds", "1"]  # fmt: skip
+    figures: dict[str, Any] = {}
+    for key, extra in KILN_POSTGRES:
+        options = [str(args.enqueue_batch) if word == "B" else word for word in extra]
+        run = last_json([*common, *options], 900)
+        figures[key] = run["lifecycles_per_s"]
+        figures[f"{key}_cpu_us"] = run["cpu_us_per_lifecycle"]
+        figures[f"{key}_worker_cpu_us"] = run["worker_cpu_us_per_lifecycle"]
     return figures
 
 
@@ -278,14 +293,20 @@ def one_round(
     args: argparse.Namespace, peers: Path, redis_url: str, cluster: Any
 ) -> dict[str, Any]:
     figures: dict[str, Any] = {"loadavg_start": os.getloadavg()[0]}
-    figures.update(kiln_figures(args, cluster))
-    figures.update(
-        peer(args, peers, "dramatiq_noop.py", args.tasks, {"BENCH_REDIS_URL": redis_url})
-    )
+    if not args.postgres_only:
+        figures.update(kiln_figures(args, cluster))
+    figures.update(kiln_postgres_figures(args, cluster))
+    if not args.postgres_only:
+        figures.update(
+            peer(args, peers, "dramatiq_noop.py", args.tasks, {"BENCH_REDIS_URL": redis_url})
+        )
     for script in ("procrastinate_noop.py", "pgqueuer_noop.py"):
         database = cluster.create_database(f"{script.split('_')[0]}_{int(time.time() * 1000)}")
         figures.update(peer(args, peers, script, args.pg_tasks, {"BENCH_DATABASE": database}))
         cluster.drop_database(database.rsplit("/", 1)[1])
+    if args.postgres_only:
+        figures["loadavg_end"] = os.getloadavg()[0]
+        return figures
     figures.update(kiln_pickup(args, "kiln_sqlite", None))
     database = cluster.create_database(f"kiln_pickup_{int(time.time() * 1000)}")
     figures.update(kiln_pickup(args, "kiln_postgres", database))
@@ -308,12 +329,26 @@ def oban_note(peers: Path) -> str:
     )
 
 
-def ratio(numerator: float, denominator: float | None) -> float | None:
-    return round(numerator / denominator, 3) if denominator else None
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return round(numerator / denominator, 3) if numerator and denominator else None
+
+
+#: kiln's PostgreSQL drain and batched enqueue + drain beside the PostgreSQL peers' same
+#: figures: (ratio, kiln's key, the peer's key).
+LIKE_FOR_LIKE = (
+    ("postgres_drain_vs_pgqueuer_drain", "kiln_postgres_drain", "pgqueuer"),
+    ("postgres_enqueue_drain_vs_pgqueuer_enqueue_drain", "kiln_postgres_enqueue_drain",
+     "pgqueuer_enqueue_drain"),
+    ("postgres_drain_vs_procrastinate_drain", "kiln_postgres_drain", "procrastinate"),
+    ("postgres_enqueue_drain_vs_procrastinate_enqueue_drain", "kiln_postgres_enqueue_drain",
+     "procrastinate_enqueue_drain"),
+)  # fmt: skip
 
 
 def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    if "dramatiq" not in median:  # --postgres-only
+        return postgres_summary(median, rounds, peers)
     ratios = {
         "sqlite_normal_vs_dramatiq": ratio(median["kiln_sqlite_normal"], median["dramatiq"]),
         "sqlite_full_vs_dramatiq": ratio(median["kiln_sqlite_full"], median["dramatiq"]),
@@ -329,6 +364,8 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
     }
     for key, name in BESIDE_DRAMATIQ:
         ratios[name] = ratio(median[key], median["dramatiq"]) if key in median else None
+    for name, ours, theirs in LIKE_FOR_LIKE:
+        ratios[name] = ratio(median.get(ours), median.get(theirs))
     systems = ("kiln_sqlite", "kiln_postgres", "dramatiq", "procrastinate", "pgqueuer")
     pickup = {
         name: {
@@ -343,6 +380,40 @@ def summary(rounds: list[dict[str, Any]], peers: Path) -> dict[str, Any]:
         "median_per_s": median,
         "ratios": ratios,
         "pickup_ms": pickup,
+        "oban": oban_note(peers),
+        "machine": machine_line(),
+    }
+
+
+def postgres_summary(
+    median: dict[str, Any], rounds: list[dict[str, Any]], peers: Path
+) -> dict[str, Any]:
+    """The summary of a --postgres-only run: kiln and the PostgreSQL peers (their pickup
+    figures too: their scripts measure it)."""
+    ratios: dict[str, float | None] = {
+        "postgres_vs_procrastinate": ratio(median["kiln_postgres"], median["procrastinate"]),
+        "postgres_vs_pgqueuer_drain": ratio(median["kiln_postgres"], median["pgqueuer"]),
+        "postgres_vs_pgqueuer_enqueue_drain": ratio(
+            median["kiln_postgres"], median["pgqueuer_enqueue_drain"]
+        ),
+        "postgres_vs_procrastinate_enqueue_drain": ratio(
+            median["kiln_postgres"], median["procrastinate_enqueue_drain"]
+        ),
+    }
+    for name, ours, theirs in LIKE_FOR_LIKE:
+        ratios[name] = ratio(median.get(ours), median.get(theirs))
+    return {
+        "rounds": rounds,
+        "median_per_s": median,
+        "ratios": ratios,
+        "pickup_ms": {
+            name: {
+                "p50": median[f"{name}_pickup_p50_ms"],
+                "p99": median[f"{name}_pickup_p99_ms"],
+                "started_per_s": median[f"{name}_pickup_started_per_s"],
+            }
+            for name in ("procrastinate", "pgqueuer")
+        },
         "oban": oban_note(peers),
         "machine": machine_line(),
     }
@@ -376,6 +447,12 @@ def table(body: dict[str, Any]) -> list[str]:
         ("  in one process", "kiln_sqlite_full_one_process", None, None),
         ("  --baseline-src", "kiln_sqlite_full_baseline", None, None),
         ("kiln PostgreSQL", "kiln_postgres", None, "kiln_postgres"),
+        (
+            f"  batches of {body['enqueue_batch']}",
+            "kiln_postgres_drain",
+            "kiln_postgres_enqueue_drain",
+            None,
+        ),
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
         ("PgQueuer", "pgqueuer", "pgqueuer_enqueue_drain", "pgqueuer"),
@@ -386,9 +463,17 @@ def table(body: dict[str, Any]) -> list[str]:
         drain = "-" if both is None else f"{median[key]:,.0f}"
         lifecycle = f"{median[both or key]:,.0f}"
         cpu = f"{median[key + '_cpu_us']:,.0f}" if f"{key}_cpu_us" in median else "-"
-        latency = "-" if pick is None else pickup_cell(body["pickup_ms"][pick], body["rate"])
+        latency = (
+            "-"
+            if pick not in body["pickup_ms"]
+            else pickup_cell(body["pickup_ms"][pick], body["rate"])
+        )
         lines.append(f"{label:<18} {drain:>8} {lifecycle:>16} {cpu:>12}  {latency}")
-    lines.append("kiln's rate is its whole lifecycle (submit included): the enqueue+drain column")
+    lines.append(
+        "kiln PostgreSQL: submits one task per call while the workers run (enqueue+drain"
+        " column); 'batches of B': drain = all queued, workers started; enqueue+drain ="
+        " submits in batches of B while they run (CPU: the drain's, submits included)"
+    )
     lines.append(f"Oban for Python: {body['oban']}")
     return lines
 
@@ -410,6 +495,18 @@ def main() -> None:
         " one process as it runs it, in every round beside this tree's",
     )
     parser.add_argument(
+        "--enqueue-batch",
+        type=int,
+        default=500,
+        help="jobs per enqueue call: PgQueuer's, and kiln's batched PostgreSQL figures",
+    )
+    parser.add_argument(
+        "--postgres-only",
+        action="store_true",
+        help="only kiln on PostgreSQL, Procrastinate and PgQueuer (no SQLite, no Dramatiq,"
+        " no kiln pickup; the peers' scripts still measure theirs)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run: 1 round, 300 tasks (200 on PG), 2 s of pickup",
@@ -417,6 +514,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.tasks, args.pg_tasks, args.seconds = 1, 300, 200, 2.0
+    print(f"enqueue batch: {args.enqueue_batch} jobs per call", flush=True)
     peers = peers_python()
     rounds: list[dict[str, Any]] = []
     with redis() as redis_url, throwaway_cluster() as cluster:
@@ -426,6 +524,7 @@ def main() -> None:
             print(f"round {n + 1}: " + ", ".join(shown), flush=True)
     body = summary(rounds, peers)
     body["rate"], body["pickup_seconds"] = args.rate, args.seconds
+    body["enqueue_batch"] = args.enqueue_batch
     print("\n".join(table(body)))
     print(json.dumps(body))
 

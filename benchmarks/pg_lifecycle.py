@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
+    KIND,
     Figure,
     build_app,
     cpu_line,
@@ -40,6 +41,8 @@ from harness import (
 from pg_cluster import Cluster, Pgbench, machine_cpu, run_pgbench, throwaway_cluster
 
 import kiln
+from kiln.api.bulk import IN_FLIGHT
+from kiln.models import SubmitResult
 from kiln.store import open_store
 
 PG_POLL_S = 0.05
@@ -92,29 +95,38 @@ def count_calls(store: Any) -> collections.Counter[str]:
 
 def worker_process(
     url: str, results: Path, output_bytes: int, concurrency: int, pool_size: int, log: str,
-    pipe: Connection,
+    hold: bool, pipe: Connection,
 ) -> None:  # fmt: skip
-    """One worker process: say "ready", claim and run until told "stop", send its tally."""
+    """One worker process: say "ready", claim and run until told "stop", send its tally.
+    ``hold`` (a drain): its worker starts only when told "go", after "ready"."""
     if log != "off":
         from kiln import logs
 
         logs.setup(fmt=log, level="INFO")
-    pipe.send(asyncio.run(serve(url, results, output_bytes, concurrency, pool_size, pipe)))
+    pipe.send(asyncio.run(serve(url, results, output_bytes, concurrency, pool_size, hold, pipe)))
     pipe.close()
 
 
 async def serve(
-    url: str, results: Path, output_bytes: int, concurrency: int, pool_size: int, pipe: Connection
-) -> dict[str, float]:
+    url: str, results: Path, output_bytes: int, concurrency: int, pool_size: int, hold: bool,
+    pipe: Connection,
+) -> dict[str, float]:  # fmt: skip
     store = open_store(url, pool_size=pool_size)
     app = build_app(url, results, "NORMAL", output_bytes, store=store)
     tally = count_calls(store)
     async with app:
+        held = None
+        if hold:  # a drain: the pool is open and the tasks are queued before the worker starts
+            await store.counters()
+            pipe.send("ready")
+            await asyncio.to_thread(pipe.recv)  # "go"
+            held = os.times()
         worker = app.worker(concurrency=concurrency)
         async with kiln.app.running(worker.run()):
             await store.counters()  # the pool is open before the clock starts
-            before = os.times()
-            pipe.send("ready")
+            before = held or os.times()
+            if not hold:
+                pipe.send("ready")
             await asyncio.to_thread(pipe.recv)  # "stop"
             after = os.times()
     return {"cpu_s": after.user + after.system - before.user - before.system,
@@ -142,6 +154,11 @@ class Workers:
             if not pipe.poll(120) or pipe.recv() != "ready":
                 raise RuntimeError("a worker process did not start")
 
+    def go(self) -> None:
+        """Start the held workers (a drain)."""
+        for pipe in self.pipes:
+            pipe.send("go")
+
     def stop(self) -> list[dict[str, float]]:
         for pipe in self.pipes:
             pipe.send("stop")
@@ -161,11 +178,37 @@ class Workers:
                 process.join(10)
 
 
+async def submit_batches(app: kiln.App, tasks: int, batch: int) -> int:
+    """Submit ``tasks`` new tasks in batches of ``batch``, as ``POST /v1/tasks/batch`` does
+    (kiln.api.bulk): a batch's submits IN_FLIGHT at a time, which the store's batcher takes
+    into shared transactions; the next batch once the last one is in."""
+    window = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(i: int) -> SubmitResult:
+        async with window:
+            return await app.submit(KIND, {"n": i}, dedup=False)
+
+    created = 0
+    for start in range(0, tasks, batch):
+        results = await asyncio.gather(*(one(i) for i in range(start, min(start + batch, tasks))))
+        created += sum(1 for r in results if r.created)
+    return created
+
+
+async def submit(app: kiln.App, tasks: int, pool_size: int, batch: int | None) -> int:
+    if batch is None:  # one task per submit call, a chunk of them in flight at a time
+        return await submit_all(app, tasks, chunk=SUBMITS_PER_CONNECTION * pool_size)
+    return await submit_batches(app, tasks, batch)
+
+
 async def drive(
     url: str, results: Path, cluster: Cluster, postmaster: int | None, *,
-    tasks: int, pool_size: int, output_bytes: int,
+    tasks: int, pool_size: int, output_bytes: int, batch: int | None,
+    go: Callable[[], None] | None = None,
 ) -> tuple[Figure, dict[str, Any]]:  # fmt: skip
-    """Submit from this process while the workers run; time to the last SUCCESS."""
+    """Submit from this process while the workers run; time to the last SUCCESS. With
+    ``go`` (a drain), submit all first, then ``go()`` starts the workers and the clock.
+    The CPU and the server's counters cover the submits in both."""
     name = url.rsplit("/", 1)[1]
     store = open_store(url, pool_size=pool_size)
     app = build_app(url, results, "NORMAL", output_bytes, store=store)
@@ -173,9 +216,12 @@ async def drive(
         await store.counters()  # the pool is open before the clock starts
         before, machine_before = cluster.snapshot(name, postmaster), machine_cpu()
         cpu = os.times()
-        started = time.perf_counter()
-        created = await submit_all(app, tasks, chunk=SUBMITS_PER_CONNECTION * pool_size)
+        started = begun = time.perf_counter()
+        created = await submit(app, tasks, pool_size, batch)
         submitted = time.perf_counter()
+        if go is not None:
+            go()
+            started = time.perf_counter()
         timeout_s = max(120.0, tasks / 10)
         finished, polls = await wait_for_success(app, created, timeout_s, PG_POLL_S)
         cpu_end = os.times()
@@ -186,7 +232,7 @@ async def drive(
         moved = transitions_of(await app.engine.store.counters())
     figure = Figure(
         tasks=created, output_bytes=output_bytes, concurrency=0, wall_s=finished - started,
-        submit_s=submitted - started, transitions=created + sum(moved.values()),
+        submit_s=submitted - begun, transitions=created + sum(moved.values()),
         succeeded=stats.counts["SUCCESS"], cpu_s=cpu_s, thread_cpu_s={"submitter": cpu_s},
         by_transition=moved,
     )  # fmt: skip
@@ -205,6 +251,7 @@ async def drive(
 def run_pg_figure(
     cluster: Cluster, scratch: Path, postmaster: int | None, *,
     tasks: int, workers: int, concurrency: int, pool_size: int, output_bytes: int, log: str,
+    drain: bool = False, batch: int | None = None,
 ) -> Figure:  # fmt: skip
     """One figure on a fresh database: migrate, start the workers, submit, wait, count."""
     name = f"kiln_bench_{os.getpid()}_{output_bytes}"
@@ -214,10 +261,10 @@ def run_pg_figure(
     cluster.wait_idle(name)
     running = Workers()
     try:
-        running.start(workers, url, results, output_bytes, concurrency, pool_size, log)
+        running.start(workers, url, results, output_bytes, concurrency, pool_size, log, drain)
         figure, seen = asyncio.run(drive(
             url, results, cluster, postmaster, tasks=tasks, pool_size=pool_size,
-            output_bytes=output_bytes,
+            output_bytes=output_bytes, batch=batch, go=running.go if drain else None,
         ))  # fmt: skip
         reports = running.stop()
     finally:
@@ -258,12 +305,13 @@ def run_postgres(args: argparse.Namespace, sizes: list[int], say: Callable[[str]
         say(" ".join(f"{k}={v}" for k, v in machine().items()))
         say(" ".join(f"{k}={v}" for k, v in server.items()))
         say(f"database=postgresql workers={args.workers} concurrency={args.concurrency}"
-            f" pool_size={args.pool_size} engine_logs={args.log}")  # fmt: skip
+            f" pool_size={args.pool_size} engine_logs={args.log} mode={mode_of(args)}"
+            f" submit_batch={args.submit_batch or 'off'}")  # fmt: skip
         figures = [
             run_pg_figure(
                 cluster, scratch, postmaster, tasks=args.tasks, workers=args.workers,
                 concurrency=args.concurrency, pool_size=args.pool_size, output_bytes=size,
-                log=args.log,
+                log=args.log, drain=args.drain, batch=args.submit_batch,
             )
             for size in sizes
         ]  # fmt: skip
@@ -277,8 +325,15 @@ def run_postgres(args: argparse.Namespace, sizes: list[int], say: Callable[[str]
             for line in describe_pg(figure, bench):
                 say(line)
         say(f"loadavg at the end: {load()}")
-    print(json.dumps(pg_summary_json(figures, bench, server)))
+    body = pg_summary_json(figures, bench, server)
+    body.update(mode=mode_of(args), submit_batch=args.submit_batch)
+    print(json.dumps(body))
     return 0
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    """lifecycle: submits while the workers run; drain: all queued before they start."""
+    return "drain" if args.drain else "lifecycle"
 
 
 def pg_ratio(figure: Figure, pgbench_tps: float) -> float:
@@ -312,6 +367,9 @@ def pg_summary_json(
         "pgbench_clients": bench.clients,
         "pgbench_threads": bench.threads,
         "cpu_us_per_lifecycle": round(main.cpu_us_per_lifecycle, 1),
+        "worker_cpu_us_per_lifecycle": round(
+            main.thread_cpu_s["worker processes"] / max(main.succeeded, 1) * 1e6, 1
+        ),
         "database": "postgresql",
         "postgresql": server["postgresql"],
         "fsync": server["fsync"],

@@ -43,6 +43,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=500.0, help="pickup: jobs per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="pickup: how long")
     parser.add_argument("--scratch", required=True, help="a folder for the done files")
+    parser.add_argument(
+        "--enqueue-batch", type=int, default=500, help="jobs per enqueue call, where batched"
+    )
     return parser.parse_args()
 
 

@@ -66,10 +66,10 @@ async def with_queries(work: Any) -> Any:
         await connection.close()
 
 
-async def enqueue(first: int, count: int) -> None:
+async def enqueue(first: int, count: int, batch: int = BATCH) -> None:
     async def work(queries: Queries, _: Any) -> None:
-        for start in range(first, first + count, BATCH):
-            numbers = range(start, min(start + BATCH, first + count))
+        for start in range(first, first + count, batch):
+            numbers = range(start, min(start + batch, first + count))
             await queries.enqueue(
                 ["noop"] * len(numbers), [str(n).encode() for n in numbers], [0] * len(numbers)
             )
@@ -94,7 +94,7 @@ def drain(args: Any, scratch: Path) -> float:
     from common import starts, wait_until
 
     done = scratch / "pgqueuer-drain.done"
-    asyncio.run(enqueue(0, args.tasks))
+    asyncio.run(enqueue(0, args.tasks, args.enqueue_batch))
     cli = worker(done, scratch, "drain")
     try:
         end = wait_until(lambda: all_done(done, args.tasks, cli), 300, "drain")
@@ -130,6 +130,7 @@ def main() -> None:
         "tasks": args.tasks,
         "processes": 1,
         "batch_size": 10,
+        "enqueue_batch": args.enqueue_batch,
     }
     body["drain_per_s"] = drain(args, scratch)
     done = scratch / "pgqueuer-run.done"
@@ -138,7 +139,7 @@ def main() -> None:
         asyncio.run(enqueue(-1, 1))
         wait_until(lambda: cli.alive() and warmed(done), 60, "pgqueuer warm-up")
         started = time.time()
-        asyncio.run(enqueue(0, args.tasks))
+        asyncio.run(enqueue(0, args.tasks, args.enqueue_batch))
         end = wait_until(lambda: all_done(done, args.tasks, cli), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
         begun = time.time()

@@ -63,9 +63,9 @@ def all_done(url: str, done: Path, tasks: int, cli: Any, warm: int = 0) -> bool:
     return cli.alive() and count_lines(done) >= tasks and succeeded(url) >= tasks + warm
 
 
-async def defer(first: int, count: int) -> None:
-    for start in range(first, first + count, BATCH):
-        last = min(start + BATCH, first + count)
+async def defer(first: int, count: int, batch: int = BATCH) -> None:
+    for start in range(first, first + count, batch):
+        last = min(start + batch, first + count)
         await noop.batch_defer_async(*({"n": n} for n in range(start, last)))
 
 
@@ -73,7 +73,7 @@ def drain(args: Any, url: str, scratch: Path) -> float:
     from common import starts, wait_until
 
     done = scratch / "procrastinate-drain.done"
-    asyncio.run(run_open(defer(0, args.tasks)))
+    asyncio.run(run_open(defer(0, args.tasks, args.enqueue_batch)))
     cli = worker(done, scratch, "drain")
     try:
         end = wait_until(lambda: all_done(url, done, args.tasks, cli), 300, "drain")
@@ -109,7 +109,7 @@ def main() -> None:
         asyncio.run(run_open(noop.defer_async(n=-1)))
         wait_until(lambda: cli.alive() and warmed(done), 60, "procrastinate warm-up")
         started = time.time()
-        asyncio.run(run_open(defer(0, args.tasks)))
+        asyncio.run(run_open(defer(0, args.tasks, args.enqueue_batch)))
         end = wait_until(lambda: all_done(url, done, args.tasks, cli, 1), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
 

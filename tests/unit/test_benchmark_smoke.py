@@ -101,6 +101,31 @@ def test_postgres_run_counts_transactions_and_compares_with_pgbench(
     assert 0 < summary["tx_per_lifecycle"] <= 5
 
 
+def test_postgres_drain_queues_every_task_before_the_workers_start_and_says_so(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    # Given the test cluster and a tiny drain: tasks submitted in batches of 25, then two
+    # worker processes started
+    url = postgres_server.new_database()
+
+    # When it finishes
+    summary, stdout = run_benchmark(
+        tmp_path, "--database", url, "--workers", "2", "--concurrency", "8",
+        "--pgbench-seconds", "1", "--drain", "--submit-batch", "25", tasks=60,
+    )  # fmt: skip
+
+    # Then the summary names the drain and the batch, with the workers' CPU per lifecycle
+    assert "mode=drain submit_batch=25" in stdout
+    assert summary["mode"] == "drain" and summary["submit_batch"] == 25
+    assert summary["tasks"] == 60 and summary["workers"] == 2
+    assert_positive(
+        summary,
+        (*FIGURES, "tx_per_lifecycle", "cpu_us_per_lifecycle", "worker_cpu_us_per_lifecycle"),
+    )
+    # And every task's five transitions were counted, submits included
+    assert summary["transitions_per_s"] == pytest.approx(5 * summary["lifecycles_per_s"], rel=0.01)
+
+
 def test_the_store_operations_benchmark_ends_with_its_json_line(tmp_path: Path) -> None:
     script = BENCHMARK.parent / "store_ops.py"
     completed = subprocess.run(

@@ -120,3 +120,46 @@ def test_the_summary_takes_medians_and_computes_kiln_ratios(peers: ModuleType) -
     # And a system that started fewer tasks than offered is shown as saturated
     assert "saturated" in peers.pickup_cell({"p50": 1, "p99": 9, "started_per_s": 120}, 500)
     assert "saturated" not in peers.pickup_cell({"p50": 1, "p99": 9, "started_per_s": 499}, 500)
+
+
+def test_kiln_postgres_drain_and_batched_figures_are_compared_like_for_like(
+    peers: ModuleType,
+) -> None:
+    # Given one round of a --postgres-only run: kiln's three PostgreSQL figures and the
+    # PostgreSQL peers' drain and enqueue + drain
+    figures = {
+        "kiln_postgres": 800.0,
+        "kiln_postgres_cpu_us": 900.0,
+        "kiln_postgres_enqueue_drain": 1200.0,
+        "kiln_postgres_enqueue_drain_cpu_us": 700.0,
+        "kiln_postgres_drain": 2400.0,
+        "kiln_postgres_drain_cpu_us": 600.0,
+        "procrastinate": 100.0,
+        "procrastinate_enqueue_drain": 80.0,
+        "pgqueuer": 1600.0,
+        "pgqueuer_enqueue_drain": 400.0,
+    }
+    for name in ("procrastinate", "pgqueuer"):
+        figures |= {
+            f"{name}_pickup_p50_ms": 5.0,
+            f"{name}_pickup_p99_ms": 20.0,
+            f"{name}_pickup_started_per_s": 500.0,
+        }
+
+    # When summarised and shown
+    body = peers.summary([figures], Path(sys.executable))
+    body |= {"rate": 500.0, "enqueue_batch": 500}
+    lines = peers.table(body)
+
+    # Then drain is compared with drain and enqueue + drain with enqueue + drain
+    ratios = body["ratios"]
+    assert ratios["postgres_drain_vs_pgqueuer_drain"] == 1.5
+    assert ratios["postgres_enqueue_drain_vs_pgqueuer_enqueue_drain"] == 3.0
+    assert ratios["postgres_drain_vs_procrastinate_drain"] == 24.0
+    assert ratios["postgres_enqueue_drain_vs_procrastinate_enqueue_drain"] == 15.0
+    assert ratios["postgres_vs_pgqueuer_enqueue_drain"] == 2.0
+    assert ratios["postgres_vs_pgqueuer_drain"] == 0.5
+    assert body["pickup_ms"]["pgqueuer"]["p99"] == 20.0
+    # And the table has the batched row: drain, enqueue + drain, CPU per lifecycle
+    row = next(line for line in lines if "batches of 500" in line)
+    assert row.split()[3:6] == ["2,400", "1,200", "600"]
