@@ -6,6 +6,7 @@ process loses nothing and nothing is done twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -275,6 +276,48 @@ def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> No
             serve.wait(timeout=10)
 
 
+def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: Path) -> None:
+    # Given kiln serve on SQLite with one worker process beside it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "serve", "--port", str(port), "--worker-processes", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
+    children: list[int] = []
+    try:
+
+        async def one_worker() -> bool:
+            children[:] = [p for p in _children(serve.pid) if _is_worker(p)]
+            return len(children) == 1 and _healthy(port)
+
+        asyncio.run(wait_until(one_worker, timeout_s=60, what=f"a worker\n{log.read_text()}"))
+
+        # When kiln serve dies without a word
+        serve.kill()
+        serve.wait(timeout=10)
+
+        # Then its worker process hears it (its stdin ends), drains and exits by itself
+        async def gone() -> bool:
+            return all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in children)
+
+        asyncio.run(wait_until(gone, timeout_s=60, what=f"the worker to exit\n{log.read_text()}"))
+        assert '"parent_gone"' in log.read_text()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(timeout=10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _free_port() -> int:
     import socket
 
@@ -300,7 +343,8 @@ def _is_worker(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return argv[-3:-1] == [b"kiln", b"worker"]
+    args = argv[:-1]  # the command line ends with a NUL
+    return b"worker" in args and args[args.index(b"worker") - 1] == b"kiln"
 
 
 def _zombie(pid: int) -> bool:

@@ -11,11 +11,13 @@ import ipaddress
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated
 from urllib.parse import unquote, urlsplit
 
+import typer
 from rich.console import Console
 
 import kiln
@@ -335,6 +337,7 @@ def worker(
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
     storage_url: StorageUrl = None,
+    exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
 ) -> None:
     """A worker process only.
 
@@ -359,7 +362,7 @@ def worker(
     unknown = sorted(set(names or []) - set(app.kinds))
     if unknown:
         raise ConfigError(f"no task kind {', '.join(unknown)} is registered", variable="KILN_KINDS")
-    asyncio.run(_run_worker(opened(app), names))
+    asyncio.run(_run_worker(opened(app), names, exit_with_parent))
 
 
 def _one_prompt_at_a_time(settings: Settings) -> Settings:
@@ -371,7 +374,7 @@ def _one_prompt_at_a_time(settings: Settings) -> Settings:
     return settings.with_(concurrency=1)
 
 
-async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
+async def _run_worker(app: kiln.App, kinds: list[str] | None, with_parent: bool) -> None:
     settings = app.settings
     async with app:
         if not await _unless_signalled(_reachable(app)):
@@ -391,7 +394,32 @@ async def _run_worker(app: kiln.App, kinds: list[str] | None) -> None:
             ModelLoadMetrics(process.model_loads, shown=held),
         ]
         with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
+            if with_parent:
+                _drain_when_stdin_ends()
             await _until_signalled(process.run(), drain=process.drain)
+
+
+def _drain_when_stdin_ends() -> None:
+    """Signal this process (SIGTERM: it drains) once stdin reads end of file: the pipe
+    from the ``kiln serve`` that started it closes when that process is gone, SIGKILL
+    included (kiln.cli.worker_processes)."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        try:
+            more = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            more = b""
+        if not more:
+            loop.remove_reader(fd)
+            log.info("parent_gone", extra={"parent": os.getppid()})
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
 
 
 @cli.command()

@@ -13,7 +13,9 @@ A worker process serves the kinds that need no GPU slot: the GPU slots (``KILN_G
 belong to the machine, and stay with ``kiln serve``'s own worker. Each one is an ordinary
 ``kiln worker``: a SIGKILLed one loses nothing (its leases expire, the supervisor moves
 its attempts on); ``kiln serve`` stops them on its way out as it stops its own worker
-(SIGTERM: they drain within ``KILN_SHUTDOWN_GRACE_S``).
+(SIGTERM: they drain within ``KILN_SHUTDOWN_GRACE_S``), and a ``kiln serve`` that dies
+without a word (SIGKILL) takes them with it: each drains once its stdin, a pipe from
+``kiln serve``, reads end of file (:data:`WITH_PARENT`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ import kiln
 from kiln.config import Settings
 
 log = logging.getLogger("kiln.cli")
-WORKER = (sys.executable, "-m", "kiln", "worker")
+#: The flag that makes a ``kiln worker`` drain when the process that started it is gone:
+#: its stdin is a pipe from ``kiln serve``, which reads end of file once ``kiln serve``
+#: exits in any way, SIGKILL included (the kernel closes the pipe's other end).
+WITH_PARENT = "--exit-with-parent"
+WORKER = (sys.executable, "-m", "kiln", "worker", WITH_PARENT)
 
 #: What a ``kiln worker`` started by ``kiln serve`` may not inherit: its own port, and the
 #: options ``kiln serve`` sets for it.
@@ -101,7 +107,7 @@ def started_beside(app: kiln.App) -> Iterator[list[subprocess.Popen[bytes]]]:
         log.info("worker_processes_skipped", extra={"reason": "every kind takes a GPU slot"})
         count = 0
     env = worker_environment(settings, kinds)
-    started = [subprocess.Popen(WORKER, env=env, stdin=subprocess.DEVNULL) for _ in range(count)]
+    started = [subprocess.Popen(WORKER, env=env, stdin=subprocess.PIPE) for _ in range(count)]
     if started:
         log.info(
             "worker_processes_started",
