@@ -238,6 +238,10 @@ class _DbThread(threading.Thread):
                     outcomes.append((job, job.fn(conn), None))
                 except Exception as exc:
                     outcomes.append((job, None, exc))
+        # Counted before anyone is answered: a caller that reads the counts after its
+        # answer sees its own batch in them.
+        self.batches += 1
+        self.operations += len(batch)
         by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for job, result, error in outcomes:
             by_loop.setdefault(job.loop, []).append((job.future, result, error))
@@ -245,8 +249,6 @@ class _DbThread(threading.Thread):
             # RuntimeError: the caller's loop is closed, and nobody waits for the answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
-        self.batches += 1
-        self.operations += len(batch)
         return stop
 
     def _locked_transaction(
