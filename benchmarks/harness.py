@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import multiprocessing
+import multiprocessing.process
 import os
 import platform
 import shutil
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,3 +176,52 @@ def scratch_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Workers:
+    """The worker processes of one figure, started with ``spawn`` (no inherited loop):
+    each runs ``target(*args, pipe)``, says "ready" (or waits for "go" when held), and
+    sends its report when told "stop"."""
+
+    target: Callable[..., None]
+    pipes: list[Connection] = field(default_factory=list)
+    processes: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
+
+    def start(self, count: int, *args: Any) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        for i in range(count):
+            mine, theirs = spawn.Pipe()
+            process = spawn.Process(
+                target=self.target, args=(*args, theirs), name=f"kiln-bench-worker-{i}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self.pipes.append(mine)
+            self.processes.append(process)
+        for pipe in self.pipes:
+            if not pipe.poll(120) or pipe.recv() != "ready":
+                raise RuntimeError("a worker process did not start")
+
+    def go(self) -> None:
+        """Start the held workers (a drain)."""
+        for pipe in self.pipes:
+            pipe.send("go")
+
+    def stop(self) -> list[dict[str, Any]]:
+        for pipe in self.pipes:
+            pipe.send("stop")
+        reports = []
+        for pipe in self.pipes:
+            if not pipe.poll(60):
+                raise RuntimeError("a worker process did not report")
+            reports.append(pipe.recv())
+        for process in self.processes:
+            process.join(30)
+        return reports
+
+    def kill_leftovers(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(10)

@@ -14,8 +14,6 @@ import argparse
 import asyncio
 import collections
 import json
-import multiprocessing
-import multiprocessing.process
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from typing import Any
 from harness import (
     KIND,
     Figure,
+    Workers,
     build_app,
     cpu_line,
     head_lines,
@@ -133,51 +132,6 @@ async def serve(
             "sys_s": after.system - before.system, **tally}  # fmt: skip
 
 
-@dataclass
-class Workers:
-    """The worker processes of one figure, started with ``spawn`` (no inherited loop)."""
-
-    pipes: list[Connection] = field(default_factory=list)
-    processes: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
-
-    def start(self, count: int, *args: Any) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        for i in range(count):
-            mine, theirs = spawn.Pipe()
-            process = spawn.Process(target=worker_process, args=(*args, theirs),
-                                    name=f"kiln-bench-worker-{i}", daemon=True)  # fmt: skip
-            process.start()
-            theirs.close()
-            self.pipes.append(mine)
-            self.processes.append(process)
-        for pipe in self.pipes:
-            if not pipe.poll(120) or pipe.recv() != "ready":
-                raise RuntimeError("a worker process did not start")
-
-    def go(self) -> None:
-        """Start the held workers (a drain)."""
-        for pipe in self.pipes:
-            pipe.send("go")
-
-    def stop(self) -> list[dict[str, float]]:
-        for pipe in self.pipes:
-            pipe.send("stop")
-        reports = []
-        for pipe in self.pipes:
-            if not pipe.poll(60):
-                raise RuntimeError("a worker process did not report")
-            reports.append(pipe.recv())
-        for process in self.processes:
-            process.join(30)
-        return reports
-
-    def kill_leftovers(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(10)
-
-
 async def submit_batches(app: kiln.App, tasks: int, batch: int) -> int:
     """Submit ``tasks`` new tasks in batches of ``batch``, as ``POST /v1/tasks/batch`` does
     (kiln.api.bulk): a batch's submits IN_FLIGHT at a time, which the store's batcher takes
@@ -259,7 +213,7 @@ def run_pg_figure(
     results = scratch / f"results-{output_bytes}"
     asyncio.run(migrate(url))
     cluster.wait_idle(name)
-    running = Workers()
+    running = Workers(worker_process)
     try:
         running.start(workers, url, results, output_bytes, concurrency, pool_size, log, drain)
         figure, seen = asyncio.run(drive(

@@ -10,16 +10,13 @@ CPU per lifecycle is every kiln process's CPU: this process's and each worker pr
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import multiprocessing.process
 import os
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from harness import Figure, build_app, submit_all, transitions_of, wait_for_success
+from harness import Figure, Workers, build_app, submit_all, transitions_of, wait_for_success
 
 import kiln
 from kiln.cli.worker_processes import usable_cores
@@ -73,48 +70,6 @@ async def _serve(
         "batches": batches,
         "lock": lock() if callable(lock) else None,
     }
-
-
-@dataclass
-class Workers:
-    pipes: list[Connection] = field(default_factory=list)
-    processes: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
-
-    def start(self, count: int, *args: Any) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        for i in range(count):
-            mine, theirs = spawn.Pipe()
-            process = spawn.Process(
-                target=worker_process,
-                args=(*args, theirs),
-                name=f"kiln-bench-worker-{i}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self.pipes.append(mine)
-            self.processes.append(process)
-        for pipe in self.pipes:
-            if not pipe.poll(120) or pipe.recv() != "ready":
-                raise RuntimeError("a worker process did not start")
-
-    def stop(self) -> list[dict[str, Any]]:
-        for pipe in self.pipes:
-            pipe.send("stop")
-        reports = []
-        for pipe in self.pipes:
-            if not pipe.poll(60):
-                raise RuntimeError("a worker process did not report")
-            reports.append(pipe.recv())
-        for process in self.processes:
-            process.join(30)
-        return reports
-
-    def kill_leftovers(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(10)
 
 
 async def _drive(
@@ -183,7 +138,7 @@ def run_sqlite_processes(
     process, which submits and runs ``local_concurrency`` slots of its own (0: none)."""
     results = scratch / f"results-{output_bytes}"
     asyncio.run(_migrate(url, synchronous))
-    running = Workers()
+    running = Workers(worker_process)
     try:
         running.start(processes, url, results, synchronous, output_bytes, concurrency)
         figure, seen = asyncio.run(

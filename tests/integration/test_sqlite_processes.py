@@ -243,18 +243,7 @@ async def _each_succeeded_once(app: kiln.App, ids: list[str]) -> int:
 
 def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> None:
     # Given kiln serve on SQLite asked for two worker processes
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json")
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--port", str(port), "--worker-processes", "2"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=tmp_path,
-        )
+    serve, port, log = _serve(tmp_path, worker_processes=2)
     try:
         # Then two `kiln worker` children run once it answers
         children: list[int] = []
@@ -278,18 +267,7 @@ def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> No
 
 def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: Path) -> None:
     # Given kiln serve on SQLite with one worker process beside it
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json")
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--port", str(port), "--worker-processes", "1"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=tmp_path,
-        )
+    serve, port, log = _serve(tmp_path, worker_processes=1)
     children: list[int] = []
     try:
 
@@ -316,6 +294,25 @@ def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: 
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _serve(tmp_path: Path, *, worker_processes: int) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """``kiln serve`` on a fresh SQLite data dir with that many worker processes, its output
+    in ``serve.log``: the process, its port, the log."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "kiln", "serve", "--port", str(port)]
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [*command, "--worker-processes", str(worker_processes)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
+    return serve, port, log
 
 
 def _free_port() -> int:
