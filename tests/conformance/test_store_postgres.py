@@ -15,6 +15,7 @@ import pytest
 from kiln.errors import LeaseLost, StoreUnavailable
 from kiln.states import Event, Status, replay
 from kiln.store.effects import USAGE_ROW
+from kiln.store.pgtx import array_literal
 from kiln.store.positions import due_above_args, place_args
 from kiln.store.postgres import PostgresStore, migrate
 from kiln.store.queries import migrations, queries
@@ -346,6 +347,30 @@ async def test_many_first_calls_at_once_migrate_once(postgres_server: PostgresSe
 
 
 # the batch of one-statement writes
+
+
+ARRAYS = (
+    (["a", 'b"c', "d\\e", None, "", " x ", "{,}", "null", "NULL", '\\"', "\\n", "é€😀"], "text"),
+    (["x\ny", "tab\there", "\x01", "\\\n"], "text"),  # control characters: sent as a list
+    ([1, -2, None, 2**31 - 1], "int"),
+    ([1.5, 1e16, 1733470000.123456, None, 0.1, -0.0], "float8"),
+    ([True, False, None], "boolean"),
+)
+
+
+@pytest.mark.parametrize(("values", "kind"), ARRAYS)
+def test_an_array_parameter_reads_back_as_its_values(
+    postgres_server: PostgresServer, values: list[Any], kind: str
+) -> None:
+    # Given a column's values as a write's array parameter
+    sent = array_literal(values)
+    # Then it is the text of an array, unless a string holds a control character
+    controls = any(isinstance(v, str) and any(ord(c) < 32 for c in v) for v in values)
+    assert isinstance(sent, list) if controls else isinstance(sent, str)
+    # And PostgreSQL reads it back as exactly those values
+    with psycopg.connect(postgres_server.new_database(template=None)) as conn:
+        row = conn.execute(f"SELECT %s::{kind}[]", (sent,)).fetchone()
+    assert row is not None and row[0] == values
 
 
 async def test_concurrent_steps_share_one_transaction_and_each_stays_its_own_cas(

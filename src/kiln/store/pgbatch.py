@@ -3,7 +3,9 @@
 Submissions without a key and workers' plain steps that arrive while a batch commits go
 together into the next one: one transaction and one round trip (psycopg's pipeline mode).
 Writes of one shape (submissions; steps that set the same columns) go as one statement
-over typed arrays passed as named parameters (``submit_many``; steps:
+over typed arrays passed as named parameters, each the text of an array
+(:func:`~kiln.store.pgtx.array_literal`: one C call, not an escape per element) that
+the statement reads as its column's type (``submit_many``; steps:
 :mod:`kiln.store.pgstep`); each row is still its own compare-and-set with its own event
 row, and a write whose row did not match gets no row back.
 """
@@ -116,8 +118,7 @@ class Shapes:
     def _submit(self) -> str:
         types = [self._types[column] for column in SUBMITTED] + ["text", "double precision"]
         arrays = ", ".join(
-            f"%(k_{name})s::text[]::{kind}[]"
-            for name, kind in zip(SUBMIT_NAMES, types, strict=True)
+            f"%(k_{name})s::{kind}[]" for name, kind in zip(SUBMIT_NAMES, types, strict=True)
         )
         columns = ", ".join(f"k_{name}" for name in SUBMIT_NAMES)
         unnest = f"WITH d AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d({columns}, k_n))"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.states import FINAL
-from kiln.store.pgtx import Q
+from kiln.store.pgtx import Q, array_literal
 from kiln.store.records import AttemptUsage, Change
 from kiln.store.rows import dumps
 
@@ -106,12 +106,12 @@ def step_values(
 
 def step_sql(shape: StepShape, types: Mapping[str, str], *, many: bool) -> str:
     """The statement of the steps of ``shape`` (``types``: the tasks table's columns):
-    ``many`` steps' values as typed arrays cast from text (:func:`arrays_of`), or one
+    ``many`` steps' values as typed arrays read from their text (:func:`arrays_of`), or one
     step's as typed values (a value its column takes only by an assignment's rounding,
     1.5 for an integer, is taken as a statement of its own always took it)."""
     named = [(name, types.get(kind, kind)) for name, kind in shape.named()]
     if many:
-        arrays = ", ".join(f"%({name})s::text[]::{kind}[]" for name, kind in named)
+        arrays = ", ".join(f"%({name})s::{kind}[]" for name, kind in named)
         columns = ", ".join(name for name, _ in named)
         rows = f"SELECT * FROM unnest({arrays}) WITH ORDINALITY AS d({columns}, k_n)"
     else:
@@ -136,15 +136,7 @@ def step_sql(shape: StepShape, types: Mapping[str, str], *, many: bool) -> str:
     return ", ".join(parts) + " " + (Q.step_end_chained if chained else Q.step_end)
 
 
-def arrays_of(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[str | None]]:
-    """The named parameters of a statement over arrays: each value's column, as text."""
-    return {name: [as_text(row[name]) for row in rows] for name in rows[0]}
-
-
-def as_text(value: Any) -> str | None:
-    """A value as the text PostgreSQL parses back to it (the arrays are cast from text)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)  # an int, or a float's shortest exact form
+def arrays_of(rows: Sequence[Mapping[str, Any]]) -> dict[str, str | Sequence[Any]]:
+    """The named parameters of a statement over arrays: each value's column, as the text
+    of an array its type reads (:func:`~kiln.store.pgtx.array_literal`)."""
+    return {name: array_literal([row[name] for row in rows]) for name in rows[0]}

@@ -4,6 +4,7 @@ commit (to one random shard), event rows inserted in one statement."""
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -22,6 +23,19 @@ Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 Q = queries("postgres")
 COUNTER_SHARDS = 16
 READY_CHANNEL = "kiln_ready"
+
+
+def array_literal(values: Sequence[Any]) -> str | Sequence[Any]:
+    """``values`` (strings, numbers, booleans, None) as the text of a PostgreSQL array
+    (``{"a","b",NULL,1.5,true}``), for a parameter the statement casts (``::text[]``,
+    ``::int[]``...): one C call, where psycopg escapes a list element by element. A value
+    the two texts would read differently (a string with a control character) gets the
+    list back, for psycopg to send."""
+    text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))
+    # Both read \\ and \" alike; any other escape (\n, \u0001) they read differently.
+    if "\\" in text.replace("\\\\", "").replace('\\"', ""):
+        return values
+    return f"{{{text[1:-1]}}}"
 
 
 def translated(exc: psycopg.errors.IntegrityError) -> Exception:
@@ -72,7 +86,7 @@ class PostgresTx(Counting):
         if not rows:
             return []
         ids = [f"{r.task.id}:{r.version}" for r in rows]
-        args = (
+        columns: list[list[Any]] = [
             ids,
             [r.task.id for r in rows],
             [r.task.tenant for r in rows],
@@ -86,7 +100,8 @@ class PostgresTx(Counting):
             [r.at for r in rows],
             [r.dwell_s for r in rows],
             [r.loading_s for r in rows],
-        )
+        ]
+        args = [array_literal(column) for column in columns]
         seqs = {event_id: seq for seq, event_id in await self.all(Q.insert_events, args)}
         return [r.event_for(seqs[event_id]) for event_id, r in zip(ids, rows, strict=True)]
 
