@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kiln
+from kiln.cli.heap import settle_heap
 from kiln.config import Settings
 from kiln.store import Store
 
@@ -77,6 +78,7 @@ def build_app(
         storage_url=results.as_uri(),
         sqlite_synchronous=synchronous,
     )
+    settle_heap(settings.gc_threshold)  # as kiln serve and kiln worker do at startup
     app = kiln.App(settings=settings, store=store)
     payload = os.urandom(output_bytes) if output_bytes else b""
 

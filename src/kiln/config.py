@@ -137,6 +137,7 @@ class Settings:
     metrics_host: str = "127.0.0.1"
     shutdown_grace_s: float = 30.0
     startup_timeout_s: float = 30.0
+    gc_threshold: int = 20_000
     server: str = "http://127.0.0.1:8000"
 
     @property
@@ -379,6 +380,10 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_STARTUP_TIMEOUT_S", "startup_timeout_s", SECONDS, "how long `kiln serve`, "
        "`kiln worker` and `kiln supervisor` wait for the database and the storage to answer "
        "at startup before they exit 2", group=PROCESSES, unit="s"),
+    _v("KILN_GC_THRESHOLD", "gc_threshold", COUNT_OR_ZERO, "allocations between Python's "
+       "collections of young objects in `kiln serve`, `kiln worker` and `kiln supervisor`,"
+       " whose startup objects are frozen out of collection (docs/deployment.md); `0`: "
+       "Python's own collector settings", group=PROCESSES, unit="objects"),
     _v("KILN_LOG_FORMAT", "log_format", values.choice("text", "json"), "`text`, or `json`: "
        "one JSON object per line, one line per transition", group=PROCESSES),
     _v("KILN_LOG_LEVEL", "log_level",

@@ -51,6 +51,7 @@ from kiln.cli.base import (
     port_text,
     settings_of,
 )
+from kiln.cli.heap import settle_heap
 from kiln.cli.worker_processes import process_count, started_beside
 
 #: The extra that provides a URL scheme's driver: what to install when it is missing.
@@ -222,6 +223,7 @@ def serve(
         raise ConfigError(str(exc)) from None
     opened(app)
     listening = _listen(settings.host, settings.port)  # before any worker can claim
+    settle_heap(settings.gc_threshold)
     try:
         _serve(app, api, listening)
     finally:
@@ -362,7 +364,9 @@ def worker(
     unknown = sorted(set(names or []) - set(app.kinds))
     if unknown:
         raise ConfigError(f"no task kind {', '.join(unknown)} is registered", variable="KILN_KINDS")
-    asyncio.run(_run_worker(opened(app), names, exit_with_parent))
+    opened(app)
+    settle_heap(settings.gc_threshold)
+    asyncio.run(_run_worker(app, names, exit_with_parent))
 
 
 def _one_prompt_at_a_time(settings: Settings) -> Settings:
@@ -447,7 +451,9 @@ def supervisor(
         metrics_port=port_of("metrics_port", "--metrics-port", metrics_port),
         metrics_host=metrics_host,
     )
-    asyncio.run(_run_supervisor(opened(app_of(settings))))
+    app = opened(app_of(settings))
+    settle_heap(settings.gc_threshold)
+    asyncio.run(_run_supervisor(app))
 
 
 async def _run_supervisor(app: kiln.App) -> None:
