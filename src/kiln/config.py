@@ -346,8 +346,8 @@ VARIABLES: tuple[Variable, ...] = (
        "own process (`--workers`)", group=PROCESSES, unit="tasks"),
     _v("KILN_WORKER_PROCESSES", "worker_processes", COUNT_OR_AUTO, "`kiln worker` "
        "processes `kiln serve` starts beside itself, each running `KILN_WORKERS` tasks at "
-       "once (`--worker-processes`); `auto`: one per CPU core beyond the first on SQLite, "
-       "none on PostgreSQL", group=PROCESSES, shown="`auto`"),
+       "once (`--worker-processes`); `auto`: one per CPU core beyond the first",
+       group=PROCESSES, shown="`auto`"),
     _v("KILN_NO_WORKERS", "no_workers", FLAG, "`1`: `kiln serve` runs no workers, the API "
        "only (`--no-workers`)", group=PROCESSES),
     _v("KILN_NO_SUPERVISOR", "no_supervisor", FLAG, "`1`: no supervisor loop in `kiln serve`"

@@ -6,8 +6,9 @@ thread share one interpreter lock. On SQLite, ``kiln serve`` therefore starts on
 each claims and runs tasks with its own event loop and writer, and the processes' writes
 meet at the database file's lock (:mod:`kiln.store.sqlite_share`: a kernel lock, and a
 wake-up when a submission makes work claimable, so a worker of another process starts it
-at once). On PostgreSQL ``auto`` starts none: its workers run as ``kiln worker``
-processes of their own, on as many machines as needed.
+at once). On PostgreSQL the same: each worker process has its own pool of
+connections and is woken by ``LISTEN``; workers on other machines are ``kiln worker``
+processes of their own.
 
 A worker process serves the kinds that need no GPU slot: the GPU slots (``KILN_GPUS``)
 belong to the machine, and stay with ``kiln serve``'s own worker. Each one is an ordinary
@@ -47,13 +48,11 @@ NOT_INHERITED = ("KILN_METRICS_PORT", "KILN_KINDS", "KILN_GPUS", "KILN_CONCURREN
 
 def process_count(settings: Settings, cores: int | None = None) -> int:
     """How many worker processes ``kiln serve`` starts: the setting, or for ``auto`` one
-    per core beyond the first on SQLite, none on PostgreSQL; none without workers."""
+    per core beyond the first; none without workers."""
     if settings.no_workers or settings.workers == 0:
         return 0
     if settings.worker_processes is not None:
         return settings.worker_processes
-    if not settings.resolved_database_url.startswith("sqlite:"):
-        return 0
     return max((cores if cores is not None else usable_cores()) - 1, 0)
 
 
