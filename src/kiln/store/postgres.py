@@ -41,9 +41,10 @@ from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
-from kiln.store.claims import ClaimPolicy
+from kiln.store.claims import ClaimPolicy, Route
 from kiln.store.effects import Ledger, effects_of
 from kiln.store.pgbatch import SUBMIT_NAMES, SUBMIT_SHAPE, Shape, Shapes, Write, WriteBatch
+from kiln.store.pgclaim import claim_args, claimed_of
 from kiln.store.pgstep import StepShape, step_values
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
@@ -398,13 +399,18 @@ class PostgresStore(Store):
         """One statement in autocommit (NOTIFY after it when it wrote a row and ``notify``).
         A broken connection may have committed it: the caller's retry re-reads the row
         and either finds the change done (a refusal) or does it."""
+        rows = await self._autocommit(sql, args, notify=notify)
+        return rows[0] if rows else None
+
+    async def _autocommit(self, sql: str, args: Args, *, notify: bool = False) -> list[Row]:
+        """:meth:`_statement`, every row it returns."""
         for attempt in range(4):
             try:
                 async with self._connection() as conn:
-                    row = await (await conn.execute(sql, args)).fetchone()
-                    if row is not None and notify:
+                    rows = await (await conn.execute(sql, args)).fetchall()
+                    if rows and notify:
                         await conn.execute(f"NOTIFY {READY_CHANNEL}")
-                return row
+                return rows
             except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
                 if attempt == 3:
                     raise
@@ -414,6 +420,33 @@ class PostgresStore(Store):
                 await self._drop_broken()
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         raise AssertionError("unreachable")
+
+    async def claim(
+        self,
+        *,
+        worker_id: str,
+        kinds: list[str],
+        limit: int,
+        lease_ttl_s: float,
+        policy: ClaimPolicy | None = None,
+        acquire: Sequence[str] = (),
+        route: Route | None = None,
+    ) -> list[Task]:
+        """A claim in the default order is one statement (:mod:`kiln.store.pgclaim`); one
+        under a claim policy or a route goes the row path."""
+        plain = (policy is None or policy.plain) and (route is None or not route.active)
+        if not plain or not kinds or limit <= 0:
+            return await super().claim(
+                worker_id=worker_id,
+                kinds=kinds,
+                limit=limit,
+                lease_ttl_s=lease_ttl_s,
+                policy=policy,
+                acquire=acquire,
+                route=route,
+            )
+        args = claim_args(worker_id, kinds, limit, lease_ttl_s, acquire, self.clock())
+        return claimed_of(await self._autocommit(Q.claim_plain, args), worker_id)
 
     async def _apply_change(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         if _is_plain(change):

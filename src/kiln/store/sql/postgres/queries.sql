@@ -180,3 +180,65 @@ e AS (
         t.epoch, NULL, d.k_at, NULL FROM t JOIN d ON d.k_id = t.id ORDER BY d.k_n
     RETURNING seq, task_id)
 SELECT t.*, d.k_n, e.seq FROM t JOIN d ON d.k_id = t.id JOIN e ON e.task_id = t.id
+
+-- claim_plain --
+-- A claim in the default order (no claim policy, no route) as one statement
+-- (kiln/store/pgclaim.py): up to :limit ready tasks of each of :kinds, locked in claim
+-- order (one index range each, SKIP LOCKED); the first :limit of them claimed as
+-- claim_tasks claims them (a task of an :acquire kind acquired too: two events, two
+-- versions); their event rows, their counts and their counters. Each claimed row comes
+-- back in claim order with the status it left, its dwell there and its events' seqs.
+WITH c AS (
+    SELECT t.* FROM unnest(CAST(:kinds AS text[])) AS k(kind) CROSS JOIN LATERAL (
+        SELECT id, priority, ready_at, status, status_since FROM tasks
+        WHERE tasks.kind = k.kind AND status IN {CLAIMABLE} AND ready_at <= :now
+            AND deadline_at > :now
+        ORDER BY priority DESC, ready_at, id LIMIT :limit FOR UPDATE SKIP LOCKED) AS t),
+chosen AS (SELECT * FROM c ORDER BY priority DESC, ready_at, id LIMIT :limit),
+u AS (
+    UPDATE tasks SET
+        status = CASE WHEN kind = ANY(CAST(:acquire AS text[])) THEN 'GENERATING'
+            ELSE 'WAITING_FOR_RESOURCE' END,
+        attempt = attempt + 1, epoch = epoch + 1,
+        version = version + CASE WHEN kind = ANY(CAST(:acquire AS text[])) THEN 2 ELSE 1 END,
+        lease_owner = :owner, lease_expires_at = :expires,
+        state_deadline_at = :now + CASE WHEN kind = ANY(CAST(:acquire AS text[]))
+            THEN {GENERATING_S} ELSE {WAITING_S} END,
+        started_at = coalesce(started_at, :now),
+        updated_at = :now, status_since = :now, next_retry_at = NULL, stage = NULL,
+        progress_step = NULL, progress_total = NULL, progress_at = NULL,
+        yield_requested_at = NULL,
+        result_prefix = 'tasks/' || tasks.id || '/' || (attempt + 1) || '-' || (epoch + 1)
+    FROM chosen WHERE tasks.id = chosen.id
+    RETURNING tasks.*, chosen.status AS source, CAST(:now AS float8) - chosen.status_since AS dwell,
+        chosen.priority AS claim_priority, chosen.ready_at AS claim_ready),
+s AS (
+    SELECT u.id, u.tenant, u.attempt, u.epoch, u.version, 'claim' AS event, u.source,
+        'WAITING_FOR_RESOURCE' AS target, u.dwell, u.claim_priority, u.claim_ready,
+        CASE WHEN u.status = 'GENERATING' THEN 1 ELSE 0 END AS back
+    FROM u
+    UNION ALL
+    SELECT u.id, u.tenant, u.attempt, u.epoch, u.version, 'acquire', 'WAITING_FOR_RESOURCE',
+        'GENERATING', 0, u.claim_priority, u.claim_ready, 0
+    FROM u WHERE u.status = 'GENERATING'),
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT s.id || ':' || (s.version - s.back), s.id, s.tenant, s.event, s.source, s.target,
+        false, s.attempt, s.epoch, NULL, :now, s.dwell
+    FROM s ORDER BY s.claim_priority DESC, s.claim_ready, s.id, s.back DESC
+    RETURNING seq, task_id),
+tc AS (
+    INSERT INTO task_counts (tenant, status, shard, n)
+    SELECT d.tenant, d.status, :shard, sum(d.n) FROM (
+        SELECT u.tenant, u.source AS status, -1 AS n FROM u
+        UNION ALL SELECT u.tenant, u.status, 1 FROM u) AS d
+    GROUP BY d.tenant, d.status HAVING sum(d.n) <> 0 ORDER BY d.tenant, d.status
+    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
+n AS (
+    INSERT INTO counters (name, labels, shard, n)
+    SELECT 'transitions', s.source || '>' || s.target, :shard, count(*) FROM s
+    GROUP BY s.source, s.target ORDER BY 2
+    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
+SELECT u.*, (SELECT array_agg(e.seq ORDER BY e.seq) FROM e WHERE e.task_id = u.id) FROM u
+ORDER BY u.claim_priority DESC, u.claim_ready, u.id
