@@ -14,15 +14,22 @@ batch's many steps of one shape run the same statement around it (``step_lock``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.counters import TRANSITIONS
 from kiln.states import FINAL
+from kiln.store.effects import Ledger
 from kiln.store.pgtx import Q, array_literal
 from kiln.store.records import AttemptUsage, Change
 from kiln.store.rows import dumps
+from kiln.store.sqlstore import update_sets
+from kiln.store.tx import Row, Tally
 
+#: The counts a step's row adds to a write batch's tally.
+Counts = Callable[[Row, Tally], None]
 #: What a step's statement matches: the row's id, status and epoch.
 MATCH = (("k_id", "text"), ("k_status", "text"), ("k_epoch", "epoch"))
 #: What its event row takes besides the updated row.
@@ -68,6 +75,26 @@ class StepShape:
         sets = [(f"s_{column}", column) for column, _ in self.sets]
         chained = CHAINED if self.chained else ()
         return [*MATCH, *sets, *LOGGED, *chained, *(LEDGER if self.ledger else ())]
+
+
+def step_write(change: Change, now: float) -> tuple[StepShape, dict[str, Any], Counts]:
+    """A plain step's shape, its named values, and the counts its row adds (in a batch,
+    which writes them once for all its rows)."""
+    target, source = change.target, change.expect_status
+    sets = update_sets(change, target, now)
+    usage = next((e.usage for e in change.effects if isinstance(e, Ledger)), None)
+    values = step_values(change, sets, usage, now)
+    ended = usage is not None
+    shape = StepShape(tuple((c, added) for c, _, added in sets), ended, len(change.steps) == 2)
+    passed = [source, *(to for _, to in change.steps)]
+
+    def counts(row: Row, tally: Tally) -> None:
+        tally.count_status(row[1], source, -1)
+        tally.count_status(row[1], target, 1)
+        for left, reached in itertools.pairwise(passed):
+            tally.bump(TRANSITIONS, f"{left}>{reached}")
+
+    return shape, values, counts
 
 
 def step_values(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,20 +36,19 @@ import psycopg
 import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from kiln import counters as names
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
 from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
 from kiln.store.claims import ClaimPolicy, Route
-from kiln.store.effects import Ledger, effects_of
+from kiln.store.effects import effects_of
 from kiln.store.pgbatch import SUBMIT_NAMES, SUBMIT_SHAPE, Shape, Shapes, Write, WriteBatch
 from kiln.store.pgclaim import claim_args, claimed_of
-from kiln.store.pgstep import StepShape, step_values
+from kiln.store.pgstep import step_write
 from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, translated
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, event_from_row, insert_args, task_from_row
-from kiln.store.sqlstore import Store, update_sets
+from kiln.store.sqlstore import Store
 from kiln.store.tx import Args, Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
@@ -462,23 +460,8 @@ class PostgresStore(Store):
         event (and the ledger's row of the attempt it ends) and add the counts. None when
         the row did not match (the caller then words the refusal)."""
         now = self.clock()
-        target, source = change.target, change.expect_status
-        sets = update_sets(change, target, now)
-        usage = next((e.usage for e in change.effects if isinstance(e, Ledger)), None)
-        values = step_values(change, sets, usage, now)
-        chained = len(change.steps) == 2
-        shape = StepShape(
-            tuple((column, added) for column, _, added in sets), usage is not None, chained
-        )
+        shape, values, counts = step_write(change, now)
         shard = {"shard": random.randrange(COUNTER_SHARDS)}
-        passed = [source, *(to for _, to in change.steps)]
-
-        def counts(row: Row, tally: Tally) -> None:
-            tally.count_status(row[1], source, -1)
-            tally.count_status(row[1], target, 1)
-            for left, reached in itertools.pairwise(passed):
-                tally.bump(names.TRANSITIONS, f"{left}>{reached}")
-
         row = await self._batched(
             change.task_id,
             (self.shapes.one(shape.alone()), {**values, **shard}),
