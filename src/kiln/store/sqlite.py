@@ -36,7 +36,7 @@ from kiln.errors import StoreUnavailable
 from kiln.models import TaskEvent
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
-from kiln.store.rows import TASK_COLUMNS
+from kiln.store.rows import TASK_COLUMNS, dumps
 from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlstore import Store
 from kiln.store.tx import (
@@ -472,29 +472,31 @@ class SqliteTx(Counting):
         self.conn.execute("RELEASE nested")
 
     async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
+        """One INSERT per row; its seq is the row id SQLite gave it (``lastrowid``)."""
+        execute, sql = self.conn.execute, self.q.insert_event
         found = []
         for r in rows:
             task = r.task
-            seq = self.conn.execute(
-                self.q.insert_event,
+            cursor = execute(
+                sql,
                 (
                     f"{task.id}:{r.version}",
                     task.id,
                     task.tenant,
-                    str(r.event),
-                    None if r.source is None else str(r.source),
-                    str(r.target),
+                    r.event.value,
+                    None if r.source is None else r.source.value,
+                    r.target.value,
                     int(r.final),
                     task.attempt,
                     task.epoch,
-                    None
-                    if r.error is None
-                    else json.dumps(r.error, separators=(",", ":"), sort_keys=True),
+                    dumps(r.error),
                     r.at,
                     r.dwell_s,
                     r.loading_s,
                 ),
-            ).fetchone()[0]
+            )
+            seq = cursor.lastrowid
+            assert seq is not None
             found.append(r.event_for(seq))
         return found
 
