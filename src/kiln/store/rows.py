@@ -18,6 +18,34 @@ def loads(raw: str | None) -> Any:
     return None if raw is None else json.loads(raw)
 
 
+_DECODE = json.JSONDecoder().decode
+
+
+def _document(raw: str) -> Any:
+    """A JSON column that is never NULL: an empty object or list (most tasks' params,
+    metadata and inputs) made without the parser, a new one each time (they are mutable)."""
+    if raw == "{}":
+        return {}
+    if raw == "[]":
+        return []
+    return _DECODE(raw)
+
+
+#: ``Timeouts`` by the column's text: tasks of a kind share one, and a Timeouts is frozen.
+_TIMEOUTS: dict[str, Timeouts] = {}
+_TIMEOUTS_KEPT = 256
+
+
+def _timeouts(raw: str) -> Timeouts:
+    found = _TIMEOUTS.get(raw)
+    if found is None:
+        found = Timeouts(**_DECODE(raw))
+        if len(_TIMEOUTS) >= _TIMEOUTS_KEPT:
+            _TIMEOUTS.clear()
+        _TIMEOUTS[raw] = found
+    return found
+
+
 #: ``json.dumps(value, separators=(",", ":"), sort_keys=True)``, its encoder made once.
 _DUMPS = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
@@ -91,9 +119,9 @@ def task_from_row(row: Sequence[Any]) -> Task:
         status=STATUSES[row[3]],
         priority=row[4],
         ready_at=row[5],
-        params=json.loads(row[6]),
-        metadata=json.loads(row[7]),
-        inputs=json.loads(row[8]),
+        params=_document(row[6]),
+        metadata=_document(row[7]),
+        inputs=_document(row[8]),
         fingerprint=row[9],
         idempotency_key=row[10],
         dedup_key=row[11],
@@ -106,7 +134,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         state_deadline_at=row[18],
         deadline_s=row[19],
         deadline_at=row[20],
-        timeouts=Timeouts(**json.loads(row[21])),
+        timeouts=_timeouts(row[21]),
         stage=row[22],
         progress_step=row[23],
         progress_total=row[24],
