@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from kiln.models import Task, Timeouts
+from kiln.models import Task, TaskEvent, Timeouts
 from kiln.states import Event, Status
 from kiln.store.rows import TASK_COLUMNS, insert_args, inserted_row
 from kiln.store.sqlite import INSERT_TASK, SqliteStore, connect, migrate
-from kiln.store.tx import Tx
+from kiln.store.tx import EventRow, Tx
 
 from .factories import claim_one, make_new_task, step_change
 
@@ -128,3 +128,30 @@ async def test_the_lifecycle_reads_nothing_back_and_its_events_carry_their_seqs(
     logged = await sqlite_store.events(task_id=task.id)
     assert events == logged[-3:]
     assert [e.seq for e in logged] == sorted({e.seq for e in logged})
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 32, 37, 70])
+async def test_event_rows_written_together_get_the_seqs_the_log_holds(
+    sqlite_store: SqliteStore, count: int
+) -> None:
+    # Given a task with an event logged already, and another task's event after it
+    task = (await sqlite_store.submit(make_new_task())).task
+    other = (await sqlite_store.submit(make_new_task({"other": True}))).task
+    claimed = (Event.CLAIM, Status.PENDING, Status.WAITING_FOR_RESOURCE)
+    rows = [
+        EventRow(task, 1 + n, *claimed, {"n": n} if n % 2 else None, NOW + n, 0.5 * n)
+        for n in range(1, count + 1)
+    ]
+
+    # When they are written in one call
+    async def write(tx: Tx) -> list[TaskEvent]:
+        return await tx.insert_events(rows)
+
+    answered = await sqlite_store._write(write)
+
+    # Then each answer is its row as the log reads it, seqs in order after the others'
+    logged = await sqlite_store.events(task_id=task.id)
+    assert answered == logged[1:]
+    assert [e.seq for e in answered] == sorted(e.seq for e in answered)
+    first_other = (await sqlite_store.events(task_id=other.id))[0]
+    assert answered[0].seq > first_other.seq

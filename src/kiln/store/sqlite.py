@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -428,6 +429,48 @@ def _translated(exc: sqlite3.DatabaseError) -> Exception:
     return violation(str(exc), unique=unique)
 
 
+#: Event rows one INSERT writes at most (a claim's rows: two a task).
+EVENTS_AT_ONCE = 32
+
+
+def _event_chunks(n: int) -> list[int]:
+    """``n`` rows as INSERTs of powers of two, largest first (few statement texts)."""
+    sizes = []
+    while n:
+        size = min(EVENTS_AT_ONCE, 1 << (n.bit_length() - 1))
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
+@functools.cache
+def _insert_events_sql(q: Queries, size: int) -> str:
+    """``insert_event`` with ``size`` rows of values."""
+    one = q.insert_event
+    row = one[one.rindex("VALUES ") + len("VALUES ") :]
+    return one + f", {row}" * (size - 1)
+
+
+def _event_values(r: EventRow) -> tuple[Any, ...]:
+    """The ``insert_event`` parameters of one row."""
+    task = r.task
+    return (
+        f"{task.id}:{r.version}",
+        task.id,
+        task.tenant,
+        r.event.value,
+        None if r.source is None else r.source.value,
+        r.target.value,
+        int(r.final),
+        task.attempt,
+        task.epoch,
+        dumps(r.error),
+        r.at,
+        r.dwell_s,
+        r.loading_s,
+    )
+
+
 class SqliteTx(Counting):
     """A :class:`~kiln.store.tx.Tx` on the connection of the thread running it."""
 
@@ -472,32 +515,18 @@ class SqliteTx(Counting):
         self.conn.execute("RELEASE nested")
 
     async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
-        """One INSERT per row; its seq is the row id SQLite gave it (``lastrowid``)."""
-        execute, sql = self.conn.execute, self.q.insert_event
-        found = []
-        for r in rows:
-            task = r.task
-            cursor = execute(
-                sql,
-                (
-                    f"{task.id}:{r.version}",
-                    task.id,
-                    task.tenant,
-                    r.event.value,
-                    None if r.source is None else r.source.value,
-                    r.target.value,
-                    int(r.final),
-                    task.attempt,
-                    task.epoch,
-                    dumps(r.error),
-                    r.at,
-                    r.dwell_s,
-                    r.loading_s,
-                ),
-            )
-            seq = cursor.lastrowid
-            assert seq is not None
-            found.append(r.event_for(seq))
+        """The rows in as few INSERTs as :func:`_event_chunks` allows; the seqs of one
+        INSERT's rows follow each other (AUTOINCREMENT, under the write lock), the last
+        is its ``lastrowid``."""
+        found: list[TaskEvent] = []
+        start = 0
+        for size in _event_chunks(len(rows)):
+            chunk = rows[start : start + size]
+            start += size
+            values = [value for r in chunk for value in _event_values(r)]
+            last = self.conn.execute(_insert_events_sql(self.q, size), values).lastrowid
+            assert last is not None
+            found += [r.event_for(seq) for seq, r in enumerate(chunk, start=last - size + 1)]
         return found
 
     async def lock_tenant(self, tenant: str) -> bool:
