@@ -178,9 +178,11 @@ def peer(
             env,
         )
     name = found["system"]
+    one = found.get("enqueue_one_drain_per_s")  # PgQueuer's one job per enqueue call
     return {
         name: found["drain_per_s"],
         f"{name}_enqueue_drain": found["enqueue_drain_per_s"],
+        **({f"{name}_enqueue_one_drain": one} if one is not None else {}),
         **pickup_keys(name, found),
     }
 
@@ -342,6 +344,7 @@ LIKE_FOR_LIKE = (
     ("postgres_drain_vs_procrastinate_drain", "kiln_postgres_drain", "procrastinate"),
     ("postgres_enqueue_drain_vs_procrastinate_enqueue_drain", "kiln_postgres_enqueue_drain",
      "procrastinate_enqueue_drain"),
+    ("postgres_vs_pgqueuer_enqueue_one_drain", "kiln_postgres", "pgqueuer_enqueue_one_drain"),
 )  # fmt: skip
 
 
@@ -456,6 +459,7 @@ def table(body: dict[str, Any]) -> list[str]:
         ("Dramatiq (Redis)", "dramatiq", "dramatiq_enqueue_drain", "dramatiq"),
         ("Procrastinate", "procrastinate", "procrastinate_enqueue_drain", "procrastinate"),
         ("PgQueuer", "pgqueuer", "pgqueuer_enqueue_drain", "pgqueuer"),
+        ("  one per call", "pgqueuer_enqueue_one_drain", None, None),
     )
     for label, key, both, pick in rows:
         if key not in median:
@@ -472,7 +476,9 @@ def table(body: dict[str, Any]) -> list[str]:
     lines.append(
         "kiln PostgreSQL: submits one task per call while the workers run (enqueue+drain"
         " column); 'batches of B': drain = all queued, workers started; enqueue+drain ="
-        " submits in batches of B while they run (CPU: the drain's, submits included)"
+        " submits in batches of B while they run (CPU: the drain's, submits included);"
+        " PgQueuer 'one per call': one job per enqueue call, 40 calls in flight on 10"
+        " connections, as kiln's lifecycle submits"
     )
     lines.append(f"Oban for Python: {body['oban']}")
     return lines

@@ -6,7 +6,11 @@ acknowledgements buffered and written in batches (a finished job's row is delete
 the queue table and a row goes to ``pgqueuer_log``). ``factory`` is the README's consumer,
 as the async context manager 1.6's CLI asks for, with a no-op entrypoint (it records its
 start in ``BENCH_DONE``). Run as a script, the module drives the three figures (see
-common.py); "done" is the queue table empty. The last line is one JSON object.
+common.py), and a fourth: ``enqueue_one_drain_per_s``, enqueue + drain with one job per
+``enqueue`` call (as a web request submits), ``IN_FLIGHT`` calls at once over a pool of
+``POOL`` connections, the bounds kiln's own one-per-call figure runs under
+(``lifecycle.py``: 4 × its pool of 10). "done" is the queue table empty. The last line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from pgqueuer.models import Job
 from pgqueuer.queries import Queries
 
 BATCH = 500
+#: One-per-call enqueue: connections, calls in flight, and the first job number.
+POOL = 10
+IN_FLIGHT = 40
+ONE_BY_ONE = 5_000_000
 
 
 @asynccontextmanager
@@ -103,6 +111,22 @@ def drain(args: Any, scratch: Path) -> float:
     return round(args.tasks / (end - min(starts(done).values())), 1)
 
 
+async def enqueue_one_by_one(count: int) -> None:
+    """``count`` jobs, one per ``enqueue`` call, ``IN_FLIGHT`` calls at once."""
+    pool = await asyncpg.create_pool(os.environ["BENCH_DATABASE"], min_size=POOL, max_size=POOL)
+    queries = Queries.from_asyncpg_pool(pool)
+    numbers = iter(range(ONE_BY_ONE, ONE_BY_ONE + count))
+
+    async def caller() -> None:
+        for n in numbers:
+            await queries.enqueue("noop", str(n).encode())
+
+    try:
+        await asyncio.gather(*(caller() for _ in range(IN_FLIGHT)))
+    finally:
+        await pool.close()
+
+
 async def pickup(rate: float, seconds: float) -> list[float]:
     from common import PICKUP, open_loop
 
@@ -142,9 +166,13 @@ def main() -> None:
         asyncio.run(enqueue(0, args.tasks, args.enqueue_batch))
         end = wait_until(lambda: all_done(done, args.tasks, cli), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
+        started = time.time()
+        asyncio.run(enqueue_one_by_one(args.tasks))
+        end = wait_until(lambda: all_done(done, 2 * args.tasks, cli), 300, "one by one")
+        body["enqueue_one_drain_per_s"] = round(args.tasks / (end - started), 1)
         begun = time.time()
         scheduled = asyncio.run(pickup(args.rate, args.seconds))
-        total = args.tasks + len(scheduled)
+        total = 2 * args.tasks + len(scheduled)
         wait_until(lambda: all_done(done, total, cli), 300, "pickup")
         body.update(pickup_figures(scheduled, done, begun))
     finally:

@@ -47,11 +47,13 @@ class Retry:
     scheduled in the same transaction by the kind's backoff when the error is retryable,
     attempts and time are left (``fail``/``expire`` then ``schedule_retry``), no sooner
     than ``after_s`` from now when given; ``then`` chains one more event unconditionally
-    (``lose`` then ``schedule_retry``)."""
+    (``lose`` then ``schedule_retry``; ``generated`` then ``uploaded`` to ``then_to`` when
+    an attempt has nothing to upload)."""
 
     error: JSON | None = None
     after_s: float | None = None
     then: Event | None = None
+    then_to: Status | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +158,11 @@ class Counters(Contribution):
 def attempt_usage(draft: Draft) -> AttemptUsage | None:
     """What the ledger records of the attempt the change ends, or None when it ends none
     (the task was not running, or still is)."""
-    (event, to), task = draft.steps[0], draft.task
-    if task.status not in RUNNING or to in RUNNING:
+    task = draft.task
+    ends = [(event, to) for event, to in draft.steps if to not in RUNNING]
+    if task.status not in RUNNING or not ends:
         return None
+    event, to = ends[0]  # the step that leaves the running statuses
     retried = draft.steps[-1][0] is Event.SCHEDULE_RETRY
     outcome = outcome_of(event, to, retried=retried, error_code=draft.failure_code)
     ran = draft.fact(Ran) or Ran()

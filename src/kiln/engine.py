@@ -455,7 +455,7 @@ async def _plan_retry(engine: Engine, draft: Draft, retry: Retry) -> dict[str, A
     attempt when the kind's backoff (and KILN_RETRY_RATE) allows one."""
     task, to = draft.task, draft.steps[0][1]
     if retry.then is not None:
-        draft.steps.append((retry.then, check(to, retry.then)))
+        draft.steps.append((retry.then, check(to, retry.then, retry.then_to)))
     if retry.error is None:
         return {}
     due = _retry_due(engine, task, retry.error, retry.after_s)

@@ -434,6 +434,59 @@ async def test_steps_of_one_shape_share_a_statement_and_each_row_gets_its_own_va
     assert (stats.counts["GENERATING"], stats.counts["UPLOADING"]) == (8, 7)
 
 
+async def test_steps_of_two_events_share_a_statement_each_logging_both(
+    pg: PostgresStore,
+) -> None:
+    # Given six acquired tasks with nothing to upload, one of which moved on
+    for n in range(6):
+        await pg.submit(make_new_task({"n": n}))
+    claimed = await pg.claim(worker_id="w", kinds=[KIND], limit=6, lease_ttl_s=60)
+    running = [(await pg.apply(step_change(t, Event.ACQUIRE)))[0] for t in claimed]
+    gone = running[2]
+    await pg.apply(step_change(gone, Event.EXPIRE, fenced=False, bump_epoch=True))
+    before, counts_before = pg.write_statements, await pg.counters()
+    # When their generated-then-uploaded changes arrive at once
+    chained = [step_change(t, Event.GENERATED, (Event.UPLOADED, Status.SUCCESS)) for t in running]
+    results = await asyncio.gather(*map(pg.apply, chained), return_exceptions=True)
+    # Then they went as one statement over arrays, the one that moved on refused
+    assert pg.write_statements - before == 1
+    for task, result in zip(running, results, strict=True):
+        if task.id == gone.id:
+            assert isinstance(result, LeaseLost)
+            continue
+        assert not isinstance(result, BaseException)
+        moved, events = result
+        # And each row is two versions on, its two events exactly those of the log
+        assert (moved.status, moved.version) == (Status.SUCCESS, task.version + 2)
+        assert events == (await pg.events(task_id=task.id))[-2:]
+        assert [(e.event, e.status, e.final) for e in events] == [
+            (Event.GENERATED, Status.UPLOADING, False),
+            (Event.UPLOADED, Status.SUCCESS, True),
+        ]
+    # And counts and both transitions' counters agree with what committed
+    stats = await pg.stats(tenant=None, ghost_after_s=60)
+    assert (stats.counts["SUCCESS"], stats.counts["UPLOADING"]) == (5, 0)
+    counters = await pg.counters()
+    for key in ("GENERATING>UPLOADING", "UPLOADING>SUCCESS"):
+        moved_key = ("transitions", key)
+        assert counters[moved_key] - counts_before.get(moved_key, 0) == 5
+
+
+async def test_a_step_of_two_events_alone_counts_itself(pg: PostgresStore) -> None:
+    # Given one acquired task
+    await pg.submit(make_new_task())
+    (task,) = await pg.claim(worker_id="w", kinds=[KIND], limit=1, lease_ttl_s=60)
+    task, _ = await pg.apply(step_change(task, Event.ACQUIRE))
+    # When its generated-then-uploaded change is written alone
+    change = step_change(task, Event.GENERATED, (Event.UPLOADED, Status.SUCCESS))
+    moved, events = await pg.apply(change)
+    assert (moved.status, moved.version) == (Status.SUCCESS, task.version + 2)
+    # Then the task and its events are those of the log, and the counts moved once
+    assert events == (await pg.events(task_id=task.id))[-2:]
+    counts = (await pg.stats(tenant=None, ghost_after_s=60)).counts
+    assert (counts["SUCCESS"], counts["GENERATING"], counts["UPLOADING"]) == (1, 0, 0)
+
+
 async def test_a_value_an_array_does_not_take_refuses_no_other_write_of_its_batch(
     pg: PostgresStore,
 ) -> None:

@@ -350,3 +350,39 @@ async def test_the_supervisors_other_endings_name_their_outcomes(
         outcomes.append(row.outcome)
         assert row.worker == "w-1" and row.generating_s > 0
     assert outcomes == ["timeout", "cancelled", "success"]
+
+
+async def test_generated_then_uploaded_in_one_change_logs_both_and_writes_one_row(
+    store: Store, core: Engine, clock: SettableClock
+) -> None:
+    # Given an acquired task that generated for 2.25 s and has nothing to upload
+    new = make_new_task()
+    await store.submit(new)
+    task = await claim(core)
+    clock.advance(1.5)
+    task = await core.apply(task, Event.ACQUIRE, fence=WORKER)
+    clock.advance(2.25)
+    before = await store.counters()
+    # When generated and uploaded are one change
+    then = Retry(then=Event.UPLOADED, then_to=Status.SUCCESS)
+    done = await core.apply(task, Event.GENERATED, fence=WORKER, retry=then, facts=[Ran()])
+    # Then the task succeeded two versions on, and the log holds both events
+    assert (done.status, done.version) == (Status.SUCCESS, task.version + 2)
+    assert await store.get(new.id) == done
+    generated, uploaded = (await store.events(task_id=new.id))[-2:]
+    logged = [(e.id, e.event, e.from_status, e.status) for e in (generated, uploaded)]
+    assert logged == [
+        (f"{new.id}:{task.version + 1}", Event.GENERATED, G, Status.UPLOADING),
+        (f"{new.id}:{task.version + 2}", Event.UPLOADED, Status.UPLOADING, Status.SUCCESS),
+    ]
+    assert [(e.final, e.dwell_s) for e in (generated, uploaded)] == [(False, 2.25), (True, 0.0)]
+    assert generated.seq < uploaded.seq
+    # And the ledger's one row ends the attempt as a success, with the log's seconds
+    (row,) = await assert_ledger_matches_log(store, new.id)
+    assert (row.outcome, row.waiting_s, row.generating_s) == ("success", 1.5, 2.25)
+    # And the counts and both transitions' counters moved
+    counts = (await store.stats(tenant=None, ghost_after_s=60)).counts
+    assert (counts["SUCCESS"], counts["GENERATING"], counts["UPLOADING"]) == (1, 0, 0)
+    after = await store.counters()
+    for key in ("GENERATING>UPLOADING", "UPLOADING>SUCCESS"):
+        assert after[("transitions", key)] - before.get(("transitions", key), 0) == 1

@@ -61,3 +61,38 @@ async def test_a_workers_rows_carry_its_load_times_its_pool_and_its_id(
     assert loaded == [(Event.GENERATED, timed.total_s)]
     assert events[0][-2].to_json()["loading_s"] == round(timed.total_s, 3)
     assert all(e.loading_s is None and "loading_s" not in e.to_json() for e in events[1])
+
+
+async def test_an_attempt_with_nothing_to_upload_logs_generated_and_uploaded_in_one_write(
+    each_store: Settings,
+) -> None:
+    app = kiln.App(settings=each_store.with_(pools={"gpu": 1}))
+
+    @app.task("test.nothing", resources={"gpu": 1})
+    async def nothing(ctx: Context, params: dict[str, Any]) -> None:
+        await asyncio.sleep(0.01)
+
+    async with app:
+        # Given a task whose handler returns no outputs (and a kind with no review)
+        task_id = (await app.submit("test.nothing", {"n": 1})).task.id
+        worker = app.worker(concurrency=1, idle_poll_s=(0.01, 0.05))
+        # When a worker runs it
+        async with running(worker.run()):
+            done = await app.wait(task_id, timeout_s=30)
+        store = app.engine.store
+        log = await store.events(task_id=task_id)
+        (row,) = await store.usage.of_task(task_id)
+    # Then it succeeded with no outputs, and its log still holds both steps, in order and
+    # numbered, written by one change: the same instant, no time spent in UPLOADING
+    assert done.status is Status.SUCCESS and done.result == {"outputs": []}
+    generated, uploaded = log[-2:]
+    assert [(e.event, e.from_status, e.status, e.final) for e in (generated, uploaded)] == [
+        (Event.GENERATED, Status.GENERATING, Status.UPLOADING, False),
+        (Event.UPLOADED, Status.UPLOADING, Status.SUCCESS, True),
+    ]
+    assert [e.id for e in log] == [f"{task_id}:{n}" for n in range(1, len(log) + 1)]
+    assert generated.seq < uploaded.seq and generated.at == uploaded.at
+    assert uploaded.dwell_s == 0.0 and generated.dwell_s is not None and generated.dwell_s > 0
+    # And the attempt's row of the ledger ends it as a success, with the log's seconds
+    assert (row.outcome, row.pool, row.worker) == ("success", "gpu", worker.worker_id)
+    assert row.generating_s == generated.dwell_s

@@ -1,6 +1,7 @@
 """PostgreSQL's one statement of a worker's plain step, for one step or many.
 
-A plain step (a fenced single step whose effects the statement can write itself: see
+A plain step (a fenced step of one event, or of two: ``generated`` then ``uploaded``, whose
+effects the statement can write itself: see
 ``PostgresStore._apply_in_one_statement``) is described once, as named values
 (:func:`step_values`) and a :class:`StepShape` (the columns it sets, whether it ends its
 attempt). The statement is built from that description alone: the values become the
@@ -33,6 +34,8 @@ LOGGED = (
     ("k_error", "text"),
     ("k_at", "double precision"),
 )
+#: What a step of two events adds: the second event and the status it reaches.
+CHAINED = (("k_event2", "text"), ("k_to2", "text"), ("k_final2", "boolean"))
 #: What a step that ends its attempt adds: its row of the ledger (``step_ended``).
 LEDGER = (
     ("k_pool", "text"),
@@ -47,27 +50,31 @@ LEDGER = (
 class StepShape:
     """What the steps that share one statement have in common: the columns they set, in
     order (``(column, added)``: ``added`` sets ``column + value``), whether they end
-    their attempts (the ledger's row goes with each), and whether the statement adds its
-    own counts (a step written alone; a write batch adds them once for all)."""
+    their attempts (the ledger's row goes with each), whether each is two events
+    (``chained``: ``generated`` then ``uploaded``), and whether the statement adds its own
+    counts (a step written alone; a write batch adds them once for all)."""
 
     sets: tuple[tuple[str, bool], ...]
     ledger: bool
+    chained: bool = False
     counted: bool = False
 
     def alone(self) -> StepShape:
-        return StepShape(self.sets, self.ledger, counted=True)
+        return StepShape(self.sets, self.ledger, self.chained, counted=True)
 
     def named(self) -> list[tuple[str, str]]:
         """The steps' values by name, with each one's type (a tasks column's name stands
         for that column's type)."""
         sets = [(f"s_{column}", column) for column, _ in self.sets]
-        return [*MATCH, *sets, *LOGGED, *(LEDGER if self.ledger else ())]
+        chained = CHAINED if self.chained else ()
+        return [*MATCH, *sets, *LOGGED, *chained, *(LEDGER if self.ledger else ())]
 
 
 def step_values(
     change: Change, sets: Sequence[tuple[str, Any, bool]], usage: AttemptUsage | None, now: float
 ) -> dict[str, Any]:
-    """One step's named values (``update_sets`` gives ``sets``)."""
+    """One step's named values (``update_sets`` gives ``sets``); a step of two events
+    (:data:`CHAINED`) is final only at its second."""
     (event, target), source = change.steps[0], change.expect_status
     values: dict[str, Any] = {
         "k_id": change.task_id,
@@ -79,10 +86,13 @@ def step_values(
         k_event=str(event),
         k_from=str(source),
         k_to=str(target),
-        k_final=target in FINAL,
+        k_final=len(change.steps) == 1 and target in FINAL,
         k_error=dumps(change.error),
         k_at=now,
     )
+    if len(change.steps) == 2:
+        event2, target2 = change.steps[1]
+        values.update(k_event2=str(event2), k_to2=str(target2), k_final2=target2 in FINAL)
     if usage is not None:
         values.update(
             k_pool=usage.pool,
@@ -111,18 +121,19 @@ def step_sql(shape: StepShape, types: Mapping[str, str], *, many: bool) -> str:
         f"{column} = {column} + d.s_{column}" if added else f"{column} = d.s_{column}"
         for column, added in shape.sets
     )
+    chained = shape.chained
     parts = [
         f"WITH d AS ({rows})",
         Q.step_lock,
         f"u AS (UPDATE tasks SET {sets} FROM o JOIN d ON d.k_n = o.k_n WHERE tasks.id = o.id"
         " RETURNING tasks.*, o.status_since AS since, d.k_n)",
-        Q.step_events,
+        Q.step_events_chained if chained else Q.step_events,
     ]
     if shape.ledger:
         parts += [Q.step_ended, f"g AS ({Q.usage_row})"]
     if shape.counted:
-        parts.append(Q.step_counts)
-    return ", ".join(parts) + " " + Q.step_end
+        parts.append(Q.step_counts_chained if chained else Q.step_counts)
+    return ", ".join(parts) + " " + (Q.step_end_chained if chained else Q.step_end)
 
 
 def arrays_of(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[str | None]]:

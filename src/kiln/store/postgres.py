@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -432,13 +433,18 @@ class PostgresStore(Store):
         sets = update_sets(change, target, now)
         usage = next((e.usage for e in change.effects if isinstance(e, Ledger)), None)
         values = step_values(change, sets, usage, now)
-        shape = StepShape(tuple((column, added) for column, _, added in sets), usage is not None)
+        chained = len(change.steps) == 2
+        shape = StepShape(
+            tuple((column, added) for column, _, added in sets), usage is not None, chained
+        )
         shard = {"shard": random.randrange(COUNTER_SHARDS)}
+        passed = [source, *(to for _, to in change.steps)]
 
         def counts(row: Row, tally: Tally) -> None:
             tally.count_status(row[1], source, -1)
             tally.count_status(row[1], target, 1)
-            tally.bump(names.TRANSITIONS, f"{source}>{target}")
+            for left, reached in itertools.pairwise(passed):
+                tally.bump(names.TRANSITIONS, f"{left}>{reached}")
 
         row = await self._batched(
             change.task_id,
@@ -451,7 +457,7 @@ class PostgresStore(Store):
         if row is None:
             return None
         task = task_from_row(row)
-        return task, [_step_event(change, task, row, now)]
+        return task, _step_events(change, task, row, now)
 
     # the event log
 
@@ -490,13 +496,14 @@ class PostgresStore(Store):
 
 
 def _is_plain(change: Change) -> bool:
-    """A worker's fenced single step that needs nothing but the row, its event and the
-    counts, and effects the one statement writes itself (the ledger's row): no leader, no
-    epoch bump, no dedup re-entry, no counters, no wake-up, no pipeline to advance, no
-    model load to record on its event."""
+    """A worker's fenced step (one event, or two: ``generated`` then ``uploaded``) that
+    needs nothing but the row, its events and the counts, and effects the one statement
+    writes itself (the ledger's row): no leader, no epoch bump, no dedup re-entry, no
+    counters, no wake-up, no pipeline to advance, no model load to record on its event."""
     fence = change.fence
     return (
-        len(change.steps) == 1
+        len(change.steps) <= 2
+        and change.target is not change.expect_status
         and fence.fenced
         and change.expect_epoch is not None
         and fence.leader is None
@@ -519,22 +526,30 @@ async def _check_task_columns(conn: Conn) -> None:
 __all__ = ["PostgresStore", "migrate"]
 
 
-def _step_event(change: Change, task: Task, row: Row, now: float) -> TaskEvent:
-    """The event row a plain step wrote (``row``: the task's columns, its dwell start, ...,
-    its event's seq)."""
-    (event, target), source = change.steps[0], change.expect_status
-    return TaskEvent(
-        seq=row[-1],
-        id=f"{task.id}:{task.version}",
-        task_id=task.id,
-        tenant=task.tenant,
-        event=event,
-        from_status=source,
-        status=target,
-        attempt=task.attempt,
-        epoch=task.epoch,
-        error=change.error,
-        at=now,
-        dwell_s=now - row[len(TASK_COLUMNS)],
-        final=target in FINAL,
-    )
+def _step_events(change: Change, task: Task, row: Row, now: float) -> list[TaskEvent]:
+    """The event rows a plain step wrote (``row``: the task's columns, its dwell start, ...,
+    its event's seq, or its two events' seqs), numbered as the row path numbers them."""
+    seqs = row[-1] if isinstance(row[-1], list) else [row[-1]]
+    first = task.version - len(change.steps)
+    source, dwell = change.expect_status, now - row[len(TASK_COLUMNS)]
+    found: list[TaskEvent] = []
+    for n, ((event, target), seq) in enumerate(zip(change.steps, seqs, strict=True), 1):
+        found.append(
+            TaskEvent(
+                seq=seq,
+                id=f"{task.id}:{first + n}",
+                task_id=task.id,
+                tenant=task.tenant,
+                event=event,
+                from_status=source,
+                status=target,
+                attempt=task.attempt,
+                epoch=task.epoch,
+                error=change.error,
+                at=now,
+                dwell_s=dwell,
+                final=n == len(change.steps) and target in FINAL,
+            )
+        )
+        source, dwell = target, 0.0
+    return found

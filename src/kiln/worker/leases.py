@@ -126,10 +126,12 @@ class Leases:
         state_timeout: float | None = None,
         retry_after_s: float | None = None,
         bump_epoch: bool = False,
+        then: tuple[Event, Status] | None = None,
     ) -> None:
-        """Record ``event`` for the attempt, fenced by its epoch; while the store does not
-        answer, try again as long as the lease holds, then raise LeaseLost."""
-        changes = dict(fields or {})
+        """Record ``event`` for the attempt, fenced by its epoch (and ``then``, one more
+        event to its target, in the same write); while the store does not answer, try
+        again as long as the lease holds, then raise LeaseLost."""
+        changes: dict[str, Any] = {}
         if state_timeout is not None:
             changes["state_deadline_at"] = self.engine.now() + state_timeout
         if attempt.progress_dirty and attempt.progress is not None and event is Event.GENERATED:
@@ -138,7 +140,11 @@ class Leases:
                 progress_step=attempt.progress.step,
                 progress_total=attempt.progress.total,
             )
-        retry = None if retry_error is None else Retry(retry_error, retry_after_s)
+        changes.update(fields or {})  # a chained ``uploaded`` clears the stage
+        retry = None
+        if retry_error is not None or then is not None:
+            chained, chained_to = then or (None, None)
+            retry = Retry(retry_error, retry_after_s, chained, chained_to)
         fence = Fence(fenced=True, bump=bump_epoch)
         delay = STORE_RETRY_S[0]
         while True:

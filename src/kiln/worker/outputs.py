@@ -14,6 +14,9 @@ from kiln.storage import Storage, sha256_hex, upload
 from kiln.worker.attempt import Attempt
 from kiln.worker.leases import Leases
 
+#: The columns ``uploaded`` sets for an attempt that produced no outputs.
+NOTHING_STORED: dict[str, Any] = {"result": {"outputs": []}, "error": None, "stage": None}
+
 
 def as_outputs(result: HandlerResult) -> list[Output]:
     """The handler's result as a list of outputs; a name that repeats or could not be an

@@ -86,6 +86,21 @@ e AS (
         u.attempt, u.epoch, d.k_error, d.k_at, d.k_at - u.since
     FROM u JOIN d ON d.k_n = u.k_n ORDER BY u.k_n RETURNING seq, task_id)
 
+-- step_events_chained --
+-- ... the same for steps of two events (generated, then uploaded: nothing acts between
+-- them): each row's two event rows, numbered up to its new version, the second leaving a
+-- status it held for no time, as the row path numbers them (kiln/store/sqlstore.py).
+e AS (
+    INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
+        epoch, error, at, dwell_s)
+    SELECT u.id || ':' || (u.version - s.back), u.id, u.tenant, s.event, s.source, s.target,
+        s.final, u.attempt, u.epoch, d.k_error, d.k_at, s.dwell
+    FROM u JOIN d ON d.k_n = u.k_n CROSS JOIN LATERAL (VALUES
+        (1, d.k_event, d.k_from, d.k_to, d.k_final, d.k_at - u.since),
+        (0, d.k_event2, d.k_to, d.k_to2, d.k_final2, 0::double precision))
+        AS s(back, event, source, target, final, dwell)
+    ORDER BY u.k_n, s.back DESC RETURNING seq, task_id)
+
 -- step_ended --
 -- The attempts the steps end, as the ledger's row reads them (usage_row, which follows
 -- as the CTE g): the step's own dwell is its own (a statement does not see its own
@@ -112,9 +127,31 @@ c AS (
     SELECT 'transitions', d.k_from || '>' || d.k_to, :shard, 1 FROM u JOIN d ON d.k_n = u.k_n
     ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
 
+-- step_counts_chained --
+-- ... and for steps of two events: the status left and the one reached, and each event's
+-- transition.
+tc AS (
+    INSERT INTO task_counts (tenant, status, shard, n)
+    SELECT u.tenant, s.status, :shard, s.n
+    FROM u JOIN d ON d.k_n = u.k_n CROSS JOIN LATERAL (VALUES (d.k_from, -1), (d.k_to2, 1))
+        AS s(status, n)
+    ORDER BY s.status
+    ON CONFLICT (tenant, status, shard) DO UPDATE SET n = task_counts.n + excluded.n),
+c AS (
+    INSERT INTO counters (name, labels, shard, n)
+    SELECT 'transitions', s.labels, :shard, 1
+    FROM u JOIN d ON d.k_n = u.k_n CROSS JOIN LATERAL (VALUES (d.k_from || '>' || d.k_to),
+        (d.k_to || '>' || d.k_to2)) AS s(labels)
+    ORDER BY s.labels
+    ON CONFLICT (name, labels, shard) DO UPDATE SET n = counters.n + excluded.n)
+
 -- step_end --
 -- Each updated row comes back with its place in d and its event's seq.
 SELECT u.*, e.seq FROM u JOIN e ON e.task_id = u.id
+
+-- step_end_chained --
+-- ... or with its two events' seqs, in order, as an array.
+SELECT u.*, (SELECT array_agg(e.seq ORDER BY e.seq) FROM e WHERE e.task_id = u.id) FROM u
 
 -- submit_many --
 -- Submissions without an idempotency key as one statement over arrays, in a batch (which
