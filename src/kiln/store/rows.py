@@ -18,6 +18,34 @@ def loads(raw: str | None) -> Any:
     return None if raw is None else json.loads(raw)
 
 
+_DECODE = json.JSONDecoder().decode
+
+
+def _document(raw: str) -> Any:
+    """A JSON column that is never NULL: an empty object or list (most tasks' params,
+    metadata and inputs) made without the parser, a new one each time (they are mutable)."""
+    if raw == "{}":
+        return {}
+    if raw == "[]":
+        return []
+    return _DECODE(raw)
+
+
+#: ``Timeouts`` by the column's text: tasks of a kind share one, and a Timeouts is frozen.
+_TIMEOUTS: dict[str, Timeouts] = {}
+_TIMEOUTS_KEPT = 256
+
+
+def _timeouts(raw: str) -> Timeouts:
+    found = _TIMEOUTS.get(raw)
+    if found is None:
+        found = Timeouts(**_DECODE(raw))
+        if len(_TIMEOUTS) >= _TIMEOUTS_KEPT:
+            _TIMEOUTS.clear()
+        _TIMEOUTS[raw] = found
+    return found
+
+
 #: ``json.dumps(value, separators=(",", ":"), sort_keys=True)``, its encoder made once.
 _DUMPS = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
@@ -91,9 +119,9 @@ def task_from_row(row: Sequence[Any]) -> Task:
         status=STATUSES[row[3]],
         priority=row[4],
         ready_at=row[5],
-        params=json.loads(row[6]),
-        metadata=json.loads(row[7]),
-        inputs=json.loads(row[8]),
+        params=_document(row[6]),
+        metadata=_document(row[7]),
+        inputs=_document(row[8]),
         fingerprint=row[9],
         idempotency_key=row[10],
         dedup_key=row[11],
@@ -106,7 +134,7 @@ def task_from_row(row: Sequence[Any]) -> Task:
         state_deadline_at=row[18],
         deadline_s=row[19],
         deadline_at=row[20],
-        timeouts=Timeouts(**json.loads(row[21])),
+        timeouts=_timeouts(row[21]),
         stage=row[22],
         progress_step=row[23],
         progress_total=row[24],
@@ -187,43 +215,131 @@ def classify_due(task: Task, now: float, due: Due) -> None:
 # What a new task writes ------------------------------------------------------------------
 
 
-def insert_args(new: NewTask, now: float) -> list[Any]:
+#: The parameter names of the ``insert_task`` query, in order.
+INSERT_NAMES: tuple[str, ...] = (
+    "id",
+    "tenant",
+    "kind",
+    "priority",
+    "ready_at",
+    "params",
+    "metadata",
+    "inputs",
+    "fingerprint",
+    "idempotency_key",
+    "dedup_key",
+    "max_attempts",
+    "deadline_s",
+    "deadline_at",
+    "timeouts",
+    "created_at",
+    "updated_at",
+    "status_since",
+    "webhook",
+    "model",
+    "batch_key",
+    "rerun_of",
+    "pipeline_id",
+    "step",
+    "step_copy",
+)
+_READY_AT = INSERT_NAMES.index("ready_at")
+_DEADLINE_AT = INSERT_NAMES.index("deadline_at")
+_CREATED_AT = INSERT_NAMES.index("created_at")  # then updated_at, status_since
+
+
+def insert_args(new: NewTask, now: float, prepared: Sequence[Any] | None = None) -> list[Any]:
     """The parameters of the ``insert_task`` query. A delayed task (``run_at``) is ready,
-    and its deadline counts, from that moment."""
+    and its deadline counts, from that moment. ``prepared``: what :func:`insert_parts`
+    gave for ``new`` beforehand (a driver makes it before it takes its write lock)."""
+    args = insert_parts(new) if prepared is None else list(prepared)
     ready = now if new.run_at is None else max(now, new.run_at)
+    args[_READY_AT] = ready
+    args[_DEADLINE_AT] = ready + new.deadline_s
+    args[_CREATED_AT] = args[_CREATED_AT + 1] = args[_CREATED_AT + 2] = now
+    return args
+
+
+def insert_parts(new: NewTask) -> list[Any]:
+    """The parameters of ``insert_task`` that do not depend on the time (its JSON
+    documents above all), None in the places of the time's (:func:`insert_args`)."""
     timeouts = {
         "waiting_s": new.timeouts.waiting_s,
         "generating_s": new.timeouts.generating_s,
         "uploading_s": new.timeouts.uploading_s,
     }
-    named = {  # in the order of the query's parameters
-        "id": new.id,
-        "tenant": new.tenant,
-        "kind": new.kind,
-        "priority": new.priority,
-        "ready_at": ready,
-        "params": dumps(new.params),
-        "metadata": dumps(new.metadata),
-        "inputs": dumps(new.inputs),
-        "fingerprint": new.fingerprint,
-        "idempotency_key": new.idempotency_key,
-        "dedup_key": new.dedup_key,
-        "max_attempts": new.max_attempts,
-        "deadline_s": new.deadline_s,
-        "deadline_at": ready + new.deadline_s,
-        "timeouts": dumps(timeouts),
-        "created_at": now,
-        "updated_at": now,
-        "status_since": now,
-        "webhook": dumps(new.webhook),
-        "model": new.model,
-        "batch_key": new.batch_key,
-        "rerun_of": new.rerun_of,
-        "pipeline_id": new.pipeline_id,
-        "step": new.step,
-        "step_copy": new.step_copy,
-    }
-    return list(named.values())
+    return [
+        new.id,
+        new.tenant,
+        new.kind,
+        new.priority,
+        None,  # ready_at
+        dumps(new.params),
+        dumps(new.metadata),
+        dumps(new.inputs),
+        new.fingerprint,
+        new.idempotency_key,
+        new.dedup_key,
+        new.max_attempts,
+        new.deadline_s,
+        None,  # deadline_at
+        dumps(timeouts),
+        None,  # created_at
+        None,  # updated_at
+        None,  # status_since
+        dumps(new.webhook),
+        new.model,
+        new.batch_key,
+        new.rerun_of,
+        new.pipeline_id,
+        new.step,
+        new.step_copy,
+    ]
+
+
+#: How SQLite stores the ``insert_task`` parameters, by the affinity of their columns.
+_TEXT, _INTEGER, _REAL = "text", "integer", "real"
+_INTEGERS = frozenset({"priority", "max_attempts", "step_copy"})
+_REALS = frozenset(
+    {"ready_at", "deadline_s", "deadline_at", "created_at", "updated_at", "status_since"}
+)
+_INSERT_AFFINITY = tuple(
+    _INTEGER if name in _INTEGERS else _REAL if name in _REALS else _TEXT for name in INSERT_NAMES
+)
+
+
+def _stored(affinity: str, value: Any) -> tuple[bool, Any]:
+    """(whether ``value`` reads back from its column as the value below, that value)."""
+    kind = type(value)
+    if value is None or (affinity is _TEXT and kind is str):
+        return True, value
+    if affinity is _INTEGER:
+        return kind is int, value
+    if affinity is _REAL and (kind is float or kind is int) and value == value:
+        return True, float(value)
+    return False, value  # a value SQLite would convert another way: read the row back
+
+
+def inserted_row(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The ``SELECT *`` row that ``insert_task`` with ``args`` writes, as SQLite reads it
+    back (TASK_COLUMNS order; the columns it does not set hold their defaults), or None
+    when a parameter would read back as another value (then the caller reads the row)."""
+    stored = []
+    for affinity, value in zip(_INSERT_AFFINITY, args, strict=True):
+        same, value = _stored(affinity, value)
+        if not same:
+            return None
+        stored.append(value)
+    (id_, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint) = stored[:9]
+    (idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts) = stored[9:15]
+    (created_at, updated_at, status_since, webhook, *rest) = stored[15:]
+    return (
+        *(id_, tenant, kind, "PENDING", priority, ready_at, params, metadata, inputs),
+        *(fingerprint, idempotency_key, dedup_key, 0, max_attempts, 0, 1, None, None, None),
+        *(deadline_s, deadline_at, timeouts, None, None, None, None, 0, None, None, None),
+        *(None, None, created_at, updated_at, status_since, None, None, deadline_at, webhook),
+        *(rest[0], rest[1], None, *rest[2:]),
+    )
 
 
 def input_rows(new: NewTask) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -36,7 +37,7 @@ from kiln.errors import StoreUnavailable
 from kiln.models import TaskEvent
 from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
-from kiln.store.rows import TASK_COLUMNS
+from kiln.store.rows import TASK_COLUMNS, dumps, inserted_row
 from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlstore import Store
 from kiln.store.tx import (
@@ -428,6 +429,48 @@ def _translated(exc: sqlite3.DatabaseError) -> Exception:
     return violation(str(exc), unique=unique)
 
 
+#: Event rows one INSERT writes at most (a claim's rows: two a task).
+EVENTS_AT_ONCE = 32
+
+
+def _event_chunks(n: int) -> list[int]:
+    """``n`` rows as INSERTs of powers of two, largest first (few statement texts)."""
+    sizes = []
+    while n:
+        size = min(EVENTS_AT_ONCE, 1 << (n.bit_length() - 1))
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
+@functools.cache
+def _insert_events_sql(q: Queries, size: int) -> str:
+    """``insert_event`` with ``size`` rows of values."""
+    one = q.insert_event
+    row = one[one.rindex("VALUES ") + len("VALUES ") :]
+    return one + f", {row}" * (size - 1)
+
+
+def _event_values(r: EventRow) -> tuple[Any, ...]:
+    """The ``insert_event`` parameters of one row."""
+    task = r.task
+    return (
+        f"{task.id}:{r.version}",
+        task.id,
+        task.tenant,
+        r.event.value,
+        None if r.source is None else r.source.value,
+        r.target.value,
+        int(r.final),
+        task.attempt,
+        task.epoch,
+        dumps(r.error),
+        r.at,
+        r.dwell_s,
+        r.loading_s,
+    )
+
+
 class SqliteTx(Counting):
     """A :class:`~kiln.store.tx.Tx` on the connection of the thread running it."""
 
@@ -472,30 +515,18 @@ class SqliteTx(Counting):
         self.conn.execute("RELEASE nested")
 
     async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
-        found = []
-        for r in rows:
-            task = r.task
-            seq = self.conn.execute(
-                self.q.insert_event,
-                (
-                    f"{task.id}:{r.version}",
-                    task.id,
-                    task.tenant,
-                    str(r.event),
-                    None if r.source is None else str(r.source),
-                    str(r.target),
-                    int(r.final),
-                    task.attempt,
-                    task.epoch,
-                    None
-                    if r.error is None
-                    else json.dumps(r.error, separators=(",", ":"), sort_keys=True),
-                    r.at,
-                    r.dwell_s,
-                    r.loading_s,
-                ),
-            ).fetchone()[0]
-            found.append(r.event_for(seq))
+        """The rows in as few INSERTs as :func:`_event_chunks` allows; the seqs of one
+        INSERT's rows follow each other (AUTOINCREMENT, under the write lock), the last
+        is its ``lastrowid``."""
+        found: list[TaskEvent] = []
+        start = 0
+        for size in _event_chunks(len(rows)):
+            chunk = rows[start : start + size]
+            start += size
+            values = [value for r in chunk for value in _event_values(r)]
+            last = self.conn.execute(_insert_events_sql(self.q, size), values).lastrowid
+            assert last is not None
+            found += [r.event_for(seq) for seq, r in enumerate(chunk, start=last - size + 1)]
         return found
 
     async def lock_tenant(self, tenant: str) -> bool:
@@ -509,6 +540,11 @@ class SqliteTx(Counting):
 
 
 # The store ------------------------------------------------------------------------------
+
+#: ``insert_task`` without reading the row back: the writer knows it (``inserted_row``).
+INSERT_TASK = queries("sqlite").insert_task.removesuffix(" RETURNING *")
+if queries("sqlite").insert_task == INSERT_TASK:
+    raise RuntimeError("insert_task no longer ends in RETURNING *")
 
 
 class SqliteStore(Store):
@@ -557,6 +593,14 @@ class SqliteStore(Store):
         if self._lock is not None:  # SQLite's lock is free whenever the file lock is ours
             conn.execute("PRAGMA busy_timeout=0")
         return conn
+
+    async def _insert_row(self, tx: Tx, args: list[Any]) -> Row | None:
+        """The new task's row built from ``args`` as SQLite stores them, not read back
+        (``RETURNING *`` costs the writer, inside the file lock, more than building it)."""
+        row = inserted_row(args)
+        if row is None:  # a value SQLite converts in its own way
+            return await super()._insert_row(tx, args)
+        return row if await tx.run(INSERT_TASK, args) else None
 
     def watch_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when a writer of another process made work claimable."""

@@ -49,6 +49,7 @@ from kiln.store.rows import (
     event_from_row,
     input_rows,
     insert_args,
+    insert_parts,
     task_from_row,
 )
 from kiln.store.schedules import Schedules
@@ -173,9 +174,12 @@ class TaskOps(Ops):
     # submission
 
     async def submit(self, new: NewTask) -> SubmitResult:
-        return await self._write(lambda tx: self._submit(tx, new))
+        prepared = insert_parts(new)  # before the transaction: it depends on no row
+        return await self._write(lambda tx: self._submit(tx, new, prepared))
 
-    async def _submit(self, tx: Tx, new: NewTask) -> SubmitResult | Refused:
+    async def _submit(
+        self, tx: Tx, new: NewTask, prepared: Sequence[Any] | None = None
+    ) -> SubmitResult | Refused:
         now = self.clock()
         if new.idempotency_key is not None:
             key_args = (new.tenant, new.idempotency_key, new.fingerprint, new.id, now)
@@ -191,7 +195,7 @@ class TaskOps(Ops):
                     await self._point_key(tx, new, existing.id, now)
                     tx.bump(names.DEDUP_HITS, "content")
                     return SubmitResult(existing, created=False, deduplicated=True)
-            task = await self._insert(tx, new, now)
+            task = await self._insert(tx, new, now, prepared)
             if task is not None:
                 return SubmitResult(task, created=True)
             # Another transaction inserted the same content meanwhile: answer with it.
@@ -216,8 +220,10 @@ class TaskOps(Ops):
             args = (new.fingerprint, task_id, now, new.tenant, new.idempotency_key)
             await tx.run(self.q.point_key, args)
 
-    async def _insert(self, tx: Tx, new: NewTask, now: float) -> Task | None:
-        row = await tx.one(self.q.insert_task, insert_args(new, now))
+    async def _insert(
+        self, tx: Tx, new: NewTask, now: float, prepared: Sequence[Any] | None = None
+    ) -> Task | None:
+        row = await self._insert_row(tx, insert_args(new, now, prepared))
         if row is None:
             return None
         task = task_from_row(row)
@@ -232,6 +238,10 @@ class TaskOps(Ops):
         tx.count_status(new.tenant, Status.PENDING, 1)
         await tx.notify_ready()
         return task
+
+    async def _insert_row(self, tx: Tx, args: list[Any]) -> Row | None:
+        """The new task's row (None: its content is taken); SQLite builds it instead."""
+        return await tx.one(self.q.insert_task, args)
 
     # reads
 
@@ -616,7 +626,10 @@ class Store(TaskOps, ClaimOps, PreemptOps):
         ``policy`` read in the same transaction (``SubmitResult.placed``)."""
         if not place:
             return await super().submit(new)
-        return await self._write(lambda tx: self._placed(tx, self._submit(tx, new), policy))
+        prepared = insert_parts(new)
+        return await self._write(
+            lambda tx: self._placed(tx, self._submit(tx, new, prepared), policy)
+        )
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
         """Run several operations in one call, each its own unit: one that refuses or

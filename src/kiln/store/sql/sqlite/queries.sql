@@ -1,11 +1,12 @@
 -- What SQLite says its own way (kiln/store/queries.py renders it; see sql/queries.sql).
 
 -- insert_event --
--- One event row; its seq back: (id, task_id, tenant, event, from_status, to_status, final,
--- attempt, epoch, error, at, dwell_s, loading_s).
+-- One event row; its seq is the cursor's lastrowid (no RETURNING: cheaper): (id, task_id,
+-- tenant, event, from_status, to_status, final, attempt, epoch, error, at, dwell_s,
+-- loading_s).
 INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final, attempt,
     epoch, error, at, dwell_s, loading_s)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 
 -- add_status_count --
 -- (tenant, status, delta).
