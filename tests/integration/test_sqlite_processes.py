@@ -265,6 +265,65 @@ def test_kiln_serve_starts_worker_processes_and_stops_them(tmp_path: Path) -> No
             serve.wait(timeout=10)
 
 
+def test_worker_processes_drain_beside_kiln_serve_not_after_it(tmp_path: Path) -> None:
+    # Given kiln serve with one worker process and a long grace, its own worker running a
+    # long image.generate (a kind that takes the GPU slot runs in kiln serve itself)
+    serve, port, log = _serve(tmp_path, worker_processes=1, KILN_SHUTDOWN_GRACE_S="300")
+    children: list[int] = []
+    try:
+
+        async def ready() -> bool:
+            children[:] = [p for p in _children(serve.pid) if _is_worker(p)]
+            return len(children) == 1 and _healthy(port)
+
+        asyncio.run(wait_until(ready, timeout_s=60, what=f"a worker\n{log.read_text()}"))
+        params = {"prompt": "a long one", "steps": 150, "simulate": {"step_ms": 2000}}
+        task = _call(port, "POST", "/v1/tasks", {"kind": "image.generate", "params": params})
+
+        async def generating() -> bool:
+            return _call(port, "GET", f"/v1/tasks/{task['id']}")["status"] == "GENERATING"
+
+        asyncio.run(wait_until(generating, timeout_s=60, what="the long task to run"))
+
+        # When kiln serve gets SIGTERM
+        serve.send_signal(signal.SIGTERM)
+
+        # Then its worker process drains (it runs nothing) and exits while kiln serve is
+        # still draining its own attempt, not once that has ended
+        async def worker_gone() -> bool:
+            return all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in children)
+
+        asyncio.run(wait_until(worker_gone, timeout_s=60, what=f"the worker\n{log.read_text()}"))
+        assert serve.poll() is None, log.read_text()
+        # And a second SIGTERM stops kiln serve at once, its attempt given back
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0, log.read_text()
+        with contextlib.closing(sqlite3.connect(tmp_path / "kiln.db")) as db:
+            rows = db.execute("SELECT event FROM events WHERE task_id = ?", (task["id"],))
+            events = [row[0] for row in rows]
+        assert events[-1] == "release" and "SUCCESS" not in events
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(timeout=10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _call(port: int, method: str, path: str, body: object = None) -> dict[str, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        found: dict[str, object] = json.loads(answer.read())
+        return found
+
+
 def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: Path) -> None:
     # Given kiln serve on SQLite with one worker process beside it
     serve, port, log = _serve(tmp_path, worker_processes=1)
@@ -296,11 +355,14 @@ def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: 
                 os.kill(pid, signal.SIGKILL)
 
 
-def _serve(tmp_path: Path, *, worker_processes: int) -> tuple[subprocess.Popen[bytes], int, Path]:
-    """``kiln serve`` on a fresh SQLite data dir with that many worker processes, its output
-    in ``serve.log``: the process, its port, the log."""
+def _serve(
+    tmp_path: Path, *, worker_processes: int, **settings: str
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """``kiln serve`` on a fresh SQLite data dir with that many worker processes (and
+    ``settings``, KILN_ variables), its output in ``serve.log``: the process, its port, the
+    log."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json")
+    env.update(KILN_DATA_DIR=str(tmp_path), KILN_LOG_FORMAT="json", **settings)
     port = _free_port()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "kiln", "serve", "--port", str(port)]

@@ -165,11 +165,18 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server stopping the way ``kiln serve`` does: the first SIGTERM or SIGINT
     begins the app's :class:`Shutdown` (streams close with a reconnect hint, workers drain)
     while uvicorn stops taking connections and finishes the requests in flight; a second
-    one stops at once (uvicorn's force exit, attempts given back at once)."""
+    one stops at once (uvicorn's force exit, attempts given back at once). ``also`` hears
+    each signal too (``kiln serve`` passes it on to its worker processes)."""
 
-    def __init__(self, config: uvicorn.Config, shutdown: Shutdown) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        shutdown: Shutdown,
+        also: Callable[[int], None] = lambda sig: None,
+    ) -> None:
         super().__init__(config)
         self.kiln_shutdown = shutdown
+        self.also = also
         self.signals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -190,6 +197,7 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.signals > 1:
             self.force_exit = True
+        self.also(sig)
         if self._loop is not None:  # a signal handler: act on the event loop, not here
             self._loop.call_soon_threadsafe(self._stop, self.signals)
 

@@ -273,8 +273,9 @@ async def _served(
     for sig in SIGNALS:
         # uvicorn re-raises the signal that stopped it: after a graceful stop, exit 0.
         signal.signal(sig, lambda *_: None)
-    with started_beside(app):  # once the database and the storage answer
-        await GracefulServer(uvicorn_config, shutdown_of(api)).serve(sockets=[listening])
+    with started_beside(app) as beside:  # once the database and the storage answer
+        server = GracefulServer(uvicorn_config, shutdown_of(api), also=beside.forward)
+        await server.serve(sockets=[listening])
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -398,15 +399,14 @@ async def _run_worker(app: kiln.App, kinds: list[str] | None, with_parent: bool)
             ModelLoadMetrics(process.model_loads, shown=held),
         ]
         with _metrics(settings.metrics_port, settings.metrics_host, readings, upstream):
-            if with_parent:
-                _drain_when_stdin_ends()
-            await _until_signalled(process.run(), drain=process.drain)
+            await _until_signalled(process.run(), drain=process.drain, parent=with_parent)
 
 
-def _drain_when_stdin_ends() -> None:
-    """Signal this process (SIGTERM: it drains) once stdin reads end of file: the pipe
-    from the ``kiln serve`` that started it closes when that process is gone, SIGKILL
-    included (kiln.cli.worker_processes)."""
+def _follow_parent(asked: Callable[[], None]) -> None:
+    """Hear the ``kiln serve`` that started this process on stdin, a pipe from it
+    (kiln.cli.worker_processes): each byte is a stopping step it passes on (``asked``: the
+    first drains, a second gives the attempts back at once, as its own signals do); end of
+    file, that it is gone (SIGKILL included): this process signals itself and drains."""
     loop = asyncio.get_running_loop()
     fd = sys.stdin.fileno()
 
@@ -417,6 +417,8 @@ def _drain_when_stdin_ends() -> None:
             return
         except OSError:
             more = b""
+        for _ in more[:2]:
+            asked()
         if not more:
             loop.remove_reader(fd)
             log.info("parent_gone", extra={"parent": os.getppid()})
@@ -467,24 +469,44 @@ async def _run_supervisor(app: kiln.App) -> None:
             await _until_signalled(process.run())
 
 
-async def _until_signalled(work: Awaitable[None], drain: Callable[[], None] | None = None) -> None:
+async def _until_signalled(
+    work: Awaitable[None], drain: Callable[[], None] | None = None, *, parent: bool = False
+) -> None:
     """Run ``work`` until it ends or signals stop it. The first SIGTERM or SIGINT calls
     ``drain`` (the work then ends by itself), or cancels the work when there is no drain;
     a second one cancels it. Cancelled work cleans up as it ends (a worker gives its
-    attempts back, a supervisor hands its leadership over)."""
+    attempts back, a supervisor hands its leadership over). With ``parent``, the steps
+    ``kiln serve`` passes on (:func:`_follow_parent`) count with the signals, not on top
+    of them: a signal that reached this process too (a terminal's Ctrl-C reaches the
+    whole process group) and its copy passed on are one step."""
     loop = asyncio.get_running_loop()
     running = asyncio.ensure_future(work)
-    signals = 0
+    signals = passed_on = done = 0
 
-    def stop() -> None:
-        nonlocal signals
-        signals += 1
-        log.info("signalled", extra={"signals": signals})
-        if signals == 1 and drain is not None:
+    def step() -> None:
+        nonlocal done
+        wanted = max(signals, passed_on)
+        if wanted == done:
+            return
+        done = wanted
+        log.info("signalled", extra={"signals": wanted})
+        if wanted == 1 and drain is not None:
             drain()
         else:
             running.cancel()
 
+    def stop() -> None:
+        nonlocal signals
+        signals += 1
+        step()
+
+    def asked() -> None:
+        nonlocal passed_on
+        passed_on += 1
+        step()
+
+    if parent:
+        _follow_parent(asked)
     for sig in SIGNALS:
         loop.add_signal_handler(sig, stop)
     try:

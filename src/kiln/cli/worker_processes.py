@@ -13,10 +13,11 @@ processes of their own.
 A worker process serves the kinds that need no GPU slot: the GPU slots (``KILN_GPUS``)
 belong to the machine, and stay with ``kiln serve``'s own worker. Each one is an ordinary
 ``kiln worker``: a SIGKILLed one loses nothing (its leases expire, the supervisor moves
-its attempts on); ``kiln serve`` stops them on its way out as it stops its own worker
-(SIGTERM: they drain within ``KILN_SHUTDOWN_GRACE_S``), and a ``kiln serve`` that dies
-without a word (SIGKILL) takes them with it: each drains once its stdin, a pipe from
-``kiln serve``, reads end of file (:data:`WITH_PARENT`).
+its attempts on); ``kiln serve`` passes each stopping signal it gets on to them at once,
+as a byte on their stdin, a pipe from it (:class:`Beside`): they drain beside its own
+worker, within the same ``KILN_SHUTDOWN_GRACE_S``, and a second signal gives every
+attempt back at once; a ``kiln serve`` that dies without a word (SIGKILL) takes them with
+it: each drains once its stdin reads end of file (:data:`WITH_PARENT`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import kiln
@@ -95,10 +97,33 @@ def worker_environment(settings: Settings, kinds: list[str]) -> dict[str, str]:
     return env
 
 
+@dataclass
+class Beside:
+    """The worker processes ``kiln serve`` started, and the stopping signals it passed on
+    to them."""
+
+    procs: list[subprocess.Popen[bytes]]
+    forwarded: int = 0
+
+    def forward(self, sig: int) -> None:
+        """Pass a stopping signal of ``kiln serve`` on at once, one byte on each worker
+        process's stdin: with the first they drain while ``kiln serve`` drains its own
+        worker (not after it: the stop takes one grace period, not two); with a second
+        they give their attempts back at once, as ``kiln serve`` does. A byte, not the
+        signal: a process that got the signal itself (a terminal's Ctrl-C) counts the two
+        as one."""
+        self.forwarded += 1
+        for proc in self.procs:
+            if proc.poll() is None and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.write(b".")
+                    proc.stdin.flush()
+
+
 @contextlib.contextmanager
-def started_beside(app: kiln.App) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start the worker processes, and stop them (SIGTERM, then SIGKILL after the grace
-    period) when the block ends."""
+def started_beside(app: kiln.App) -> Iterator[Beside]:
+    """Start the worker processes, and stop them (SIGTERM unless a signal was passed on
+    already, then SIGKILL after the grace period) when the block ends."""
     settings = app.settings
     count = process_count(settings)
     kinds = kinds_without_gpu(app) if count else []
@@ -112,15 +137,20 @@ def started_beside(app: kiln.App) -> Iterator[list[subprocess.Popen[bytes]]]:
             "worker_processes_started",
             extra={"pids": [p.pid for p in started], "kinds": kinds},
         )
+    beside = Beside(started)
     try:
-        yield started
+        yield beside
     finally:
-        stop_all(started, settings.shutdown_grace_s + 5)
+        stop_all(started, settings.shutdown_grace_s + 5, signalled=beside.forwarded > 0)
 
 
-def stop_all(started: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+def stop_all(
+    started: list[subprocess.Popen[bytes]], grace_s: float, *, signalled: bool = False
+) -> None:
+    """Stop the worker processes: SIGTERM (unless they were signalled already), then
+    SIGKILL to one still running after ``grace_s``."""
     for proc in started:
-        if proc.poll() is None:
+        if proc.poll() is None and not signalled:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
     for proc in started:
