@@ -118,7 +118,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def redis() -> Iterator[str]:
+def redis() -> Iterator[dict[str, str]]:
+    """A Redis server for the run: the Dramatiq script's environment (its URL, its pid)."""
     port = free_port()
     server = subprocess.Popen(
         [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -131,7 +132,8 @@ def redis() -> Iterator[str]:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{port}/0"
+        yield {"BENCH_REDIS_URL": url, "BENCH_SERVER_PID": str(server.pid)}
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -182,6 +184,8 @@ def peer(
     return {
         name: found["drain_per_s"],
         f"{name}_enqueue_drain": found["enqueue_drain_per_s"],
+        f"{name}_enqueue_drain_cpu_us": found["enqueue_drain_cpu_us"],
+        f"{name}_enqueue_drain_server_cpu_us": found["enqueue_drain_server_cpu_us"],
         **({f"{name}_enqueue_one_drain": one} if one is not None else {}),
         **pickup_keys(name, found),
     }
@@ -263,6 +267,8 @@ def kiln_postgres_figures(args: argparse.Namespace, cluster: Any) -> dict[str, A
         figures[key] = run["lifecycles_per_s"]
         figures[f"{key}_cpu_us"] = run["cpu_us_per_lifecycle"]
         figures[f"{key}_worker_cpu_us"] = run["worker_cpu_us_per_lifecycle"]
+        if run.get("server_cpu_us_per_lifecycle") is not None:  # a server on this machine
+            figures[f"{key}_server_cpu_us"] = run["server_cpu_us_per_lifecycle"]
     return figures
 
 
@@ -292,19 +298,21 @@ def baseline_figures(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def one_round(
-    args: argparse.Namespace, peers: Path, redis_url: str, cluster: Any
+    args: argparse.Namespace, peers: Path, redis_env: dict[str, str], cluster: Any
 ) -> dict[str, Any]:
     figures: dict[str, Any] = {"loadavg_start": os.getloadavg()[0]}
     if not args.postgres_only:
         figures.update(kiln_figures(args, cluster))
     figures.update(kiln_postgres_figures(args, cluster))
     if not args.postgres_only:
-        figures.update(
-            peer(args, peers, "dramatiq_noop.py", args.tasks, {"BENCH_REDIS_URL": redis_url})
-        )
+        figures.update(peer(args, peers, "dramatiq_noop.py", args.tasks, redis_env))
     for script in ("procrastinate_noop.py", "pgqueuer_noop.py"):
         database = cluster.create_database(f"{script.split('_')[0]}_{int(time.time() * 1000)}")
-        figures.update(peer(args, peers, script, args.pg_tasks, {"BENCH_DATABASE": database}))
+        env = {"BENCH_DATABASE": database}
+        postmaster = cluster.postmaster_pid()
+        if postmaster is not None:  # the server's CPU, read from /proc
+            env["BENCH_SERVER_PID"] = str(postmaster)
+        figures.update(peer(args, peers, script, args.pg_tasks, env))
         cluster.drop_database(database.rsplit("/", 1)[1])
     if args.postgres_only:
         figures["loadavg_end"] = os.getloadavg()[0]
@@ -443,7 +451,9 @@ def pickup_cell(pickup: dict[str, float], rate: float) -> str:
 
 def table(body: dict[str, Any]) -> list[str]:
     median = body["median_per_s"]
-    lines = ["system              drain/s  enqueue+drain/s  kiln CPU us  pickup p50/p99 ms"]
+    lines = [
+        "system              drain/s  enqueue+drain/s  CPU us/job  server us/job  pickup p50/p99 ms"
+    ]
     rows = (
         ("kiln SQLite NORMAL", "kiln_sqlite_normal", None, None),
         ("kiln SQLite FULL", "kiln_sqlite_full", None, "kiln_sqlite"),  # the default
@@ -466,22 +476,33 @@ def table(body: dict[str, Any]) -> list[str]:
             continue
         drain = "-" if both is None else f"{median[key]:,.0f}"
         lifecycle = f"{median[both or key]:,.0f}"
-        cpu = f"{median[key + '_cpu_us']:,.0f}" if f"{key}_cpu_us" in median else "-"
+        cpu, server = (_us(median, key, both, part) for part in ("cpu_us", "server_cpu_us"))
         latency = (
             "-"
             if pick not in body["pickup_ms"]
             else pickup_cell(body["pickup_ms"][pick], body["rate"])
         )
-        lines.append(f"{label:<18} {drain:>8} {lifecycle:>16} {cpu:>12}  {latency}")
+        lines.append(f"{label:<18} {drain:>8} {lifecycle:>16} {cpu:>11} {server:>14}  {latency}")
     lines.append(
         "kiln PostgreSQL: submits one task per call while the workers run (enqueue+drain"
         " column); 'batches of B': drain = all queued, workers started; enqueue+drain ="
         " submits in batches of B while they run (CPU: the drain's, submits included);"
         " PgQueuer 'one per call': one job per enqueue call, 40 calls in flight on 10"
-        " connections, as kiln's lifecycle submits"
+        " connections, as kiln's lifecycle submits. CPU per job: kiln's, every kiln process"
+        " (submits included); a peer's, its enqueuing script and its worker CLI's processes"
+        " over enqueue + drain; server: PostgreSQL's processes (Redis for Dramatiq)"
     )
     lines.append(f"Oban for Python: {body['oban']}")
     return lines
+
+
+def _us(median: dict[str, Any], key: str, both: str | None, part: str) -> str:
+    """A row's CPU per job (``part``: ``cpu_us`` or ``server_cpu_us``): its own figure's,
+    or its enqueue + drain figure's (a peer measures it there)."""
+    for name in (f"{key}_{part}", f"{both}_{part}"):
+        if median.get(name) is not None:
+            return f"{median[name]:,.0f}"
+    return "-"
 
 
 def main() -> None:
@@ -523,9 +544,9 @@ def main() -> None:
     print(f"enqueue batch: {args.enqueue_batch} jobs per call", flush=True)
     peers = peers_python()
     rounds: list[dict[str, Any]] = []
-    with redis() as redis_url, throwaway_cluster() as cluster:
+    with redis() as redis_env, throwaway_cluster() as cluster:
         for n in range(args.rounds):
-            rounds.append(one_round(args, peers, redis_url, cluster))
+            rounds.append(one_round(args, peers, redis_env, cluster))
             shown = (f"{k} {v:,.1f}" for k, v in rounds[-1].items())
             print(f"round {n + 1}: " + ", ".join(shown), flush=True)
     body = summary(rounds, peers)

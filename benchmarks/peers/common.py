@@ -11,7 +11,11 @@ Three figures per call, the last line one JSON object:
 - ``drain_per_s``: N jobs queued, then the worker CLI starts; N over the time from the
   first handler start to the moment the peer shows all N done (``done_at``);
 - ``enqueue_drain_per_s``: the worker CLI runs (warmed up), N jobs are enqueued in the
-  peer's batches; N over the time from the first enqueue to all done;
+  peer's batches; N over the time from the first enqueue to all done; with
+  ``enqueue_drain_cpu_us``, the CPU per job of the script (its enqueues) and the worker
+  CLI's processes over that time, and ``enqueue_drain_server_cpu_us``, the server's
+  (PostgreSQL's processes, or Redis: ``BENCH_SERVER_PID``), as kiln's lifecycle counts its
+  own processes and its server's;
 - ``pickup_p50_ms`` / ``pickup_p99_ms``: an open-loop generator submits one job every
   1/rate s for ``--seconds`` (each submit fired on its own, never waiting for the one
   before), handler start less the scheduled submit time.
@@ -86,6 +90,51 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
             raise TimeoutError(f"{what}: not within {timeout_s} s")
         time.sleep(POLL_S)
     return time.time()
+
+
+def _cpu_ticks(stat: str) -> tuple[int, int, int]:
+    """(pid's process group, parent, user + system ticks with reaped children's) of a
+    ``/proc/<pid>/stat`` text."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[2]), int(fields[1]), sum(int(f) for f in fields[11:15])
+
+
+def cpu_s(group: int | None = None, parent: int | None = None) -> float:
+    """CPU seconds of the live processes of a process ``group``, or of ``parent`` and its
+    children (a server: the postmaster and its backends)."""
+    ticks = 0
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pgid, ppid, used = _cpu_ticks(path.read_text())
+        except (OSError, ValueError, IndexError):
+            continue
+        pid = int(path.parent.name)
+        if (group is not None and pgid == group) or (parent is not None and parent in (pid, ppid)):
+            ticks += used
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """The CPU of one figure: this script, the worker CLI's processes, and the server."""
+
+    def __init__(self, cli: Cli) -> None:
+        self.cli = cli
+        server = os.environ.get("BENCH_SERVER_PID")
+        self.server = int(server) if server else None
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        own = os.times()
+        here = own.user + own.system + cpu_s(group=self.cli.process.pid)
+        return here, cpu_s(parent=self.server) if self.server else 0.0
+
+    def per_job_us(self, jobs: int) -> dict[str, float]:
+        """``enqueue_drain_cpu_us`` and ``enqueue_drain_server_cpu_us`` since the start."""
+        here, server = self._read()
+        return {
+            "enqueue_drain_cpu_us": round(1e6 * (here - self.start[0]) / jobs, 1),
+            "enqueue_drain_server_cpu_us": round(1e6 * (server - self.start[1]) / jobs, 1),
+        }
 
 
 def warmed(path: Path) -> bool:

@@ -57,6 +57,7 @@ def worker(done: Path, scratch: Path, tag: str) -> Any:
 def main() -> None:
     from common import (
         PICKUP,
+        CpuMeter,
         arguments,
         count_lines,
         emit,
@@ -64,6 +65,7 @@ def main() -> None:
         pickup_figures,
         starts,
         wait_until,
+        warmed,
     )
 
     args = arguments()
@@ -87,11 +89,14 @@ def main() -> None:
     done = scratch / "dramatiq-run.done"
     cli = worker(done, scratch, "run")
     try:
-        started = time.time()
+        noop.send(-1)  # warm-up: the CLI has started its workers before the clock starts
+        wait_until(lambda: cli.alive() and warmed(done), 60, "dramatiq warm-up")
+        started, meter = time.time(), CpuMeter(cli)
         for n in range(args.tasks):
             noop.send(n)
         end = wait_until(lambda: count_lines(done) >= args.tasks and cli.alive(), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
+        body.update(meter.per_job_us(args.tasks))
 
         async def submit(i: int) -> None:
             noop.send(PICKUP + i)

@@ -143,7 +143,7 @@ async def pickup(rate: float, seconds: float) -> list[float]:
 
 
 def main() -> None:
-    from common import arguments, emit, pickup_figures, wait_until, warmed
+    from common import CpuMeter, arguments, emit, pickup_figures, wait_until, warmed
 
     args = arguments()
     scratch = Path(args.scratch)
@@ -162,10 +162,11 @@ def main() -> None:
     try:
         asyncio.run(enqueue(-1, 1))
         wait_until(lambda: cli.alive() and warmed(done), 60, "pgqueuer warm-up")
-        started = time.time()
+        started, meter = time.time(), CpuMeter(cli)
         asyncio.run(enqueue(0, args.tasks, args.enqueue_batch))
         end = wait_until(lambda: all_done(done, args.tasks, cli), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
+        body.update(meter.per_job_us(args.tasks))
         started = time.time()
         asyncio.run(enqueue_one_by_one(args.tasks))
         end = wait_until(lambda: all_done(done, 2 * args.tasks, cli), 300, "one by one")

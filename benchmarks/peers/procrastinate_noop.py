@@ -88,7 +88,16 @@ async def run_open(work: Any) -> Any:
 
 
 def main() -> None:
-    from common import PICKUP, arguments, emit, open_loop, pickup_figures, wait_until, warmed
+    from common import (
+        PICKUP,
+        CpuMeter,
+        arguments,
+        emit,
+        open_loop,
+        pickup_figures,
+        wait_until,
+        warmed,
+    )
 
     args = arguments()
     url, scratch = os.environ["BENCH_DATABASE"], Path(args.scratch)
@@ -108,10 +117,11 @@ def main() -> None:
     try:
         asyncio.run(run_open(noop.defer_async(n=-1)))
         wait_until(lambda: cli.alive() and warmed(done), 60, "procrastinate warm-up")
-        started = time.time()
+        started, meter = time.time(), CpuMeter(cli)
         asyncio.run(run_open(defer(0, args.tasks, args.enqueue_batch)))
         end = wait_until(lambda: all_done(url, done, args.tasks, cli, 1), 300, "run")
         body["enqueue_drain_per_s"] = round(args.tasks / (end - started), 1)
+        body.update(meter.per_job_us(args.tasks))
 
         async def submit(i: int) -> None:
             await noop.defer_async(n=PICKUP + i)
