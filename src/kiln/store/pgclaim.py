@@ -36,7 +36,7 @@ def claim_args(
 ) -> dict[str, Any]:
     """The named parameters of ``claim_plain``."""
     return {
-        "kinds": list(kinds),
+        "kinds": list(dict.fromkeys(kinds)),  # each kind's line read once
         "acquire": [kind for kind in acquire if kind in kinds],
         "limit": limit,
         "now": now,
