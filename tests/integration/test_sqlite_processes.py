@@ -271,12 +271,7 @@ def test_worker_processes_drain_beside_kiln_serve_not_after_it(tmp_path: Path) -
     serve, port, log = _serve(tmp_path, worker_processes=1, KILN_SHUTDOWN_GRACE_S="300")
     children: list[int] = []
     try:
-
-        async def ready() -> bool:
-            children[:] = [p for p in _children(serve.pid) if _is_worker(p)]
-            return len(children) == 1 and _healthy(port)
-
-        asyncio.run(wait_until(ready, timeout_s=60, what=f"a worker\n{log.read_text()}"))
+        children += _workers_when_ready(serve, port, log, 1)
         params = {"prompt": "a long one", "steps": 150, "simulate": {"step_ms": 2000}}
         task = _call(port, "POST", "/v1/tasks", {"kind": "image.generate", "params": params})
 
@@ -311,6 +306,20 @@ def test_worker_processes_drain_beside_kiln_serve_not_after_it(tmp_path: Path) -
                 os.kill(pid, signal.SIGKILL)
 
 
+def _workers_when_ready(
+    serve: subprocess.Popen[bytes], port: int, log: Path, count: int
+) -> list[int]:
+    """The pids of kiln serve's ``count`` worker processes, once they run and it answers."""
+    children: list[int] = []
+
+    async def ready() -> bool:
+        children[:] = [p for p in _children(serve.pid) if _is_worker(p)]
+        return len(children) == count and _healthy(port)
+
+    asyncio.run(wait_until(ready, timeout_s=60, what=f"{count} workers\n{log.read_text()}"))
+    return children
+
+
 def _call(port: int, method: str, path: str, body: object = None) -> dict[str, object]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
@@ -329,12 +338,7 @@ def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: 
     serve, port, log = _serve(tmp_path, worker_processes=1)
     children: list[int] = []
     try:
-
-        async def one_worker() -> bool:
-            children[:] = [p for p in _children(serve.pid) if _is_worker(p)]
-            return len(children) == 1 and _healthy(port)
-
-        asyncio.run(wait_until(one_worker, timeout_s=60, what=f"a worker\n{log.read_text()}"))
+        children += _workers_when_ready(serve, port, log, 1)
 
         # When kiln serve dies without a word
         serve.kill()

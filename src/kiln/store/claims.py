@@ -266,6 +266,10 @@ class ClaimOps(Ops):
         turn_no = self._claim_turn
         route = route if route is not None and route.active else None
         lease = Lease(worker_id, lease_ttl_s, [k for k in acquire if k in kinds], route)
+        if route is None and (policy is None or policy.plain):
+            done = await self._claim_in_order(lease, kinds, limit)
+            if done is not None:
+                return done
         claimed, events = await self._write(
             lambda tx: self._claim(tx, lease, kinds, limit, policy, turn_no)
         )
@@ -294,6 +298,13 @@ class ClaimOps(Ops):
         else:
             chosen = await self._policy_candidates(tx, kinds, limit, policy, now, turn_no, route)
         return await self._take(tx, lease, chosen, now)
+
+    async def _claim_in_order(
+        self, lease: Lease, kinds: list[str], limit: int
+    ) -> list[Task] | None:
+        """A driver's own way to claim in the default order (PostgreSQL: one statement),
+        or None: the row path below."""
+        return None
 
     async def claim_batch(
         self, *, worker_id: str, kind: str, batch_key: str, limit: int, lease_ttl_s: float

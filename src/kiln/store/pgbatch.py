@@ -25,6 +25,7 @@ from psycopg_pool import PoolTimeout
 from kiln.errors import StoreUnavailable
 from kiln.store.pgstep import StepShape, arrays_of, step_sql
 from kiln.store.pgtx import READY_CHANNEL, Conn, PostgresTx, Q
+from kiln.store.rows import INSERT_NAMES
 from kiln.store.tx import Args, Row, Tally
 
 #: Writes one batch transaction takes at most.
@@ -32,33 +33,7 @@ BATCH_MAX = 256
 #: The shape of submissions in a batch (a step's shape is the columns it sets).
 SUBMIT_SHAPE = "submit"
 #: The columns a submission sets (``insert_args``), for the typed arrays of ``submit_many``.
-SUBMITTED = (
-    "id",
-    "tenant",
-    "kind",
-    "priority",
-    "ready_at",
-    "params",
-    "metadata",
-    "inputs",
-    "fingerprint",
-    "idempotency_key",
-    "dedup_key",
-    "max_attempts",
-    "deadline_s",
-    "deadline_at",
-    "timeouts",
-    "created_at",
-    "updated_at",
-    "status_since",
-    "webhook",
-    "model",
-    "batch_key",
-    "rerun_of",
-    "pipeline_id",
-    "step",
-    "step_copy",
-)
+SUBMITTED = INSERT_NAMES
 #: The names of a submission's values (``insert_values``, then its event's): ``k_<name>``.
 SUBMIT_NAMES = (*SUBMITTED, "event", "at")
 #: The tasks table's column types (for the typed arrays).

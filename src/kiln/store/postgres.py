@@ -38,8 +38,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult, Task, TaskEvent
-from kiln.states import ENDED_UNSUCCESSFULLY, FINAL, Event, Status
-from kiln.store.claims import ClaimPolicy, Route
+from kiln.states import ENDED_UNSUCCESSFULLY, Event, Status
+from kiln.store.claims import ClaimPolicy, Lease
 from kiln.store.effects import effects_of
 from kiln.store.pgbatch import SUBMIT_NAMES, SUBMIT_SHAPE, Shape, Shapes, Write, WriteBatch
 from kiln.store.pgclaim import claim_args, claimed_of
@@ -48,7 +48,7 @@ from kiln.store.pgtx import COUNTER_SHARDS, READY_CHANNEL, Conn, PostgresTx, Q, 
 from kiln.store.queries import migrations
 from kiln.store.records import Change, Clock
 from kiln.store.rows import TASK_COLUMNS, event_from_row, insert_args, task_from_row
-from kiln.store.sqlstore import Store
+from kiln.store.sqlstore import Store, event_rows
 from kiln.store.tx import Args, Op, Refused, Row, Tally, Tx, alone
 
 log = logging.getLogger("kiln.store")
@@ -419,32 +419,10 @@ class PostgresStore(Store):
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
         raise AssertionError("unreachable")
 
-    async def claim(
-        self,
-        *,
-        worker_id: str,
-        kinds: list[str],
-        limit: int,
-        lease_ttl_s: float,
-        policy: ClaimPolicy | None = None,
-        acquire: Sequence[str] = (),
-        route: Route | None = None,
-    ) -> list[Task]:
-        """A claim in the default order is one statement (:mod:`kiln.store.pgclaim`); one
-        under a claim policy or a route goes the row path."""
-        plain = (policy is None or policy.plain) and (route is None or not route.active)
-        if not plain or not kinds or limit <= 0:
-            return await super().claim(
-                worker_id=worker_id,
-                kinds=kinds,
-                limit=limit,
-                lease_ttl_s=lease_ttl_s,
-                policy=policy,
-                acquire=acquire,
-                route=route,
-            )
-        args = claim_args(worker_id, kinds, limit, lease_ttl_s, acquire, self.clock())
-        return claimed_of(await self._autocommit(Q.claim_plain, args), worker_id)
+    async def _claim_in_order(self, lease: Lease, kinds: list[str], limit: int) -> list[Task]:
+        """One statement (:mod:`kiln.store.pgclaim`)."""
+        args = claim_args(lease.worker_id, kinds, limit, lease.ttl_s, lease.acquire, self.clock())
+        return claimed_of(await self._autocommit(Q.claim_plain, args), lease.worker_id)
 
     async def _apply_change(self, change: Change) -> tuple[Task, list[TaskEvent]]:
         if _is_plain(change):
@@ -547,25 +525,5 @@ def _step_events(change: Change, task: Task, row: Row, now: float) -> list[TaskE
     its event's seq, or its two events' seqs), numbered as the row path numbers them."""
     seqs = row[-1] if isinstance(row[-1], list) else [row[-1]]
     first = task.version - len(change.steps)
-    source, dwell = change.expect_status, now - row[len(TASK_COLUMNS)]
-    found: list[TaskEvent] = []
-    for n, ((event, target), seq) in enumerate(zip(change.steps, seqs, strict=True), 1):
-        found.append(
-            TaskEvent(
-                seq=seq,
-                id=f"{task.id}:{first + n}",
-                task_id=task.id,
-                tenant=task.tenant,
-                event=event,
-                from_status=source,
-                status=target,
-                attempt=task.attempt,
-                epoch=task.epoch,
-                error=change.error,
-                at=now,
-                dwell_s=dwell,
-                final=n == len(change.steps) and target in FINAL,
-            )
-        )
-        source, dwell = target, 0.0
-    return found
+    rows = event_rows(change, task, first, now - row[len(TASK_COLUMNS)], now)
+    return [logged.event_for(seq) for logged, seq in zip(rows, seqs, strict=True)]
