@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import HTTPConnection
 
 from kiln.api.metrics import ApiMetrics
+from kiln.api.recent import RecentContent
 from kiln.api.singleflight import SingleFlight
 from kiln.api.sse import EncodedEvents
 from kiln.app import App
@@ -41,6 +42,8 @@ class ApiState:
     settings: Settings
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     submissions: SingleFlight[Submitted] = field(default_factory=SingleFlight)
+    #: Content keys seen lately: a submission of one reads before it writes.
+    recent_content: RecentContent = field(default_factory=RecentContent)
     encoded_events: EncodedEvents = field(default_factory=EncodedEvents)
     ping_interval_s: float = 15.0
 

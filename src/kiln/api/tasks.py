@@ -226,19 +226,24 @@ async def submit(state: ApiState, submission: Submission) -> Submitted:
     """Store a submission; identical concurrent requests share one round trip, and the
     reading of where the task stands. Those are identical that the store would answer
     alike: the same Idempotency-Key and fingerprint, or (without a key) the same content,
-    each digested once."""
+    each digested once. Content seen lately is read first (a likely hit: one read, no
+    write); other content goes straight to the store's insert-or-get, which answers a
+    hit too (:mod:`kiln.api.recent`)."""
     app = state.app
     key = submission.idempotency_key
     content = submission.content_key() if key is None else None  # None: no content dedup
     new = app.task_row(submission) if key is not None else None
+    recent = state.recent_content
 
     async def call() -> Submitted:
-        if content is not None:
+        if content is not None and recent.seen(submission.tenant, content):
             hit = await app.dedup_hit(submission, content)  # one read, no insert
             if hit is not None:
                 return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
         row = new if new is not None else app.task_row(submission, content)
         result = await app.enter(submission, row, place=True)  # its position read with it
+        if content is not None:
+            recent.add(submission.tenant, content)
         position = result.queue_position if result.placed else UNREAD
         return Submitted(result, await standing(state, result.task, position))
 
