@@ -19,6 +19,7 @@ from api_support import (
 )
 
 from kiln import canonical
+from kiln.api import tasks
 from kiln.api.recent import RecentContent
 from kiln.api.schemas import TaskOut
 from kiln.api.singleflight import SingleFlight
@@ -571,3 +572,27 @@ def test_recent_content_keeps_the_most_recently_seen_keys() -> None:
     # Then the least recently seen (b) went, and the others stay
     assert not recent.seen("t", "b")
     assert recent.seen("t", "a") and recent.seen("t", "c") and len(recent) == 2
+
+
+async def test_copies_answered_together_share_one_rendering_of_the_answer(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task, and every rendering of a task's JSON counted from now on
+    first = await api.submit(image_body("a shared fox"))
+    rendered: list[str] = []
+    render = tasks.task_json
+
+    def counted(task: Any, **fields: Any) -> Any:
+        rendered.append(task.id)
+        return render(task, **fields)
+
+    monkeypatch.setattr(tasks, "task_json", counted)
+    # When fifty copies of its content arrive at once
+    copies = await asyncio.gather(*(api.submit(image_body("a shared fox")) for _ in range(50)))
+    # Then each is answered alike: 200, the task, the dedup flag, the same bytes
+    assert {c.status_code for c in copies} == {200}
+    assert all(c.json() == {**first.json(), "deduplicated": True} for c in copies)
+    assert len({c.content for c in copies}) == 1
+    assert {c.headers["content-type"] for c in copies} == {"application/json"}
+    # And those answered together were rendered once, not once each
+    assert len(rendered) < len(copies)

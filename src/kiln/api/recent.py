@@ -9,7 +9,7 @@ insert-or-get, which answers a hit as well, without a read before it that would 
 
 from __future__ import annotations
 
-#: How many content keys are kept (least recently seen first out): about 1 MiB.
+#: How many content keys are kept (least recently seen first out): about 1.7 MB.
 RECENT_KEYS = 8192
 
 

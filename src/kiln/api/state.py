@@ -26,6 +26,9 @@ class Standing:
     resource_wait: PoolWait | None
     #: A pipeline's steps made so far, by ``name/copy`` (None for every other task).
     steps: dict[str, Task] | None = None
+    #: Its answer's JSON by the ``deduplicated`` flag, once rendered: the copies of a
+    #: submission answered together (single-flight) share one rendering.
+    rendered: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

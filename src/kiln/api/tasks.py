@@ -156,6 +156,10 @@ def standing_response(
     deduplicated: bool = False,
     headers: dict[str, str] | None = None,
 ) -> Response:
+    """The task where it stands as JSON; rendered once per :class:`Standing` and flag."""
+    rendered = found.rendered.get(deduplicated)
+    if rendered is not None:
+        return Response(rendered, status_code, headers, media_type=RenderedJSON.media_type)
     body = task_json(
         found.task,
         queue_position=found.queue_position,
@@ -163,7 +167,10 @@ def standing_response(
         resource_wait=found.resource_wait,
         steps=found.steps,
     )
-    return RenderedJSON(body, status_code=status_code, headers=headers)
+    response = RenderedJSON(body, status_code=status_code, headers=headers)
+    if isinstance(response.body, bytes):
+        found.rendered[deduplicated] = response.body
+    return response
 
 
 async def task_response(state: ApiState, task: Task) -> Response:
