@@ -4,6 +4,7 @@ someone subscribes; with nobody subscribed it keeps its place at its poll interv
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,15 @@ import kiln
 from kiln import demo
 from kiln.config import Settings
 from kiln.models import TaskEvent
+
+
+@pytest.fixture
+async def app(each_store: Settings) -> AsyncIterator[kiln.App]:
+    """An App with the demo kind on each store backend."""
+    instance = kiln.App(settings=each_store)
+    demo.register(instance)
+    async with instance:
+        yield instance
 
 
 async def test_local_writes_make_no_log_read_while_nobody_subscribes(
@@ -52,35 +62,31 @@ async def _next_submit(queue: asyncio.Queue[Any], task_id: str) -> TaskEvent:
 
 
 async def test_a_feed_opened_after_unwatched_writes_replays_them_then_goes_live(
-    settings: Settings,
+    app: kiln.App,
 ) -> None:
-    # Given an App whose tail polls once an hour, and tasks submitted with nobody watching
-    app = kiln.App(settings=settings)
-    demo.register(app)
-    async with app:
-        app.hub.poll_interval_s = 3600.0
-        await app.hub.start()
-        before = [
-            (await app.submit("image.generate", {"prompt": f"before {n}"})).task.id
-            for n in range(5)
-        ]
-        # When a tenant feed opens (replay on) and one more task comes
-        seen: list[str] = []
-        replayed, done = asyncio.Event(), asyncio.Event()
+    # Given a tail that polls once an hour, and tasks submitted with nobody watching
+    app.hub.poll_interval_s = 3600.0
+    await app.hub.start()
+    before = [
+        (await app.submit("image.generate", {"prompt": f"before {n}"})).task.id for n in range(5)
+    ]
+    # When a tenant feed opens (replay on) and one more task comes
+    seen: list[str] = []
+    replayed, done = asyncio.Event(), asyncio.Event()
 
-        async def follow() -> None:
-            async for message in app.watch(tenant="default"):
-                if isinstance(message, TaskEvent):
-                    seen.append(message.task_id)
-                    if len(seen) == len(before):
-                        replayed.set()
-                    elif len(seen) > len(before):
-                        done.set()
+    async def follow() -> None:
+        async for message in app.watch(tenant="default"):
+            if isinstance(message, TaskEvent):
+                seen.append(message.task_id)
+                if len(seen) == len(before):
+                    replayed.set()
+                elif len(seen) > len(before):
+                    done.set()
 
-        following = asyncio.create_task(follow())
-        await asyncio.wait_for(replayed.wait(), timeout=10)
-        after = (await app.submit("image.generate", {"prompt": "after"})).task.id
-        await asyncio.wait_for(done.wait(), timeout=10)
-        following.cancel()
+    following = asyncio.create_task(follow())
+    await asyncio.wait_for(replayed.wait(), timeout=10)
+    after = (await app.submit("image.generate", {"prompt": "after"})).task.id
+    await asyncio.wait_for(done.wait(), timeout=10)
+    following.cancel()
     # Then it showed every submit once, in order, the live one last
     assert seen == [*before, after]
