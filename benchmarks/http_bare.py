@@ -4,11 +4,12 @@ It serves the routes the benchmark drives (``GET /healthz``, ``GET /v1/tasks/{ta
 ``POST /v1/tasks``) on the uvicorn settings of ``kiln serve`` (``kiln.cli.processes``):
 the same event loop (uvloop when installed), uvicorn's httptools protocol (``--http h11``:
 uvicorn's h11 protocol, with the same head limit), the same graceful-shutdown timeout,
-uvicorn's access log on. It reads nothing of the request: no auth, no body parsing, no
-store::
+uvicorn's access log off as ``kiln serve`` has it by default (``--access-log``: on, as
+``KILN_ACCESS_LOG=1`` has it). It reads nothing of the request: no auth, no body parsing,
+no store::
 
     python benchmarks/http_bare.py --port 8001
-    python benchmarks/http_bare.py --port 8001 --http h11
+    python benchmarks/http_bare.py --port 8001 --http h11 --access-log
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-header-bytes", type=int, default=32 * 1024)
     parser.add_argument("--http", choices=("httptools", "h11"), default="httptools")
+    parser.add_argument("--access-log", action="store_true", help="uvicorn's access log on")
     args = parser.parse_args()
     config = uvicorn.Config(
         app,
@@ -64,6 +66,7 @@ def main() -> None:
         timeout_graceful_shutdown=5,
         http=args.http,
         h11_max_incomplete_event_size=args.max_header_bytes,
+        access_log=args.access_log,
     )
     uvicorn.Server(config).run()
 

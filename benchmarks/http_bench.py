@@ -3,10 +3,11 @@
 ``kiln serve`` runs as a real process on 127.0.0.1 (a free port, a temporary SQLite data
 dir, ``--no-workers``, its supervisor on, auth on with one key); the reference is
 ``http_bare.py``, a FastAPI app answering constant JSON on ``kiln serve``'s uvicorn
-settings. wrk (Debian's, installed when missing) drives each route for ``--seconds`` on
-``--connections`` connections, kiln and the reference in turn, for ``--rounds``
-interleaved rounds (the first of each pair alternates); figures and ratios are medians
-over the rounds (a ratio is taken within its round):
+settings (the access log off on both, as ``kiln serve`` has it by default;
+``--access-log`` turns it on on both). wrk (Debian's, installed when missing) drives each
+route for ``--seconds`` on ``--connections`` connections, kiln and the reference in turn,
+for ``--rounds`` interleaved rounds (the first of each pair alternates); figures and
+ratios are medians over the rounds (a ratio is taken within its round):
 
 - ``healthz``: ``GET /healthz``, against the reference's ``GET /healthz``;
 - ``get``: ``GET /v1/tasks/{id}`` of a PENDING task, against a constant task;
@@ -156,8 +157,8 @@ def kiln_serve(root: Path, name: str, *flags: str, **env: str) -> Any:
     return started(name, command, kiln_env(**env), root)
 
 
-def bare_serve(root: Path) -> Any:
-    command = [sys.executable, str(HERE / "http_bare.py")]
+def bare_serve(root: Path, access_log: bool) -> Any:
+    command = [sys.executable, str(HERE / "http_bare.py"), *(["--access-log"] * access_log)]
     return started("bare", command, kiln_env(), root)
 
 
@@ -399,20 +400,26 @@ def parse() -> argparse.Namespace:
         help="queued tasks of the last round (0: no such round)",
     )
     parser.add_argument("--skip-wrk", action="store_true", help="only the burst and streams")
+    parser.add_argument(
+        "--access-log", action="store_true", help="uvicorn's access log on, kiln's and the bare"
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse()
     args.wrk = wrk_binary()
-    report: dict[str, Any] = machine()
+    report: dict[str, Any] = {**machine(), "access_log": args.access_log}
     print(f"kiln HTTP benchmark: {report}", flush=True)
     connections = str(max(args.burst, args.subscribers) + args.connections + 100)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-http-") as tmp:
         root = args.workdir = Path(tmp)
-        with kiln_serve(root, "kiln", "--no-workers", KILN_MAX_CONNECTIONS=connections) as kiln:
+        serving = {"KILN_MAX_CONNECTIONS": connections}
+        if args.access_log:
+            serving["KILN_ACCESS_LOG"] = "1"
+        with kiln_serve(root, "kiln", "--no-workers", **serving) as kiln:
             if not args.skip_wrk:
-                with bare_serve(root) as bare:
+                with bare_serve(root, args.access_log) as bare:
                     task_id = submit_one(kiln, "a fox to read back")
                     rounds = [one_round(args, n, kiln, bare, task_id)
                               for n in range(args.rounds)]  # fmt: skip

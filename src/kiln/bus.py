@@ -1,7 +1,8 @@
 """In-process fan-out of task events, fed by one tail of the store's event log.
 
 Every status event reaches subscribers through the tail, in ``seq`` order, whichever
-process wrote it; a local write only pokes the tail so it reads at once. Progress is not
+process wrote it; a local write only pokes the tail so it reads at once (while anyone
+subscribes: else the tail reads every ``poll_interval_s``). Progress is not
 persisted on every step: a local worker publishes it directly, and progress saved by
 workers in other processes is picked up by the same tail.
 """
@@ -88,7 +89,11 @@ class EventHub:
         self._closing = False
 
     def poke(self) -> None:
-        self._poke.set()
+        """A local write: read the log at once, if anyone listens. With nobody
+        subscribed the tail keeps its place every ``poll_interval_s`` instead: a read
+        per write would serve nobody (a new subscriber pokes it)."""
+        if self.subscribers:
+            self._poke.set()
 
     async def start(self) -> None:
         if self._task is None:
@@ -112,6 +117,7 @@ class EventHub:
         await self.start()
         sub = Subscription(self, task_id, tenant)
         self.subscribers.add(sub)
+        self._poke.set()  # the tail catches up now, not at its next poll
         try:
             yield sub
         finally:

@@ -70,6 +70,7 @@ class Settings:
     bulk_page_rows: int = 2000
     max_header_bytes: int = 32_768
     max_connections: int = 1000
+    access_log: bool = False
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     metrics_port: int | None = None
@@ -420,6 +421,9 @@ VARIABLES: tuple[Variable, ...] = (
     _v("KILN_MAX_CONNECTIONS", "max_connections", COUNT, "connections `kiln serve` holds at "
        "once (streams included); more are answered 503 and closed", group=SERVER,
        unit="connections"),
+    _v("KILN_ACCESS_LOG", "access_log", FLAG, "`1`: `kiln serve` logs a line per request "
+       "on the `uvicorn.access` logger (`?access_token=` redacted); off, requests are counted "
+       "in `kiln_api_requests` by route and status", group=SERVER),
     _v("KILN_HEADER_TIMEOUT_S", "header_timeout_s", SECONDS, "time a client has to send a "
        "request head, from the connection or its first byte; then 408 and closed",
        group=SERVER, unit="s"),

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from api_support import ALICE_KEY, ApiUnderTest, assert_error, bearer, image_body
+from opentelemetry import metrics, trace
 from starlette.routing import Router
 
 
@@ -70,3 +71,24 @@ async def test_what_the_hot_paths_do_not_answer_the_router_does(
     )
     assert_error(not_json, 422, "invalid_request")
     assert len(routed) == 5
+
+
+async def test_a_request_looks_up_no_opentelemetry_provider(
+    keyed_api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every lookup of a global OpenTelemetry provider counted
+    looked: list[str] = []
+    for module, name in ((trace, "get_tracer_provider"), (metrics, "get_meter_provider")):
+        lookup = getattr(module, name)
+
+        def counted(*args: Any, _name: str = name, _lookup: Any = lookup) -> Any:
+            looked.append(_name)
+            return _lookup(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    # When requests of the hot paths and of the router are answered
+    made = await keyed_api.submit(image_body("an untraced fox"))
+    await keyed_api.client.get(f"/v1/tasks/{made.json()['id']}")
+    await keyed_api.client.get("/healthz")
+    # Then none looked for a provider (kiln traces with its own, KILN_TRACING)
+    assert made.status_code == 201 and looked == []

@@ -19,6 +19,8 @@ from api_support import (
 )
 
 from kiln import canonical
+from kiln.api import tasks
+from kiln.api.recent import RecentContent
 from kiln.api.schemas import TaskOut
 from kiln.api.singleflight import SingleFlight
 from kiln.config import Settings
@@ -508,3 +510,89 @@ async def test_a_new_submission_is_digested_once_per_stored_key(
     again = await api.submit(image_body("digested"))
     assert again.json()["deduplicated"] is True
     assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 1
+
+
+async def test_new_content_goes_straight_to_the_insert_without_a_dedup_read(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every content-dedup read of the store counted
+    store = api.kiln.engine.store
+    reads: list[str] = []
+    read_dedup = store.read_dedup
+
+    async def counted(tenant: str, key: str, *args: Any) -> Any:
+        reads.append(key)
+        return await read_dedup(tenant, key, *args)
+
+    monkeypatch.setattr(store, "read_dedup", counted)
+    # When new content is submitted
+    first = await api.submit(image_body("a fox never seen"))
+    # Then the store inserted it without a read before (it would have missed)
+    assert first.status_code == 201 and reads == []
+    # And the same content again is answered from one read, as a dedup hit
+    again = await api.submit(image_body("a fox never seen"))
+    assert again.status_code == 200 and len(reads) == 1
+    assert again.json() == {**first.json(), "deduplicated": True}
+
+
+async def test_content_another_process_submitted_is_a_dedup_hit_without_a_read(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task submitted through the same store but not through this API
+    held = await api.kiln.submit("image.generate", image_body("made elsewhere")["params"])
+    store = api.kiln.engine.store
+    reads: list[str] = []
+    read_dedup = store.read_dedup
+
+    async def counted(tenant: str, key: str, *args: Any) -> Any:
+        reads.append(key)
+        return await read_dedup(tenant, key, *args)
+
+    monkeypatch.setattr(store, "read_dedup", counted)
+    # When the API gets the same content
+    answer = await api.submit(image_body("made elsewhere"))
+    # Then the store's insert-or-get answers with that task, its position and the flag
+    assert answer.status_code == 200 and "location" not in answer.headers
+    body = answer.json()
+    assert body["id"] == held.task.id and body["deduplicated"] is True
+    assert body["queue_position"] == 1
+    assert reads == [] and await api.task_count() == 1
+    counters = await store.counters()
+    assert counters[("dedup_hits", "content")] == 1
+
+
+def test_recent_content_keeps_the_most_recently_seen_keys() -> None:
+    # Given room for two content keys, a and b seen, then a seen again
+    recent = RecentContent(size=2)
+    recent.add("t", "a")
+    recent.add("t", "b")
+    assert recent.seen("t", "a") and not recent.seen("other", "a")
+    # When a third comes
+    recent.add("t", "c")
+    # Then the least recently seen (b) went, and the others stay
+    assert not recent.seen("t", "b")
+    assert recent.seen("t", "a") and recent.seen("t", "c") and len(recent) == 2
+
+
+async def test_copies_answered_together_share_one_rendering_of_the_answer(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task, and every rendering of a task's JSON counted from now on
+    first = await api.submit(image_body("a shared fox"))
+    rendered: list[str] = []
+    render = tasks.task_json
+
+    def counted(task: Any, **fields: Any) -> Any:
+        rendered.append(task.id)
+        return render(task, **fields)
+
+    monkeypatch.setattr(tasks, "task_json", counted)
+    # When fifty copies of its content arrive at once
+    copies = await asyncio.gather(*(api.submit(image_body("a shared fox")) for _ in range(50)))
+    # Then each is answered alike: 200, the task, the dedup flag, the same bytes
+    assert {c.status_code for c in copies} == {200}
+    assert all(c.json() == {**first.json(), "deduplicated": True} for c in copies)
+    assert len({c.content for c in copies}) == 1
+    assert {c.headers["content-type"] for c in copies} == {"application/json"}
+    # And those answered together were rendered once, not once each
+    assert len(rendered) < len(copies)

@@ -151,6 +151,7 @@ def test_serve_stops_on_sigterm_with_a_stream_open_and_never_logs_the_access_tok
     server = processes.serve(
         tmp_path / "data", "--workers", "1", KILN_API_KEYS=f"acme:{token}",
         KILN_SHUTDOWN_GRACE_S="1",  # the stalled attempt goes back after a second
+        KILN_ACCESS_LOG="1",  # a line per request, the token redacted
     )  # fmt: skip
     with kiln.Client(server.url, token) as client:
         task = client.submit(params=params(steps=9, step_ms=5, stall_attempts=1))
@@ -166,3 +167,18 @@ def test_serve_stops_on_sigterm_with_a_stream_open_and_never_logs_the_access_tok
     assert "Finished server process" in log
     assert "access_token=[redacted]" in log
     assert token not in log
+
+
+def test_serve_logs_no_line_per_request_unless_asked(processes: Processes, tmp_path: Path) -> None:
+    # Given kiln serve with its defaults
+    server = processes.serve(tmp_path / "data", "--no-workers")
+    # When it answers requests, and then stops
+    with kiln.Client(server.url) as client:
+        task = client.submit(params=params(steps=1, step_ms=0))
+        client.get(task["id"])
+    exit_code = processes.stop(server.process)
+    # Then its log holds no access line (the submit's transition is logged)
+    log = server.process.output()
+    assert exit_code == 0 and "Finished server process" in log
+    assert f"/v1/tasks/{task['id']} HTTP/1.1" not in log and "POST /v1/tasks" not in log
+    assert task["id"] in log

@@ -24,10 +24,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
@@ -57,6 +59,16 @@ log = logging.getLogger("kiln.api")
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 READY_TIMEOUT_S = 5.0
+#: kiln traces its requests itself (KILN_TRACING, RequestSpans): FastAPI's own telemetry
+#: would look up three OpenTelemetry providers on every request.
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+FASTAPI_OPTIONS: dict[str, Any] = {
+    "title": "kiln",
+    "description": "A durable job engine for AI generation work.",
+    "docs_url": None,  # served by kiln.api.docs, without a CDN
+    "redoc_url": None,
+    "telemetry": NO_FASTAPI_TELEMETRY,
+}
 REDACTED_LOGGERS = ("uvicorn.access", "uvicorn.error")
 
 
@@ -372,12 +384,9 @@ def create_app(
     check_settings(settings)
     state = ApiState(app, settings, ping_interval_s=ping_interval_s)
     api = FastAPI(
-        title="kiln",
         version=version(),
-        description="A durable job engine for AI generation work.",
         lifespan=_lifespan(state, workers=workers, gpus=gpus, supervisor=supervisor),
-        docs_url=None,  # served by kiln.api.docs, without a CDN
-        redoc_url=None,
+        **FASTAPI_OPTIONS,
     )
     api.state.kiln = state
     api.state.kiln_shutdown = Shutdown(grace_s=settings.shutdown_grace_s)

@@ -319,8 +319,13 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpTools]:
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """The ``uvicorn.Config`` arguments that apply the server limits of ``settings``."""
-    return {"http": guarded_protocol(settings), "ws": GuardedWebSockets}
+    """The ``uvicorn.Config`` arguments that apply the server limits of ``settings``, and
+    its access log (``KILN_ACCESS_LOG``; off by default)."""
+    return {
+        "http": guarded_protocol(settings),
+        "ws": GuardedWebSockets,
+        "access_log": settings.access_log,
+    }
 
 
 # The WebSocket handshake ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import HTTPConnection
 
 from kiln.api.metrics import ApiMetrics
+from kiln.api.recent import RecentContent
 from kiln.api.singleflight import SingleFlight
 from kiln.api.sse import EncodedEvents
 from kiln.app import App
@@ -25,6 +26,9 @@ class Standing:
     resource_wait: PoolWait | None
     #: A pipeline's steps made so far, by ``name/copy`` (None for every other task).
     steps: dict[str, Task] | None = None
+    #: Its answer's JSON by the ``deduplicated`` flag, once rendered: the copies of a
+    #: submission answered together (single-flight) share one rendering.
+    rendered: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,8 @@ class ApiState:
     settings: Settings
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     submissions: SingleFlight[Submitted] = field(default_factory=SingleFlight)
+    #: Content keys seen lately: a submission of one reads before it writes.
+    recent_content: RecentContent = field(default_factory=RecentContent)
     encoded_events: EncodedEvents = field(default_factory=EncodedEvents)
     ping_interval_s: float = 15.0
 

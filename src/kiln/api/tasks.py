@@ -156,6 +156,10 @@ def standing_response(
     deduplicated: bool = False,
     headers: dict[str, str] | None = None,
 ) -> Response:
+    """The task where it stands as JSON; rendered once per :class:`Standing` and flag."""
+    rendered = found.rendered.get(deduplicated)
+    if rendered is not None:
+        return Response(rendered, status_code, headers, media_type=RenderedJSON.media_type)
     body = task_json(
         found.task,
         queue_position=found.queue_position,
@@ -163,7 +167,10 @@ def standing_response(
         resource_wait=found.resource_wait,
         steps=found.steps,
     )
-    return RenderedJSON(body, status_code=status_code, headers=headers)
+    response = RenderedJSON(body, status_code=status_code, headers=headers)
+    if isinstance(response.body, bytes):
+        found.rendered[deduplicated] = response.body
+    return response
 
 
 async def task_response(state: ApiState, task: Task) -> Response:
@@ -226,19 +233,24 @@ async def submit(state: ApiState, submission: Submission) -> Submitted:
     """Store a submission; identical concurrent requests share one round trip, and the
     reading of where the task stands. Those are identical that the store would answer
     alike: the same Idempotency-Key and fingerprint, or (without a key) the same content,
-    each digested once."""
+    each digested once. Content seen lately is read first (a likely hit: one read, no
+    write); other content goes straight to the store's insert-or-get, which answers a
+    hit too (:mod:`kiln.api.recent`)."""
     app = state.app
     key = submission.idempotency_key
     content = submission.content_key() if key is None else None  # None: no content dedup
     new = app.task_row(submission) if key is not None else None
+    recent = state.recent_content
 
     async def call() -> Submitted:
-        if content is not None:
+        if content is not None and recent.seen(submission.tenant, content):
             hit = await app.dedup_hit(submission, content)  # one read, no insert
             if hit is not None:
                 return Submitted(hit[0], await standing(state, hit[0].task, hit[1]))
         row = new if new is not None else app.task_row(submission, content)
         result = await app.enter(submission, row, place=True)  # its position read with it
+        if content is not None:
+            recent.add(submission.tenant, content)
         position = result.queue_position if result.placed else UNREAD
         return Submitted(result, await standing(state, result.task, position))
 
