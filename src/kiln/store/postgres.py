@@ -56,7 +56,8 @@ log = logging.getLogger("kiln.store")
 T = TypeVar("T")
 Pool = AsyncConnectionPool[Conn]
 
-NOTIFY_EVERY_S = 0.05
+#: At most one NOTIFY per process per interval (see ``_notify_due``).
+NOTIFY_EVERY_S = 0.005
 ADVISORY_MIGRATIONS = 0x6B696C6E  # "kiln"
 #: The one-statement writes, alone (counting themselves) or in a batch (counted by it).
 SUBMIT_COUNTED = f"{Q.submit_rows} {Q.submit_count} {Q.submit_end}"
