@@ -512,10 +512,8 @@ async def test_a_new_submission_is_digested_once_per_stored_key(
     assert len([v for v in made if isinstance(v, dict) and "params" in v]) == 1
 
 
-async def test_new_content_goes_straight_to_the_insert_without_a_dedup_read(
-    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Given every content-dedup read of the store counted
+def _dedup_reads(api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The content keys of the store's dedup reads from now on."""
     store = api.kiln.engine.store
     reads: list[str] = []
     read_dedup = store.read_dedup
@@ -525,6 +523,14 @@ async def test_new_content_goes_straight_to_the_insert_without_a_dedup_read(
         return await read_dedup(tenant, key, *args)
 
     monkeypatch.setattr(store, "read_dedup", counted)
+    return reads
+
+
+async def test_new_content_goes_straight_to_the_insert_without_a_dedup_read(
+    api: ApiUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every content-dedup read of the store counted
+    reads = _dedup_reads(api, monkeypatch)
     # When new content is submitted
     first = await api.submit(image_body("a fox never seen"))
     # Then the store inserted it without a read before (it would have missed)
@@ -540,15 +546,7 @@ async def test_content_another_process_submitted_is_a_dedup_hit_without_a_read(
 ) -> None:
     # Given a task submitted through the same store but not through this API
     held = await api.kiln.submit("image.generate", image_body("made elsewhere")["params"])
-    store = api.kiln.engine.store
-    reads: list[str] = []
-    read_dedup = store.read_dedup
-
-    async def counted(tenant: str, key: str, *args: Any) -> Any:
-        reads.append(key)
-        return await read_dedup(tenant, key, *args)
-
-    monkeypatch.setattr(store, "read_dedup", counted)
+    reads = _dedup_reads(api, monkeypatch)
     # When the API gets the same content
     answer = await api.submit(image_body("made elsewhere"))
     # Then the store's insert-or-get answers with that task, its position and the flag
@@ -557,7 +555,7 @@ async def test_content_another_process_submitted_is_a_dedup_hit_without_a_read(
     assert body["id"] == held.task.id and body["deduplicated"] is True
     assert body["queue_position"] == 1
     assert reads == [] and await api.task_count() == 1
-    counters = await store.counters()
+    counters = await api.kiln.engine.store.counters()
     assert counters[("dedup_hits", "content")] == 1
 
 

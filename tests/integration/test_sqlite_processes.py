@@ -298,12 +298,17 @@ def test_worker_processes_drain_beside_kiln_serve_not_after_it(tmp_path: Path) -
             events = [row[0] for row in rows]
         assert events[-1] == "release" and "SUCCESS" not in events
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait(timeout=10)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all(serve, children)
+
+
+def _kill_all(serve: subprocess.Popen[bytes], children: list[int]) -> None:
+    """SIGKILL what is left of kiln serve and its worker processes."""
+    if serve.poll() is None:
+        serve.kill()
+        serve.wait(timeout=10)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _workers_when_ready(
@@ -351,12 +356,7 @@ def test_worker_processes_drain_and_exit_when_kiln_serve_is_sigkilled(tmp_path: 
         asyncio.run(wait_until(gone, timeout_s=60, what=f"the worker to exit\n{log.read_text()}"))
         assert '"parent_gone"' in log.read_text()
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait(timeout=10)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all(serve, children)
 
 
 def _serve(
