@@ -386,3 +386,23 @@ async def test_generated_then_uploaded_in_one_change_logs_both_and_writes_one_ro
     after = await store.counters()
     for key in ("GENERATING>UPLOADING", "UPLOADING>SUCCESS"):
         assert after[("transitions", key)] - before.get(("transitions", key), 0) == 1
+
+
+async def test_generated_then_uploaded_from_a_fenced_out_worker_writes_nothing(
+    store: Store, core: Engine, clock: SettableClock
+) -> None:
+    # Given an acquired task that the supervisor took back meanwhile (epoch + 1)
+    new = make_new_task()
+    await store.submit(new)
+    task = await claim(core)
+    task = await core.apply(task, Event.ACQUIRE, fence=WORKER)
+    await core.apply(task, Event.EXPIRE, fence=BUMP, retry=Retry(LAPSED))
+    before = (await store.get(new.id), await store.events(task_id=new.id))
+    ledger = await store.usage.of_task(new.id)
+    # When its old worker sends generated and uploaded as one change
+    then = Retry(then=Event.UPLOADED, then_to=Status.SUCCESS)
+    with pytest.raises(LeaseLost):
+        await core.apply(task, Event.GENERATED, fence=WORKER, retry=then, facts=[Ran()])
+    # Then neither event, nor the status, nor a ledger row was written
+    assert (await store.get(new.id), await store.events(task_id=new.id)) == before
+    assert await store.usage.of_task(new.id) == ledger

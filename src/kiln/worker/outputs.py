@@ -14,8 +14,10 @@ from kiln.storage import Storage, sha256_hex, upload
 from kiln.worker.attempt import Attempt
 from kiln.worker.leases import Leases
 
-#: The columns ``uploaded`` sets for an attempt that produced no outputs.
-NOTHING_STORED: dict[str, Any] = {"result": {"outputs": []}, "error": None, "stage": None}
+
+def uploaded_fields(stored: list[StoredOutput]) -> dict[str, Any]:
+    """The columns ``uploaded`` sets: the stored outputs as the task's result."""
+    return {"result": {"outputs": [o.to_json() for o in stored]}, "error": None, "stage": None}
 
 
 def as_outputs(result: HandlerResult) -> list[Output]:
@@ -70,10 +72,5 @@ async def deliver(
     kind = attempt.kind
     flagged = bool(kind.review) and await call_review(kind.review, params, produced)  # type: ignore[arg-type]
     stored = await store_outputs(storage, attempt, produced, flagged=flagged)
-    result = {"outputs": [o.to_json() for o in stored]}
-    await leases.transition(
-        attempt,
-        Event.UPLOADED,
-        Status.NEEDS_REVIEW if flagged else Status.SUCCESS,
-        fields={"result": result, "error": None, "stage": None},
-    )
+    target = Status.NEEDS_REVIEW if flagged else Status.SUCCESS
+    await leases.transition(attempt, Event.UPLOADED, target, fields=uploaded_fields(stored))

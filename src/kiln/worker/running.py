@@ -28,7 +28,7 @@ from kiln.store.pools import units_needed
 from kiln.worker.attempt import Attempt, Batch, asked_to_yield, ids
 from kiln.worker.context import Context
 from kiln.worker.leases import Leases
-from kiln.worker.outputs import NOTHING_STORED, as_outputs, deliver
+from kiln.worker.outputs import as_outputs, deliver, uploaded_fields
 from kiln.worker.slots import Slots
 
 log = logging.getLogger("kiln.worker")
@@ -208,21 +208,21 @@ class Runner:
             params, produced = await self._generate_in_batch(attempt, attempt.batch)
         else:
             params, produced = await self._generate(attempt)
-        if produced or attempt.kind.review:
+        to_deliver = bool(produced) or attempt.kind.review is not None
+        if to_deliver:
+            timeout = attempt.task.timeouts.uploading_s
+            await self.leases.transition(attempt, Event.GENERATED, state_timeout=timeout)
+        else:  # nothing acts between generated and uploaded: one write, both event rows
             await self.leases.transition(
-                attempt, Event.GENERATED, state_timeout=attempt.task.timeouts.uploading_s
+                attempt,
+                Event.GENERATED,
+                fields=uploaded_fields([]),
+                then=(Event.UPLOADED, Status.SUCCESS),
             )
-            attempt.past_pools = True
-            self.slots.wake_waiters()  # leaving GENERATING gave the shared slots back
-            await deliver(self.leases, self.engine.storage, attempt, params, produced)
-            return
-        # Nothing to review or upload: nothing acts between ``generated`` and
-        # ``uploaded``, so both go in one write, each with its event row.
-        await self.leases.transition(
-            attempt, Event.GENERATED, fields=NOTHING_STORED, then=(Event.UPLOADED, Status.SUCCESS)
-        )
         attempt.past_pools = True
-        self.slots.wake_waiters()
+        self.slots.wake_waiters()  # leaving GENERATING gave the shared slots back
+        if to_deliver:
+            await deliver(self.leases, self.engine.storage, attempt, params, produced)
 
     async def _generate(self, attempt: Attempt) -> tuple[Any, list[Output]]:
         """Take the attempt's resources, record ``acquire``, run the handler."""
