@@ -54,6 +54,8 @@ REUSE_SHARE = 0.25
 REF_SHARE = 0.5
 #: How many of the oldest sources one look at them reads.
 REF_LOOK = 4
+#: How long a run that made no transform by reference waits for a source to end.
+REF_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -220,8 +222,21 @@ class Submitter:
                 ]
                 await asyncio.gather(*(self._submit_new(spec) for spec in specs))
                 await self._resubmit_some()
+            await self._a_reference_at_least()
         finally:
             self.finished = True
+
+    async def _a_reference_at_least(self) -> None:
+        """A run that made no transform by reference yet (each look found its sources
+        still running) waits, up to ``REF_WAIT_S``, for its oldest sources to end and
+        makes one: a short or loaded run has inputs by reference to check too."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REF_WAIT_S
+        while not self.counts["by_reference"] and self._sources and not self._stopping:
+            await self._by_reference()
+            if self.counts["by_reference"] or loop.time() > deadline:
+                return
+            await asyncio.sleep(POLL_S)
 
     async def _room(self) -> bool:
         while not self._stopping:
