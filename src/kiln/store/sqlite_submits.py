@@ -7,8 +7,10 @@ submission spends its batch waiting for the loop, and the two take turns instead
 running at once. Plain submissions that meet in one batch (no idempotency key, no inputs
 by reference, no trace, no fair-share position) are therefore written together: one
 lookup of their content keys per tenant, one INSERT of their task rows, one of their event
-rows; each submission's answer, its dedup hit, its queue position and its counts are those
-:meth:`kiln.store.sqlstore.TaskOps._submit` gives it alone, in the order they came.
+rows; each submission's answer, its dedup hit and its counts are those
+:meth:`kiln.store.sqlstore.TaskOps._submit` gives it alone, in the order they came, and its
+queue position is read once all of them are written (a level's at once), as a read after
+the commit gives it.
 
 Whatever the group cannot answer the way one submission would (a content key taken by a
 row it did not see), it leaves to the one-by-one path: :func:`submit_group` returns None
@@ -30,7 +32,7 @@ from kiln.store.sqlite_tx import INSERT_TASK
 from kiln.store.tx import EventRow, run_sync
 
 if TYPE_CHECKING:
-    from kiln.store.claims import ClaimOps, ClaimPolicy
+    from kiln.store.claims import ClaimPolicy
     from kiln.store.sqlite_tx import SqliteTx
     from kiln.store.sqlstore import Store
 
@@ -106,35 +108,16 @@ def submit_group(tx: SqliteTx, items: Sequence[Grouped]) -> list[SubmitResult] |
 
 
 def _positions(
-    store: ClaimOps, tx: SqliteTx, asked: Sequence[tuple[Task, ClaimPolicy | None]], now: float
+    store: Store, tx: SqliteTx, asked: Sequence[tuple[Task, ClaimPolicy | None]], now: float
 ) -> dict[str, int]:
-    """The queue positions of the queued and due tasks of ``asked``, by task id, as
-    :meth:`~kiln.store.claims.ClaimOps._position` reads each at ``now``. Tasks of one line
-    and level in the default order are read at their two ends: when the two are as far
-    apart as the tasks between them, nothing else is among them and each one's position
-    is the first's plus its rank; otherwise each is read alone."""
-    found: dict[str, int] = {}
-    lanes: dict[tuple[str, int], dict[str, Task]] = {}
-    alone: list[tuple[Task, ClaimPolicy | None]] = []
-    for task, policy in asked:
-        if not queued_and_due(task, now):
-            continue
-        if policy is None or policy.aging_s is None:
-            lanes.setdefault((task.kind, task.priority), {})[task.id] = task
-        else:
-            alone.append((task, policy))
-    for lane in lanes.values():
-        line = sorted(lane.values(), key=lambda t: (t.ready_at, t.id))
-        first = run_sync(store._position(tx, line[0], None, now))
-        found[line[0].id] = first
-        if len(line) == 1:
-            continue
-        last = run_sync(store._position(tx, line[-1], None, now))
-        if last - first == len(line) - 1:
-            found.update((task.id, first + rank) for rank, task in enumerate(line))
-        else:
-            alone += [(task, None) for task in line[1:]]
-    for task, policy in alone:
+    """The queue positions of the queued and due tasks of ``asked``, by task id, read at
+    ``now`` after all of them were written: in the default order a level's tasks at once
+    (:meth:`~kiln.store.claims.ClaimOps._places`: the first's place, then one pass over
+    the level up to the last), under aging each alone."""
+    ready = {task.id: (task, policy) for task, policy in asked if queued_and_due(task, now)}
+    in_order = [task for task, policy in ready.values() if policy is None or policy.aging_s is None]
+    found = run_sync(store._places(tx, in_order, now)) if in_order else {}
+    for task, policy in ready.values():
         if task.id not in found:
             found[task.id] = run_sync(store._position(tx, task, policy, now))
     return found
