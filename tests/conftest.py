@@ -65,17 +65,22 @@ async def app(settings: Settings) -> AsyncIterator[kiln.App]:
         yield instance
 
 
+def _for_its_store(item: pytest.Item) -> bool:
+    """Whether a conformance case runs on its store (``postgres_only``, ``sqlite_only``)."""
+    ids = getattr(getattr(item, "callspec", None), "id", "").split("-")
+    for marker, store in (("postgres_only", "postgres"), ("sqlite_only", "sqlite")):
+        if item.get_closest_marker(marker) is not None and store not in ids:
+            return False
+    return True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the browser tests last: Playwright's sync API keeps an event loop set on the
     main thread for the rest of the session, which async tests after it would trip on.
-    A ``postgres_only`` conformance test is deselected for the other stores (not skipped:
-    nothing is missing)."""
-    sqlite_only = [
-        item for item in items
-        if item.get_closest_marker("postgres_only") is not None
-        and "sqlite" in getattr(getattr(item, "callspec", None), "id", "").split("-")
-    ]  # fmt: skip
-    if sqlite_only:
-        config.hook.pytest_deselected(items=sqlite_only)
-        items[:] = [item for item in items if item not in sqlite_only]
+    A ``postgres_only`` conformance test is deselected for the other stores, a
+    ``sqlite_only`` one for PostgreSQL (not skipped: nothing is missing)."""
+    other = [item for item in items if not _for_its_store(item)]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [item for item in items if _for_its_store(item)]
     items.sort(key=lambda item: item.get_closest_marker("browser") is not None)

@@ -95,7 +95,7 @@ class GenerateParams(BaseModel):
         """
         if self.seed is not None:
             return self.seed
-        unused = {"seed", "format", "simulate"} | ({"model"} if self.model is None else set())
+        unused = set(_UNSEEDED) | ({"model"} if self.model is None else set())
         return derive_seed(self.model_dump(mode="json", exclude=unused))
 
 
@@ -113,10 +113,23 @@ KIND = "image.generate"
 
 
 def normalize(params: JSONObject) -> JSONObject:
-    """Fill in the derived seed, so the stored params say exactly what was rendered."""
+    """Fill in the derived seed, so the stored params say exactly what was rendered.
+
+    ``params`` are validated already (``TaskKind.validate``: their dump without None
+    values), so the seed is derived from them as :meth:`GenerateParams.effective_seed`
+    derives it from the model, without validating them a second time."""
     if params.get("seed") is None:
-        params = {**params, "seed": GenerateParams.model_validate(params).effective_seed()}
+        unused = _UNSEEDED | ({"model"} if params.get("model") is None else set())
+        shaping = {name: params.get(name) for name in GenerateParams.model_fields}
+        params = {
+            **params,
+            "seed": derive_seed({k: v for k, v in shaping.items() if k not in unused}),
+        }
     return params
+
+
+#: The params that do not shape the picture (:meth:`GenerateParams.effective_seed`).
+_UNSEEDED = frozenset({"seed", "format", "simulate"})
 
 
 async def generate(ctx: Context, params: GenerateParams) -> Output:

@@ -14,7 +14,8 @@ import pytest
 from kiln.models import Task, TaskEvent, Timeouts
 from kiln.states import Event, Status
 from kiln.store.rows import TASK_COLUMNS, insert_args, inserted_row
-from kiln.store.sqlite import INSERT_TASK, SqliteStore, connect, migrate
+from kiln.store.sqlite import SqliteStore, connect, migrate
+from kiln.store.sqlite_tx import INSERT_TASK
 from kiln.store.tx import EventRow, Tx
 
 from .factories import claim_one, make_new_task, step_change

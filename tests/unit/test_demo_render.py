@@ -17,6 +17,7 @@ from kiln.demo import (
     Simulate,
     derive_seed,
     encode,
+    normalize,
     preview,
     render,
 )
@@ -276,6 +277,25 @@ def test_derive_seed_ignores_a_seed_key() -> None:
 
 def test_effective_seed_prefers_the_given_seed() -> None:
     assert GenerateParams.model_validate(make_params(seed=7)).effective_seed() == 7
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"prompt": "a fox"},
+        {"prompt": "x", "negative_prompt": "y", "width": 640, "steps": 12, "format": "webp"},
+        {"prompt": "m", "model": "sdxl"},
+        {"prompt": "s", "simulate": {"fail_attempts": 1, "step_ms": 0}},
+        {"prompt": "é ☃ 🦊", "height": 768},
+        {"prompt": "seeded", "seed": 5},
+    ],
+)
+def test_the_stored_seed_is_the_one_rendered_with(params: dict[str, Any]) -> None:
+    """``normalize`` derives the seed from the validated params' dump (no second
+    validation): the same seed the model's ``effective_seed`` renders with."""
+    model = GenerateParams.model_validate(params)
+    stored = normalize(model.model_dump(mode="json", exclude_none=True))
+    assert stored["seed"] == model.effective_seed()
 
 
 def test_effective_seed_ignores_format_and_simulate() -> None:

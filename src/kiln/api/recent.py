@@ -9,16 +9,22 @@ insert-or-get, which answers a hit as well, without a read before it that would 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 #: How many content keys are kept (least recently seen first out): about 1.7 MB.
 RECENT_KEYS = 8192
 
 
 class RecentContent:
-    """A bounded set of (tenant, content key), least recently seen first out."""
+    """A bounded set of (tenant, content key), least recently seen first out.
+
+    An ``OrderedDict``, not a plain dict: taking the oldest key out of a dict walks over
+    the slots of the keys taken out before it (until the dict is rebuilt), so at a full
+    set every addition cost a walk over thousands of empty slots."""
 
     def __init__(self, size: int = RECENT_KEYS) -> None:
         self.size = size
-        self._keys: dict[tuple[str, str], None] = {}
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -28,14 +34,13 @@ class RecentContent:
         key = (tenant, content)
         if key not in self._keys:
             return False
-        del self._keys[key]
-        self._keys[key] = None
+        self._keys.move_to_end(key)
         return True
 
     def add(self, tenant: str, content: str) -> None:
         """Remember a content key a task holds now."""
         keys = self._keys
-        keys.pop((tenant, content), None)
         keys[(tenant, content)] = None
+        keys.move_to_end((tenant, content))
         if len(keys) > self.size:
-            del keys[next(iter(keys))]
+            keys.popitem(last=False)

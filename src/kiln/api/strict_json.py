@@ -77,7 +77,8 @@ def parse_json(body: bytes, where: str = "body") -> Any:
         raise InvalidRequest(f"{what} is empty: send a JSON object")
     try:
         data = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
-        _SURROGATES.encode(data).encode("utf-8")  # lone surrogates
+        if b"\\u" in body:  # a lone surrogate reaches the data only as an escape
+            _SURROGATES.encode(data).encode("utf-8")
     except _NotFinite as exc:
         message = f"{what} holds a number that is not finite: {exc}"
         raise _refusal(where, message, str(exc), "finite_number") from None
@@ -85,7 +86,8 @@ def parse_json(body: bytes, where: str = "body") -> Any:
         raise _too_deep(where) from None
     except ValueError as exc:
         raise _refusal(where, f"{what} is not valid JSON", str(exc), "json_invalid") from None
-    if depth_of(data) > MAX_DEPTH:
+    # Nesting is at most as deep as the text has brackets (those in strings counted too).
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and depth_of(data) > MAX_DEPTH:
         raise _too_deep(where)
     return data
 

@@ -455,7 +455,7 @@ class ClaimOps(Ops):
         turns, an estimate from the task's place in its tenant's line), while it is ready."""
 
         now = self.clock()
-        if not _queued_and_due(task, now):
+        if not queued_and_due(task, now):
             return None
         return await self._read(lambda tx: self._position(tx, task, policy, now))
 
@@ -481,7 +481,7 @@ class ClaimOps(Ops):
         if row is None:
             return None, None
         task, now = task_from_row(row), self.clock()
-        if not _queued_and_due(task, now):
+        if not queued_and_due(task, now):
             return task, None
         return task, await self._position(tx, task, policy, now)
 
@@ -494,7 +494,7 @@ class ClaimOps(Ops):
         the level's first one and one pass over the level from it to its last; under aging
         or fair turns, task by task."""
         now = self.clock()
-        ready = [t for t in tasks if _queued_and_due(t, now)]
+        ready = [t for t in tasks if queued_and_due(t, now)]
         if not ready:
             return {}
         if policy is not None and (policy.fair or policy.aging_s is not None):
@@ -528,7 +528,7 @@ class ClaimOps(Ops):
             return result
         task, now = result.task, self.clock()
         position = None
-        if _queued_and_due(task, now):
+        if queued_and_due(task, now):
             position = await self._position(tx, task, policy, now)
         return replace(result, queue_position=position, placed=True)
 
@@ -544,7 +544,7 @@ class ClaimOps(Ops):
         return fair_position(own, depths)
 
 
-def _queued_and_due(task: Task, now: float) -> bool:
+def queued_and_due(task: Task, now: float) -> bool:
     return task.status in CLAIMABLE and task.ready_at <= now < task.deadline_at
 
 

@@ -20,37 +20,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
 import logging
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kiln.counters import FAILURES_BY_MINUTE
 from kiln.errors import StoreUnavailable
-from kiln.models import TaskEvent
-from kiln.store.queries import Queries, migrations, queries
+from kiln.models import NewTask, SubmitResult
+from kiln.store.claims import ClaimPolicy
+from kiln.store.queries import migrations, queries
 from kiln.store.records import Clock
-from kiln.store.rows import TASK_COLUMNS, dumps, inserted_row
+from kiln.store.rows import insert_parts, inserted_row
 from kiln.store.sqlite_share import Wakeups, WriteLock
+from kiln.store.sqlite_submits import Grouped, submit_group
+from kiln.store.sqlite_tx import (
+    INSERT_TASK,
+    Connection,
+    SqliteTx,
+    check_task_columns,
+    flush_tally,
+    kiln_connection,
+    tally_of,
+)
 from kiln.store.sqlstore import Store
 from kiln.store.tx import (
-    Args,
-    Counting,
-    EventRow,
     Op,
     Refused,
     Row,
     Tally,
     Tx,
     run_sync,
-    violation,
 )
 
 log = logging.getLogger("kiln.store")
@@ -157,6 +161,9 @@ class _Job:
     fn: Callable[[sqlite3.Connection], Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
+    #: A plain submission the writer may write with others of its batch (its ``fn``
+    #: writes it alone).
+    grouped: Grouped | None = None
 
 
 def _resolve(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
@@ -193,6 +200,7 @@ class _DbThread(threading.Thread):
         self.batches = 0
         self.operations = 0
         self.reruns = 0  # batches run again with a savepoint per operation
+        self.conn: sqlite3.Connection | None = None
 
     def put(self, job: _Job | None) -> None:
         self._jobs.put(job)
@@ -202,7 +210,7 @@ class _DbThread(threading.Thread):
             self._jobs.put(job)
 
     def run(self) -> None:
-        conn = self._open_conn()
+        conn = self.conn = self._open_conn()
         try:
             while True:
                 job = self._jobs.get()
@@ -272,7 +280,7 @@ class _DbThread(threading.Thread):
         finally:
             if self.lock is not None:
                 self.lock.release()
-        ready = _connection(conn)
+        ready = kiln_connection(conn)
         if ready.ready:
             ready.ready = False
             if self.wakeups is not None:
@@ -316,7 +324,7 @@ class _DbThread(threading.Thread):
         if done is None:
             self.reruns += 1
             conn.execute("ROLLBACK")
-            _connection(conn).ready = False
+            kiln_connection(conn).ready = False
             try:
                 self._begin(conn)
             except sqlite3.Error as exc:
@@ -339,212 +347,100 @@ def _run_operations(
 ) -> tuple[list[tuple[_Job, Any, BaseException | None]], Tally] | None:
     """Run the batch's operations in the open transaction: their outcomes and the counter
     deltas of those that succeeded; None when, without savepoints, one failed after it
-    changed rows (``total_changes`` moved), which only a rollback can undo."""
+    changed rows (``total_changes`` moved), which only a rollback can undo. Without
+    savepoints, plain submissions next to each other are written as one group
+    (:func:`_run_group`), or one by one when the group leaves them to that."""
     outcomes: list[tuple[_Job, Any, BaseException | None]] = []
-    tally = _tally(conn)
+    tally = tally_of(conn)
     committed = Tally()
-    for job in batch:
-        if savepoints:
-            conn.execute("SAVEPOINT op")
-        changes = conn.total_changes
-        tally.clear()
-        try:
-            result = job.fn(conn)
-        except Exception as exc:
-            if savepoints:
-                conn.execute("ROLLBACK TO op")  # the operation's counts go with it
-                conn.execute("RELEASE op")
-            elif conn.total_changes != changes:
-                tally.clear()
+    start = 0
+    alone = 0  # the jobs before this index run one by one
+    while start < len(batch):
+        end = _group_end(batch, start) if start >= alone and not savepoints else start
+        if end - start >= 2:
+            group = batch[start:end]
+            written = _run_group(conn, group, tally)
+            if written is _BROKEN:
                 return None
-            outcomes.append((job, None, exc))
-            continue
-        if savepoints:
-            conn.execute("RELEASE op")
-        committed.update(tally)
-        outcomes.append((job, result, None))
+            if written is not None:
+                committed.update(tally)
+                outcomes += [
+                    (job, result, None)
+                    for job, result in zip(batch[start:end], written, strict=True)
+                ]
+                start = end
+                continue
+            alone = end
+        job = batch[start]
+        start += 1
+        outcome = _run_one(conn, job, tally, savepoints=savepoints)
+        if outcome is _BROKEN:
+            return None
+        if outcome[2] is None:
+            committed.update(tally)
+        outcomes.append(outcome)
     tally.clear()
     return outcomes, committed
 
 
-# One transaction as the store's operations see it ------------------------------------------
+def _group_end(batch: list[_Job], start: int) -> int:
+    """The end of the run of plain submissions from ``start``."""
+    end = start
+    while end < len(batch) and batch[end].grouped is not None:
+        end += 1
+    return end
 
 
-def check_task_columns(conn: sqlite3.Connection) -> None:
-    found = tuple(row[1] for row in conn.execute("PRAGMA table_xinfo(tasks)"))
-    if found != TASK_COLUMNS:
-        raise RuntimeError(f"tasks columns {found} differ from TASK_COLUMNS {TASK_COLUMNS}")
+def _run_one(conn: sqlite3.Connection, job: _Job, tally: Tally, *, savepoints: bool) -> Any:
+    """One operation: its outcome (its counts in ``tally``), or :data:`_BROKEN` when it
+    failed, without a savepoint, after it changed rows."""
+    if savepoints:
+        conn.execute("SAVEPOINT op")
+    changes = conn.total_changes
+    tally.clear()
+    try:
+        result = job.fn(conn)
+    except Exception as exc:
+        if savepoints:
+            conn.execute("ROLLBACK TO op")  # the operation's counts go with it
+            conn.execute("RELEASE op")
+        elif conn.total_changes != changes:
+            tally.clear()
+            return _BROKEN
+        tally.clear()
+        return (job, None, exc)
+    if savepoints:
+        conn.execute("RELEASE op")
+    return (job, result, None)
 
 
-class Connection(sqlite3.Connection):
-    """A connection with a tally of counter deltas, flushed once per transaction.
-
-    Status counts and event counters change on every transition; adding them up in
-    memory and writing each distinct row once per group commit keeps them off the hot path.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tally = Tally()
-        self.ready = False  # an operation of this transaction made work claimable
+#: What :func:`_run_group` answers when the group failed after it changed rows.
+_BROKEN: Any = object()
 
 
-def _connection(conn: sqlite3.Connection) -> Connection:
-    assert isinstance(conn, Connection), "counters need a kiln.store.sqlite.Connection"
-    return conn
-
-
-def _tally(conn: sqlite3.Connection) -> Tally:
-    return _connection(conn).tally
-
-
-def flush_tally(conn: sqlite3.Connection, tally: Tally) -> None:
-    """Write the summed counter deltas, one UPSERT per distinct row."""
-    q = queries("sqlite")
-    for table, sql in (("task_counts", q.add_status_count), ("counters", q.add_counter)):
-        rows = tally.rows(table)
-        if rows:
-            conn.executemany(sql, rows)
-    below = tally.stale_buckets()
-    if below is not None:
-        conn.execute(q.prune_counter, (FAILURES_BY_MINUTE, below))
-
-
-#: The queries that take a list (``{IN_LIST}``): SQLite reads it as a JSON array.
-_TAKES_LISTS = frozenset(sql for sql in queries("sqlite")._named.values() if "json_each(?)" in sql)
-
-
-def _params(sql: str, args: Args) -> Args:
-    if sql not in _TAKES_LISTS or not isinstance(args, Sequence):
-        return args
-    return [json.dumps(a) if type(a) is list else a for a in args]
-
-
-def _translated(exc: sqlite3.DatabaseError) -> Exception:
-    """SQLite's error as the store's: a constraint, or a database that failed (locked past
-    ``busy_timeout``, damaged, out of disk)."""
-    if not isinstance(exc, sqlite3.IntegrityError):
-        return StoreUnavailable(f"the SQLite database failed: {exc}")
-    unique = getattr(exc, "sqlite_errorname", "") == "SQLITE_CONSTRAINT_UNIQUE"
-    return violation(str(exc), unique=unique)
-
-
-#: Event rows one INSERT writes at most (a claim's rows: two a task).
-EVENTS_AT_ONCE = 32
-
-
-def _event_chunks(n: int) -> list[int]:
-    """``n`` rows as INSERTs of powers of two, largest first (few statement texts)."""
-    sizes = []
-    while n:
-        size = min(EVENTS_AT_ONCE, 1 << (n.bit_length() - 1))
-        sizes.append(size)
-        n -= size
-    return sizes
-
-
-@functools.cache
-def _insert_events_sql(q: Queries, size: int) -> str:
-    """``insert_event`` with ``size`` rows of values."""
-    one = q.insert_event
-    row = one[one.rindex("VALUES ") + len("VALUES ") :]
-    return one + f", {row}" * (size - 1)
-
-
-def _event_values(r: EventRow) -> tuple[Any, ...]:
-    """The ``insert_event`` parameters of one row."""
-    task = r.task
-    return (
-        f"{task.id}:{r.version}",
-        task.id,
-        task.tenant,
-        r.event.value,
-        None if r.source is None else r.source.value,
-        r.target.value,
-        int(r.final),
-        task.attempt,
-        task.epoch,
-        dumps(r.error),
-        r.at,
-        r.dwell_s,
-        r.loading_s,
-    )
-
-
-class SqliteTx(Counting):
-    """A :class:`~kiln.store.tx.Tx` on the connection of the thread running it."""
-
-    __slots__ = ("conn", "q", "tally")
-
-    def __init__(self, conn: sqlite3.Connection, q: Queries) -> None:
-        self.conn = conn
-        self.q = q
-        self.tally = _tally(conn)
-
-    def _execute(self, sql: str, args: Args) -> sqlite3.Cursor:
-        try:
-            return self.conn.execute(sql, _params(sql, args))
-        except sqlite3.DatabaseError as exc:
-            raise _translated(exc) from None
-
-    async def one(self, sql: str, args: Args = ()) -> Row | None:
-        row: Row | None = self._execute(sql, args).fetchone()
-        return row
-
-    async def all(self, sql: str, args: Args = ()) -> list[Row]:
-        return self._execute(sql, args).fetchall()
-
-    async def run(self, sql: str, args: Args = ()) -> int:
-        return self._execute(sql, args).rowcount
-
-    async def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        try:
-            return self.conn.executemany(sql, [_params(sql, r) for r in rows]).rowcount
-        except sqlite3.DatabaseError as exc:
-            raise _translated(exc) from None
-
-    @contextlib.asynccontextmanager
-    async def savepoint(self) -> AsyncIterator[None]:
-        self.conn.execute("SAVEPOINT nested")
-        try:
-            yield
-        except BaseException:
-            self.conn.execute("ROLLBACK TO nested")
-            self.conn.execute("RELEASE nested")
-            raise
-        self.conn.execute("RELEASE nested")
-
-    async def insert_events(self, rows: Sequence[EventRow]) -> list[TaskEvent]:
-        """The rows in as few INSERTs as :func:`_event_chunks` allows; the seqs of one
-        INSERT's rows follow each other (AUTOINCREMENT, under the write lock), the last
-        is its ``lastrowid``."""
-        found: list[TaskEvent] = []
-        start = 0
-        for size in _event_chunks(len(rows)):
-            chunk = rows[start : start + size]
-            start += size
-            values = [value for r in chunk for value in _event_values(r)]
-            last = self.conn.execute(_insert_events_sql(self.q, size), values).lastrowid
-            assert last is not None
-            found += [r.event_for(seq) for seq, r in enumerate(chunk, start=last - size + 1)]
-        return found
-
-    async def lock_tenant(self, tenant: str) -> bool:
-        """The writer is serial: one claim at a time already."""
-        return False
-
-    async def notify_ready(self) -> None:
-        """After the commit, the writer wakes the other processes' workers
-        (:class:`~kiln.store.sqlite_share.Wakeups`)."""
-        _connection(self.conn).ready = True
+def _run_group(conn: sqlite3.Connection, group: list[_Job], tally: Tally) -> Any:
+    """Plain submissions written together (:mod:`kiln.store.sqlite_submits`): their
+    results in order; None when they are to run one by one (nothing written);
+    :data:`_BROKEN` when the group failed after it changed rows."""
+    changes = conn.total_changes
+    tally.clear()
+    items = [job.grouped for job in group]
+    try:
+        results = submit_group(SqliteTx(conn, items[0].store.q), items)  # type: ignore[union-attr,arg-type]
+    except Exception:
+        results = None
+        if conn.total_changes != changes:
+            log.warning("sqlite_submit_group_failed", exc_info=True)
+            tally.clear()
+            return _BROKEN
+    if results is None:
+        tally.clear()
+    else:
+        kiln_connection(conn).grouped += len(results)
+    return results
 
 
 # The store ------------------------------------------------------------------------------
-
-#: ``insert_task`` without reading the row back: the writer knows it (``inserted_row``).
-INSERT_TASK = queries("sqlite").insert_task.removesuffix(" RETURNING *")
-if queries("sqlite").insert_task == INSERT_TASK:
-    raise RuntimeError("insert_task no longer ends in RETURNING *")
 
 
 class SqliteStore(Store):
@@ -576,7 +472,7 @@ class SqliteStore(Store):
         self._wakeups = Wakeups(path) if shared else None
         self._writer = _DbThread(
             "kiln-sqlite-writer",
-            lambda: self._writer_connection(path, synchronous),
+            lambda: self._writerkiln_connection(path, synchronous),
             writer=True,
             lock=self._lock,
             wakeups=self._wakeups,
@@ -588,11 +484,24 @@ class SqliteStore(Store):
         self._reader.start()
         self._closed = False
 
-    def _writer_connection(self, path: str, synchronous: str) -> sqlite3.Connection:
+    def _writerkiln_connection(self, path: str, synchronous: str) -> sqlite3.Connection:
         conn = connect(path, synchronous=synchronous)
         if self._lock is not None:  # SQLite's lock is free whenever the file lock is ours
             conn.execute("PRAGMA busy_timeout=0")
         return conn
+
+    async def submit(
+        self, new: NewTask, *, place: bool = False, policy: ClaimPolicy | None = None
+    ) -> SubmitResult:
+        """As :meth:`Store.submit`; a plain submission may be written with the others of
+        its group commit (:mod:`kiln.store.sqlite_submits`)."""
+        if not Grouped.takes(new, policy):
+            return await super().submit(new, place=place, policy=policy)
+        prepared = insert_parts(new)
+        op = self._submit_op(new, prepared, place, policy)
+        grouped = Grouped(self, new, prepared, place, policy)
+        result: SubmitResult = await self._submit_to(self._writer, self._job(op), grouped)
+        return result
 
     async def _insert_row(self, tx: Tx, args: list[Any]) -> Row | None:
         """The new task's row built from ``args`` as SQLite stores them, not read back
@@ -647,12 +556,16 @@ class SqliteStore(Store):
         return futures
 
     @staticmethod
-    async def _submit_to(thread: _DbThread, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    async def _submit_to(
+        thread: _DbThread,
+        fn: Callable[[sqlite3.Connection], Any],
+        grouped: Grouped | None = None,
+    ) -> Any:
         if not thread.is_alive():
             raise StoreUnavailable(f"the store's {thread.name} thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        thread.put(_Job(fn, loop, future))
+        thread.put(_Job(fn, loop, future, grouped))
         return await future
 
     async def _after_bulk_page(self, took_s: float) -> None:
@@ -664,6 +577,12 @@ class SqliteStore(Store):
         is not handed over in arrival order, and back-to-back pages would leave them only
         the moments between two."""
         await asyncio.sleep(min(took_s, BULK_PAUSE_MAX_S))
+
+    @property
+    def grouped_submits(self) -> int:
+        """Submissions the writer has written together with others of their batch."""
+        conn = self._writer.conn
+        return 0 if conn is None else kiln_connection(conn).grouped
 
     @property
     def write_batches(self) -> tuple[int, int]:

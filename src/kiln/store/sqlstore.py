@@ -626,10 +626,19 @@ class Store(TaskOps, ClaimOps, PreemptOps):
         ``policy`` read in the same transaction (``SubmitResult.placed``)."""
         if not place:
             return await super().submit(new)
-        prepared = insert_parts(new)
-        return await self._write(
-            lambda tx: self._placed(tx, self._submit(tx, new, prepared), policy)
-        )
+        return await self._write(self._submit_op(new, insert_parts(new), place, policy))
+
+    def _submit_op(
+        self,
+        new: NewTask,
+        prepared: Sequence[Any],
+        place: bool,
+        policy: ClaimPolicy | None,
+    ) -> Op[SubmitResult | Refused]:
+        """The operation of :meth:`submit` (``prepared``: :func:`insert_parts` of ``new``)."""
+        if place:
+            return lambda tx: self._placed(tx, self._submit(tx, new, prepared), policy)
+        return lambda tx: self._submit(tx, new, prepared)
 
     async def _write_many(self, ops: Sequence[Op[T]]) -> list[T | Exception]:
         """Run several operations in one call, each its own unit: one that refuses or

@@ -49,6 +49,11 @@ WHERE id = ? AND status NOT IN {FINAL}
 -- The live or successful task holding a dedup key: (tenant, dedup_key).
 SELECT * FROM tasks WHERE tenant = ? AND dedup_key = ? AND status NOT IN {ENDED_UNSUCCESSFULLY}
 
+-- dedup_lookup_many --
+-- The live or successful tasks holding any of several dedup keys: (tenant, [dedup_key]).
+SELECT * FROM tasks
+WHERE tenant = ? AND dedup_key {IN_LIST} AND status NOT IN {ENDED_UNSUCCESSFULLY}
+
 -- claim_key --
 -- Take an idempotency key for a new task; no row when the key exists:
 -- (tenant, key, fingerprint, task_id, created_at).
