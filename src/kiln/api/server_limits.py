@@ -88,6 +88,42 @@ class HeadTooLarge(Exception):
     """Raised from a parser callback: the head being parsed is over the limit."""
 
 
+class OneWrite:
+    """The connection as a response sees it: what the response writes in one turn of the
+    event loop goes out in one write at the end of that turn. uvicorn writes a response's
+    head and its body separately, and each write is a send to the socket at once; an
+    answer written whole (its head, then its body, with no wait between) costs one send.
+    A response that streams (its head, then parts as they come) sends each turn's writes
+    as that turn ends, as before."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self._flush)
+        self._held.append(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        if held and not self._transport.is_closing():
+            self._transport.write(b"".join(held))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with a connection cap, a head size limit, a head
     deadline and a deadline for a body the app does not read, refusing in the error
@@ -209,6 +245,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._disarm_head_timer()
         self._disarm_body_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and not isinstance(cycle.transport, OneWrite):
+            cycle.transport = OneWrite(cycle.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         self._in_body = False
