@@ -1,5 +1,5 @@
 """The forms the hot path writes by a shorter way are the ones the plain way writes: a time
-in ISO 8601 to the millisecond, a task id's digits, a new task's stored documents."""
+in ISO 8601 to the millisecond, a task id's digits."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import random
 import pytest
 
 from kiln import canonical
-from kiln.models import NewTask, Timeouts, iso
-from kiln.store.rows import dumps, insert_parts
+from kiln.models import iso
 
 CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -54,29 +53,3 @@ def test_a_task_id_has_the_digits_of_its_value(monkeypatch: pytest.MonkeyPatch) 
     for value in values:
         fixed.value = value
         assert canonical.new_id("tsk_") == "tsk_" + digits_the_plain_way(value)
-
-
-@pytest.mark.parametrize(
-    ("metadata", "inputs", "timeouts"),
-    [
-        ({}, [], Timeouts()),
-        ({"who": "me"}, [{"name": "image", "sha256": "0" * 64}], Timeouts(1.5, 2.0, 3.25)),
-        ({}, [], Timeouts(600, 600, 120)),  # equal to the first, but ints: no ".0"
-        ({}, [], Timeouts(-0.0, 1.0, 2.0)),  # a signed zero writes its sign
-    ],
-)
-def test_a_new_tasks_documents_are_written_as_dumps_writes_them(
-    metadata: dict[str, object], inputs: list[dict[str, object]], timeouts: Timeouts
-) -> None:
-    new = NewTask(
-        id="tsk_x", tenant="t", kind="k", params={"b": 1, "a": 2}, fingerprint="f",
-        idempotency_key=None, dedup_key=None, priority=0, max_attempts=3, deadline_s=1.0,
-        timeouts=timeouts, metadata=metadata, inputs=inputs,
-    )  # fmt: skip
-    as_dumps = dumps(
-        {"waiting_s": timeouts.waiting_s, "generating_s": timeouts.generating_s,
-         "uploading_s": timeouts.uploading_s}
-    )  # fmt: skip
-    for _ in range(2):  # the second time from what the first one kept
-        parts = insert_parts(new)
-        assert (parts[6], parts[7], parts[14]) == (dumps(metadata), dumps(inputs), as_dumps)

@@ -260,40 +260,14 @@ def insert_args(new: NewTask, now: float, prepared: Sequence[Any] | None = None)
     return args
 
 
-def _document_text(value: Any) -> str | None:
-    """:func:`dumps` of a task's document, the empty ones without the encoder."""
-    if type(value) is dict and not value:
-        return "{}"
-    if type(value) is list and not value:
-        return "[]"
-    return dumps(value)
-
-
-def _timeouts_text(timeouts: Timeouts) -> str:
-    """:func:`dumps` of a task's timeouts as stored, made once per distinct timeouts (of
-    non-zero floats: an int or a zero of either sign writes its own way)."""
-    waiting, generating, uploading = timeouts.waiting_s, timeouts.generating_s, timeouts.uploading_s
-    key = (waiting, generating, uploading)
-    cached = type(waiting) is float and type(generating) is float and type(uploading) is float
-    found = _TIMEOUT_TEXTS.get(key) if cached and all(key) else None
-    if found is None:
-        text = dumps({"waiting_s": waiting, "generating_s": generating, "uploading_s": uploading})
-        assert text is not None
-        if cached and all(key):
-            if len(_TIMEOUT_TEXTS) >= _TIMEOUTS_KEPT:
-                _TIMEOUT_TEXTS.clear()
-            _TIMEOUT_TEXTS[key] = text
-        return text
-    return found
-
-
-#: The stored text of the timeouts submissions carried lately, by their three floats.
-_TIMEOUT_TEXTS: dict[tuple[float, float, float], str] = {}
-
-
 def insert_parts(new: NewTask) -> list[Any]:
     """The parameters of ``insert_task`` that do not depend on the time (its JSON
     documents above all), None in the places of the time's (:func:`insert_args`)."""
+    timeouts = {
+        "waiting_s": new.timeouts.waiting_s,
+        "generating_s": new.timeouts.generating_s,
+        "uploading_s": new.timeouts.uploading_s,
+    }
     return [
         new.id,
         new.tenant,
@@ -301,15 +275,15 @@ def insert_parts(new: NewTask) -> list[Any]:
         new.priority,
         None,  # ready_at
         dumps(new.params),
-        _document_text(new.metadata),
-        _document_text(new.inputs),
+        dumps(new.metadata),
+        dumps(new.inputs),
         new.fingerprint,
         new.idempotency_key,
         new.dedup_key,
         new.max_attempts,
         new.deadline_s,
         None,  # deadline_at
-        _timeouts_text(new.timeouts),
+        dumps(timeouts),
         None,  # created_at
         None,  # updated_at
         None,  # status_since
