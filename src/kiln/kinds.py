@@ -180,10 +180,14 @@ def _integral(value: Any) -> Any:
     return value
 
 
+#: ``json.dumps(value, allow_nan=False)``, its encoder made once.
+_STRICT = json.JSONEncoder(allow_nan=False)
+
+
 def _plain_json(params: Any) -> str:
     """``params`` as JSON text, or InvalidRequest when they are not plain, finite JSON."""
     try:
-        return json.dumps(_integral(params), allow_nan=False)
+        return _STRICT.encode(_integral(params))
     except (TypeError, ValueError, RecursionError):
         raise InvalidRequest(
             "params must be plain JSON: objects, arrays, strings, finite numbers, "

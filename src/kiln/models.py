@@ -16,10 +16,32 @@ JSON = dict[str, Any]
 
 
 def iso(ts: float | None) -> str | None:
+    """``ts`` as UTC ISO 8601 to the millisecond (``2026-12-06T12:00:00.123Z``), as
+    ``datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")`` writes it (the
+    microseconds rounded half to even, then cut to milliseconds), with the text of the
+    second made once for all the times within it (an answer holds several)."""
     if ts is None:
         return None
-    moment = dt.datetime.fromtimestamp(ts, tz=dt.UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    second = int(ts)
+    if second != ts and ts < 0:
+        second -= 1  # the floor, as fromtimestamp splits a negative time
+    micro = round((ts - second) * 1e6)
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    last = _last_second  # one read: another thread may replace it meanwhile
+    prefix = last[1] if last[0] == second else _second_text(second)
+    return f"{prefix}.{micro // 1000:03d}Z"
+
+
+#: The last second :func:`iso` wrote, and its text (replaced whole, never changed).
+_last_second: tuple[int, str] = (-(2**62), "")
+
+
+def _second_text(second: int) -> str:
+    global _last_second
+    text = dt.datetime.fromtimestamp(second, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    _last_second = (second, text)
+    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,11 +148,17 @@ class Submission:
         )
 
 
+#: ``json.dumps(value, allow_nan=False)``, its encoder made once.
+_STRICT = json.JSONEncoder(allow_nan=False)
+
+
 def check_metadata(metadata: JSON | None) -> None:
     """Refuse (InvalidRequest) metadata that is not plain, finite JSON: what is stored
     must always render."""
+    if not metadata and (metadata is None or metadata == {}):
+        return
     try:
-        json.dumps(metadata, allow_nan=False)
+        _STRICT.encode(metadata)
     except (TypeError, ValueError, RecursionError):
         raise InvalidRequest(
             "metadata must be plain JSON with finite numbers",
