@@ -365,8 +365,7 @@ def _run_operations(
             if written is not None:
                 committed.update(tally)
                 outcomes += [
-                    (job, result, None)
-                    for job, result in zip(batch[start:end], written, strict=True)
+                    (job, result, None) for job, result in zip(group, written, strict=True)
                 ]
                 start = end
                 continue

@@ -28,7 +28,7 @@ from kiln.models import NewTask, SubmitResult, Task
 from kiln.states import Event, Status
 from kiln.store.claims import queued_and_due
 from kiln.store.rows import insert_args, inserted_row, task_from_row
-from kiln.store.sqlite_tx import INSERT_TASK
+from kiln.store.sqlite_tx import INSERT_TASK, rows_of
 from kiln.store.tx import EventRow, run_sync
 
 if TYPE_CHECKING:
@@ -140,23 +140,10 @@ def _held_content(tx: SqliteTx, items: Sequence[Grouped]) -> dict[tuple[str, str
 def _insert_tasks(tx: SqliteTx, rows: list[list[Any]]) -> None:
     for start in range(0, len(rows), ROWS_AT_ONCE):
         chunk = rows[start : start + ROWS_AT_ONCE]
-        sql = _insert_tasks_sql(INSERT_TASK, len(chunk))
+        sql = rows_of(INSERT_TASK, len(chunk))
         written = tx.conn.execute(sql, [value for row in chunk for value in row]).rowcount
         if written != len(chunk):  # a content key taken meanwhile: one by one instead
             raise _Taken
-
-
-_SQL: dict[int, str] = {}
-
-
-def _insert_tasks_sql(one: str, size: int) -> str:
-    """``insert_task`` (its ``ON CONFLICT`` clause kept) with ``size`` rows of values."""
-    sql = _SQL.get(size)
-    if sql is None:
-        head, rest = one.split(" VALUES ", 1)
-        row, tail = rest.split(") ", 1)
-        sql = _SQL[size] = f"{head} VALUES {', '.join([row + ')'] * size)} {tail}"
-    return sql
 
 
 class _Taken(Exception):

@@ -99,11 +99,12 @@ def _event_chunks(n: int) -> list[int]:
 
 
 @functools.cache
-def _insert_events_sql(q: Queries, size: int) -> str:
-    """``insert_event`` with ``size`` rows of values."""
-    one = q.insert_event
-    row = one[one.rindex("VALUES ") + len("VALUES ") :]
-    return one + f", {row}" * (size - 1)
+def rows_of(one: str, size: int) -> str:
+    """``one``, an INSERT of one row of values (and what may follow them, such as its
+    ``ON CONFLICT`` clause), with ``size`` rows of values."""
+    start = one.index(" VALUES (") + len(" VALUES ")
+    end = one.index(")", start) + 1
+    return f"{one[:start]}{', '.join([one[start:end]] * size)}{one[end:]}"
 
 
 def _event_values(r: EventRow) -> tuple[Any, ...]:
@@ -179,7 +180,7 @@ class SqliteTx(Counting):
             chunk = rows[start : start + size]
             start += size
             values = [value for r in chunk for value in _event_values(r)]
-            last = self.conn.execute(_insert_events_sql(self.q, size), values).lastrowid
+            last = self.conn.execute(rows_of(self.q.insert_event, size), values).lastrowid
             assert last is not None
             found += [r.event_for(seq) for seq, r in enumerate(chunk, start=last - size + 1)]
         return found
@@ -201,5 +202,6 @@ __all__ = [
     "check_task_columns",
     "flush_tally",
     "kiln_connection",
+    "rows_of",
     "tally_of",
 ]
