@@ -200,6 +200,13 @@ async def test_a_writer_killed_mid_batch_leaves_the_counts_right(
     # Then the counts it committed equal a recount, whatever batch it was in
     assert_kept_counts_agree(backend, store)
     assert backend.rows(store, "SELECT count(*) FROM tasks")[0][0] >= 400
+    # And every task it committed has its one submit event (SQLite writes a group of
+    # submissions' rows and events in one INSERT each: both or neither)
+    unlogged = (
+        "SELECT count(*) FROM tasks WHERE (SELECT count(*) FROM events"
+        " WHERE events.task_id = tasks.id AND events.event = 'submit') <> 1"
+    )
+    assert backend.rows(store, unlogged)[0][0] == 0
     statuses = {r[0] for r in backend.rows(store, "SELECT DISTINCT status FROM tasks")}
     assert {str(Status.PENDING), str(Status.WAITING_FOR_RESOURCE)} <= statuses
 
