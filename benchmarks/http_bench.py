@@ -25,7 +25,8 @@ the first round's shows whether a submission costs the same at any backlog.
 Then, on the same server, ``--burst`` identical submissions at once (exactly one task must
 come back); and on a second ``kiln serve`` with in-process workers, ``--subscribers``
 tenant feeds while tasks run (``http_clients.py`` says what each latency measures).
-The server's CPU per request comes from ``/proc``. The last stdout line is one JSON
+The server's CPU per request comes from ``/proc``: its process and those it started
+(kiln's submit process) together. The last stdout line is one JSON
 object with every figure and ratio.
 
 The file is not named ``http.py``: in this folder, first on ``sys.path`` of every script
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -90,9 +92,18 @@ def free_port() -> int:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds so far of a process and of the processes it started that
+    still run (kiln's submit process)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children.update(int(c) for c in (task / "children").read_text().split())
+    return own + sum(cpu_s(child) for child in children)
 
 
 # The servers ----------------------------------------------------------------------------

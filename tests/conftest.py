@@ -68,6 +68,11 @@ async def app(settings: Settings) -> AsyncIterator[kiln.App]:
 def _for_its_store(item: pytest.Item) -> bool:
     """Whether a conformance case runs on its store (``postgres_only``, ``sqlite_only``)."""
     ids = getattr(getattr(item, "callspec", None), "id", "").split("-")
+    if "sqliteprocess" in ids:  # SQLite again, with a submit process: the marked cases
+        return (
+            item.get_closest_marker("submit_process") is not None
+            and item.get_closest_marker("postgres_only") is None
+        )
     for marker, store in (("postgres_only", "postgres"), ("sqlite_only", "sqlite")):
         if item.get_closest_marker(marker) is not None and store not in ids:
             return False

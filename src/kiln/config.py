@@ -77,6 +77,7 @@ class Settings:
     metrics_key: str | None = field(default=None, repr=False)
     metrics_models: tuple[str, ...] = ()
     sqlite_synchronous: str = "FULL"
+    sqlite_submit_process: str = "auto"
     log_format: str = "text"
     log_level: str = "INFO"
     tracing: str = "auto"
@@ -339,6 +340,10 @@ VARIABLES: tuple[Variable, ...] = (
        values.choice("OFF", "NORMAL", "FULL", "EXTRA", upper=True), "SQLite durability: "
        "`FULL` (an answered submission survives a power loss; group commit hides the fsync)"
        " or `NORMAL` (WAL-safe, may lose the last commits on power loss)", group=DATA),
+    _v("KILN_SQLITE_SUBMIT_PROCESS", "sqlite_submit_process", values.choice("auto", "on",
+       "off"), "`kiln serve` on SQLite writes plain submissions in a process of its own, "
+       "off the API's interpreter lock; `auto`: on with two cores or more", group=DATA,
+       shown="`auto`"),
     _v("KILN_HOST", "host", TEXT, "address `kiln serve` listens on (`--host`)",
        group=PROCESSES),
     _v("KILN_PORT", "port", PORT, "port `kiln serve` listens on (`--port`)",

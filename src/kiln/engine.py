@@ -117,6 +117,7 @@ class Engine:
                 clock=self.clock,
                 synchronous=self.settings.sqlite_synchronous,
                 pool_size=self.settings.db_pool_size,
+                submit_process=self.settings.sqlite_submit_process == "on",
             )
         return self._store
 

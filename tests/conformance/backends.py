@@ -38,10 +38,12 @@ class Backend:
     name: str
     url: Callable[[Path], str]
     connect: Callable[[Store], Connection]
+    #: Plain submissions written by a submit process (kiln.store.submit_process).
+    submit_process: bool = False
 
     def open(self, directory: Path, clock: Clock) -> Store:
         """A store on the database of ``directory`` (the same one on every call)."""
-        return open_store(self.url(directory), clock=clock)
+        return open_store(self.url(directory), clock=clock, submit_process=self.submit_process)
 
     def rows(self, store: Store, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         conn = self.connect(store)
@@ -114,4 +116,6 @@ class PostgresDatabases:
 BACKENDS = [
     Backend("sqlite", _sqlite_url, SqliteConnection),
     Backend("postgres", PostgresDatabases.url, PostgresConnection),
+    # SQLite with its submit process: only for the modules marked ``submit_process``.
+    Backend("sqliteprocess", _sqlite_url, SqliteConnection, submit_process=True),
 ]

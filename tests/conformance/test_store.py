@@ -23,7 +23,7 @@ from kiln.store import Progress, Store
 from .backends import Backend, Row
 from .factories import KIND, SettableClock, claim_one, drive, make_new_task, step_change
 
-pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+pytestmark = [pytest.mark.usefixtures("queue_counts_checked"), pytest.mark.submit_process]
 
 Truth = Callable[..., list[Row]]
 S = Status

@@ -24,6 +24,8 @@ from kiln.store import Store
 from .backends import Backend, Row
 from .factories import KIND, make_new_task
 
+pytestmark = pytest.mark.submit_process
+
 CLIENT = Path(__file__).with_name("store_client.py")
 THREADS = 100
 

@@ -13,7 +13,7 @@ from kiln.store.claims import ClaimPolicy
 
 from .factories import SettableClock, make_new_task
 
-pytestmark = pytest.mark.usefixtures("queue_counts_checked")
+pytestmark = [pytest.mark.usefixtures("queue_counts_checked"), pytest.mark.submit_process]
 
 
 async def assert_placed_as_read(store: Store, result: SubmitResult, expected: int | None) -> None:

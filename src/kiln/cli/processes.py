@@ -52,7 +52,7 @@ from kiln.cli.base import (
     settings_of,
 )
 from kiln.cli.heap import settle_heap
-from kiln.cli.worker_processes import process_count, started_beside
+from kiln.cli.worker_processes import process_count, started_beside, usable_cores
 
 #: The extra that provides a URL scheme's driver: what to install when it is missing.
 EXTRAS = {
@@ -207,6 +207,8 @@ def serve(
     )
     if worker_processes is not None:  # auto is None, which the overrides would skip
         settings = settings.with_(worker_processes=_processes_of(worker_processes))
+    if settings.sqlite_submit_process == "auto":  # the API's writer off its loop's core
+        settings = settings.with_(sqlite_submit_process="on" if usable_cores() >= 2 else "off")
     _refuse_an_open_address(settings)
     from kiln.api.app import create_app
 

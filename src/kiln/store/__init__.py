@@ -29,16 +29,27 @@ from kiln.store.workers import WorkerRecord
 
 
 def open_store(
-    url: str, *, clock: Clock | None = None, synchronous: str = "FULL", pool_size: int = 10
+    url: str,
+    *,
+    clock: Clock | None = None,
+    synchronous: str = "FULL",
+    pool_size: int = 10,
+    submit_process: bool = False,
 ) -> Store:
     """Open the store a URL names: ``sqlite:///relative.db``, ``sqlite:////abs.db``,
-    ``postgresql://user:password@host:5432/database``."""
+    ``postgresql://user:password@host:5432/database``. ``submit_process``: SQLite writes
+    plain submissions in a process of its own (:mod:`kiln.store.submit_process`)."""
     import time
 
     if url.startswith("sqlite:"):
         from kiln.store.sqlite import SqliteStore, sqlite_path
 
-        return SqliteStore(sqlite_path(url), clock=clock or time.time, synchronous=synchronous)
+        return SqliteStore(
+            sqlite_path(url),
+            clock=clock or time.time,
+            synchronous=synchronous,
+            submit_process=submit_process,
+        )
     if url.startswith(("postgresql:", "postgres:")):
         from kiln.store.postgres import PostgresStore
 

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from kiln.errors import StoreUnavailable
 from kiln.models import NewTask, SubmitResult
 from kiln.store.claims import ClaimPolicy
-from kiln.store.queries import migrations, queries
+from kiln.store.queries import Queries, migrations, queries
 from kiln.store.records import Clock
 from kiln.store.rows import insert_parts, inserted_row
 from kiln.store.sqlite_share import Wakeups, WriteLock
@@ -48,6 +48,7 @@ from kiln.store.sqlite_tx import (
     tally_of,
 )
 from kiln.store.sqlstore import Store
+from kiln.store.submit_process import SubmitProcess
 from kiln.store.tx import (
     Op,
     Refused,
@@ -251,6 +252,11 @@ class _DbThread(threading.Thread):
         # answer sees its own batch in them.
         self.batches += 1
         self.operations += len(batch)
+        self._answer(outcomes)
+        return stop
+
+    def _answer(self, outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
+        """Hand each caller its outcome on its own event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for job, result, error in outcomes:
             by_loop.setdefault(job.loop, []).append((job.future, result, error))
@@ -258,7 +264,6 @@ class _DbThread(threading.Thread):
             # RuntimeError: the caller's loop is closed, and nobody waits for the answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
-        return stop
 
     def _locked_transaction(
         self, conn: sqlite3.Connection, batch: list[_Job], *, stop: bool
@@ -439,13 +444,20 @@ def _run_group(conn: sqlite3.Connection, group: list[_Job], tally: Tally) -> Any
     return results
 
 
+def job_of(q: Queries, op: Callable[[Tx], Awaitable[Any]]) -> Callable[[sqlite3.Connection], Any]:
+    """What a database thread runs for ``op``: it on a transaction of the thread's connection."""
+    return lambda conn: run_sync(op(SqliteTx(conn, q)))  # type: ignore[arg-type]
+
+
 # The store ------------------------------------------------------------------------------
 
 
 class SqliteStore(Store):
     """The embedded default store. See the module docstring for its threading model."""
 
-    def __init__(self, path: str, *, clock: Clock, synchronous: str = "FULL") -> None:
+    def __init__(
+        self, path: str, *, clock: Clock, synchronous: str = "FULL", submit_process: bool = False
+    ) -> None:
         super().__init__(queries("sqlite"), clock)
         synchronous = synchronous.upper()
         if synchronous not in SYNCHRONOUS_LEVELS:
@@ -482,6 +494,12 @@ class SqliteStore(Store):
         self._writer.start()
         self._reader.start()
         self._closed = False
+        #: Plain submissions go to a process of their own (:mod:`kiln.store.submit_process`).
+        self.submitter = (
+            SubmitProcess(path, synchronous, self._settle_submit)
+            if submit_process and shared
+            else None
+        )
 
     def _writerkiln_connection(self, path: str, synchronous: str) -> sqlite3.Connection:
         conn = connect(path, synchronous=synchronous)
@@ -496,11 +514,31 @@ class SqliteStore(Store):
         its group commit (:mod:`kiln.store.sqlite_submits`)."""
         if not Grouped.takes(new, policy):
             return await super().submit(new, place=place, policy=policy)
+        if self.submitter is not None and self.submitter.ready():
+            return await self.submitter.submit(new, place, policy, self.clock())
+        return await self._submit_here(new, place, policy)
+
+    async def _submit_here(
+        self, new: NewTask, place: bool, policy: ClaimPolicy | None
+    ) -> SubmitResult:
+        """A plain submission on this process's writer, with the others of its batch."""
         prepared = insert_parts(new)
         op = self._submit_op(new, prepared, place, policy)
         grouped = Grouped(self, new, prepared, place, policy)
         result: SubmitResult = await self._submit_to(self._writer, self._job(op), grouped)
         return result
+
+    async def _settle_submit(
+        self, new: NewTask, place: bool, policy: ClaimPolicy | None
+    ) -> SubmitResult:
+        """A submission whose submit process died before it answered: its task when that
+        process wrote it (the process is gone, so it is written or never will be), else
+        written here."""
+        task = await self.get(new.id)
+        if task is None:
+            return await self._submit_here(new, place, policy)
+        position = await self.queue_position(task, policy) if place else None
+        return SubmitResult(task, created=True, queue_position=position, placed=place)
 
     async def _insert_row(self, tx: Tx, args: list[Any]) -> Row | None:
         """The new task's row built from ``args`` as SQLite stores them, not read back
@@ -522,8 +560,7 @@ class SqliteStore(Store):
         return {} if self._lock is None else self._lock.stats()
 
     def _job(self, op: Callable[[Tx], Awaitable[Any]]) -> Callable[[sqlite3.Connection], Any]:
-        q = self.q
-        return lambda conn: run_sync(op(SqliteTx(conn, q)))  # type: ignore[arg-type]
+        return job_of(self.q, op)
 
     async def _write(self, op: Op[T]) -> T:
         result: T = await self._submit_to(self._writer, self._job(op))
@@ -579,19 +616,24 @@ class SqliteStore(Store):
 
     @property
     def grouped_submits(self) -> int:
-        """Submissions the writer has written together with others of their batch."""
+        """Submissions the writers (this process's, its submit processes') have written
+        together with others of their batch."""
         conn = self._writer.conn
-        return 0 if conn is None else kiln_connection(conn).grouped
+        here = 0 if conn is None else kiln_connection(conn).grouped
+        return here + (0 if self.submitter is None else self.submitter.counts[2])
 
     @property
     def write_batches(self) -> tuple[int, int]:
-        """(transactions, operations) the writer has committed so far."""
-        return self._writer.batches, self._writer.operations
+        """(transactions, operations) the writers have committed so far."""
+        there = (0, 0, 0) if self.submitter is None else self.submitter.counts
+        return self._writer.batches + there[0], self._writer.operations + there[1]
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.submitter is not None:
+            await self.submitter.close()
         self._writer.put(None)
         self._reader.put(None)
         await asyncio.to_thread(self._writer.join)

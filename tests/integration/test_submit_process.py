@@ -1,0 +1,257 @@
+"""SQLite's submit process (kiln.store.submit_process): plain submissions written by a
+process of their own are answered as the API's own writer answers them; when that process
+is SIGKILLed (idle, stopped with submissions in its socket, mid-burst, or after it wrote
+and before it answered) every submission is answered once and written once, and the next
+process takes over; a SIGKILLed API process takes its submit process with it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conformance.factories import make_new_task
+from kiln.models import SubmitResult
+from kiln.store.sqlite import SqliteStore
+from kiln.store.submit_process import SubmitProcess
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(path: Path, sql: str, *args: object) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def _submitter(store: SqliteStore) -> SubmitProcess:
+    assert store.submitter is not None
+    return store.submitter
+
+
+def _assert_written_once(path: Path, tasks: int) -> None:
+    """``tasks`` task rows, each with exactly one submit event."""
+    assert _rows(path, "SELECT count(*) FROM tasks") == [(tasks,)]
+    per_task = _rows(
+        path, "SELECT task_id, count(*) FROM events WHERE event = 'submit' GROUP BY task_id"
+    )
+    assert len(per_task) == tasks
+    assert {count for _, count in per_task} == {1}
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (reaped, or a zombie nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+async def _started(store: SqliteStore) -> int:
+    """The submit process's pid, once it answered a first submission."""
+    first = await store.submit(make_new_task({"first": True}), place=True)
+    assert first.created
+    pid = _submitter(store).pid
+    assert pid is not None and pid != os.getpid()
+    return pid
+
+
+async def test_plain_submissions_are_written_by_the_submit_process(tmp_path: Path) -> None:
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    here = SqliteStore(str(tmp_path / "here.db"), clock=time.time)
+    try:
+        pid = await _started(store)
+        news = [make_new_task({"n": i}) for i in range(200)]
+        there = await asyncio.gather(*(store.submit(new, place=True) for new in news))
+        alone = await asyncio.gather(*(here.submit(new, place=True) for new in news))
+        # What the API's own writer answers, field for field but the times.
+        assert [(r.created, r.deduplicated, r.placed) for r in there] == [
+            (r.created, r.deduplicated, r.placed) for r in alone
+        ]
+        assert sorted(r.queue_position for r in there) == list(range(2, 202))  # type: ignore[type-var]
+        for mine, theirs in zip(there, alone, strict=True):
+            assert mine.task.id == theirs.task.id
+            assert mine.task.params == theirs.task.params
+            assert mine.task.status == theirs.task.status
+        assert _submitter(store).counts[1] == 201  # written there, not here
+        assert _submitter(store).counts[2] >= 100  # with the others of their batch
+        assert store.write_batches[1] >= 201
+        _assert_written_once(path, 201)
+
+        # The same content again: the task that holds it, a counted dedup hit.
+        again = await store.submit(news[0], place=True)
+        assert (again.created, again.deduplicated) == (False, True)
+        assert again.task.id == there[0].task.id
+        assert (await store.counters())[("dedup_hits", "content")] == 1
+        # A submission with an Idempotency-Key is the API writer's: the same process.
+        keyed = await store.submit(make_new_task({"keyed": 1}, idempotency_key="k1"))
+        assert keyed.created and _submitter(store).counts[1] == 202
+        assert _submitter(store).pid == pid
+    finally:
+        await store.close()
+        await here.close()
+    assert _gone(pid)
+    assert _submitter(store).lost == 0
+
+
+async def test_a_stopped_then_killed_submit_process_leaves_its_submissions_to_the_api(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    submitter.respawn_after_s = 0.0
+    try:
+        pid = await _started(store)
+        os.kill(pid, signal.SIGSTOP)
+        news = [make_new_task({"n": i}) for i in range(50)]
+        pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
+
+        async def sent() -> bool:
+            return len(submitter._held) == 50 and not submitter._out
+
+        await wait_until(sent, what="the 50 submissions in the stopped process's socket")
+        os.kill(pid, signal.SIGKILL)
+        results: list[SubmitResult] = await asyncio.gather(*pending)
+        assert all(r.created for r in results)
+        assert [r.task.id for r in results] == [new.id for new in news]
+        assert sorted(r.queue_position for r in results) == list(range(2, 52))  # type: ignore[type-var]
+        assert (submitter.lost, submitter.settled) == (1, 50)
+        _assert_written_once(path, 51)
+
+        # The next submission starts the next process.
+        after = await store.submit(make_new_task({"after": True}))
+        assert after.created
+        assert submitter.pid not in (None, pid) and submitter.started == 2
+        _assert_written_once(path, 52)
+    finally:
+        await store.close()
+
+
+async def test_what_a_killed_submit_process_wrote_is_answered_as_written(
+    tmp_path: Path,
+) -> None:
+    """The process wrote the submissions and died before its answers were read: each is
+    answered with the task it wrote (created), none written again."""
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    try:
+        pid = await _started(store)
+        loop = asyncio.get_running_loop()
+        assert submitter._sock is not None
+        loop.remove_reader(submitter._sock.fileno())  # its answers stay unread
+        news = [make_new_task({"n": i}) for i in range(30)]
+        pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
+
+        async def written() -> bool:
+            return _rows(path, "SELECT count(*) FROM tasks") == [(31,)]
+
+        await wait_until(written, what="the submit process to commit the 30 submissions")
+        os.kill(pid, signal.SIGKILL)
+        submitter._child_gone()  # what reading the socket's end does
+        results: list[SubmitResult] = await asyncio.gather(*pending)
+        assert all(r.created and not r.deduplicated for r in results)
+        assert [r.task.id for r in results] == [new.id for new in news]
+        assert sorted(r.queue_position for r in results) == list(range(2, 32))  # type: ignore[type-var]
+        assert submitter.settled == 30
+        _assert_written_once(path, 31)
+    finally:
+        await store.close()
+
+
+async def test_a_submit_process_killed_mid_burst_loses_nothing_and_writes_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    try:
+        pid = await _started(store)
+        # 600 submissions of 300 contents (each content twice, the copies apart), sent
+        # ten at a time, about 30 in flight; the process is killed after 100 answers.
+        news = [make_new_task({"n": i % 300}) for i in range(600)]
+        pending: list[asyncio.Future[SubmitResult]] = []
+        killed = False
+        for start in range(0, 600, 10):
+            pending += [
+                asyncio.ensure_future(store.submit(new)) for new in news[start : start + 10]
+            ]
+            if start >= 30:  # about 30 in flight
+                await pending[start - 30]
+            if not killed and sum(p.done() for p in pending) >= 100:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        results = await asyncio.gather(*pending)
+        assert killed
+
+        async def noticed() -> bool:
+            return submitter.lost == 1
+
+        await wait_until(noticed, what="the store to notice its submit process died")
+        for i in range(300):  # both copies of a content: one task
+            assert results[i].task.id == results[i + 300].task.id
+        made = Counter(r.task.id for r in results if r.created)
+        assert len(made) == 300 and set(made.values()) == {1}
+        _assert_written_once(path, 301)
+    finally:
+        await store.close()
+
+
+API_PROCESS = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from kiln.store.sqlite import SqliteStore
+    sys.path.insert(0, sys.argv[2])
+    from conformance.factories import make_new_task
+
+    async def main():
+        store = SqliteStore(sys.argv[1], clock=time.time, submit_process=True)
+        await store.submit(make_new_task({"n": 1}))
+        print(store.submitter.pid, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_killed_api_process_takes_its_submit_process_with_it(tmp_path: Path) -> None:
+    tests = Path(__file__).resolve().parents[1]
+    api = subprocess.Popen(
+        [sys.executable, "-c", API_PROCESS, str(tmp_path / "kiln.db"), str(tests)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert api.stdout is not None
+        line = await asyncio.to_thread(api.stdout.readline)
+        child = int(line)
+        assert not _gone(child)
+        api.kill()
+        await asyncio.to_thread(api.wait)
+
+        async def ended() -> bool:
+            return _gone(child)
+
+        await wait_until(ended, what="the submit process to end with its API process")
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
+    _assert_written_once(tmp_path / "kiln.db", 1)
