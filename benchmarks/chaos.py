@@ -9,7 +9,9 @@ cancels some while PENDING and some while running, and meanwhile:
 
 - SIGKILLs a random worker at random moments and starts a fresh one;
 - SIGSTOPs a random worker for longer than its lease, then lets it go on (a stale worker);
-- SIGKILLs the supervisor once, in the middle, and starts another.
+- SIGKILLs the supervisor once, in the middle, and starts another;
+- on SQLite, SIGKILLs this process's submit process (``kiln.store.submit_process``: plain
+  submissions are written there) every 2 to 5 s; the store starts the next one.
 
 When every task is final it stops the processes and runs the checks of
 ``chaos_checks.py``: a table with each invariant, PASS or FAIL and its counts, then the run
@@ -154,6 +156,7 @@ class Chaos:
     kills: int = 0
     pauses: int = 0
     supervisor_restarts: int = 0
+    submit_process_kills: int = 0
     exited_by_themselves: list[str] = field(default_factory=list)
 
     async def _nap(self, low_s: float, high_s: float) -> bool:
@@ -170,6 +173,18 @@ class Chaos:
             self.fleet.kill(victim)
             self.kills += 1
             self.fleet.start_worker()
+
+    async def kill_submit_processes(self, app: kiln.App) -> None:
+        """SIGKILL the App's submit process at random moments (SQLite): what it held is
+        settled by the App's own writer, and the next one starts half a second later."""
+        submitter = getattr(app.engine.store, "submitter", None)
+        if submitter is None:
+            return
+        submitter.respawn_after_s = 0.5
+        while await self._nap(2.0, 5.0):
+            if submitter.pid is not None:
+                os.kill(submitter.pid, signal.SIGKILL)
+                self.submit_process_kills += 1
 
     async def pause_workers(self) -> None:
         """SIGSTOP a random worker past its lease, then SIGCONT: it wakes up stale."""
@@ -275,7 +290,8 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
     for folder in ("logs", "faults", "results"):
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
     env = child_env(args, database_url, results)
-    app = kiln.App(settings=settings_of(env))
+    sqlite = database_url.startswith("sqlite:")
+    app = kiln.App(settings=settings_of(env).with_(sqlite_submit_process="on" if sqlite else "off"))
     backends.register(app)  # the kinds the workers serve, to validate what is submitted
     transform.register(app)
     comfy_workflow.register(app, url="http://127.0.0.1:9")  # it validates, never runs a job
@@ -321,11 +337,14 @@ async def run(args: argparse.Namespace, run_dir: Path, database_url: str) -> dic
     figures = {
         **submitter.figures(),
         "finished_in_time": finished,
+        "sqlite": sqlite,
         "workers": args.workers,
         "concurrency": args.concurrency,
         "worker_kills": chaos.kills,
         "worker_pauses": chaos.pauses,
         "supervisor_restarts": chaos.supervisor_restarts,
+        "submit_process_kills": chaos.submit_process_kills,
+        "submissions_settled": getattr(getattr(app.engine.store, "submitter", None), "settled", 0),
         "processes_started": len(fleet.started),
         "exited_by_themselves": chaos.exited_by_themselves,
         "storage_faults": sum(faults.values()),
@@ -375,6 +394,7 @@ async def run_until_final(
             submitter.submit_all(),
             submitter.cancel_running(),
             chaos.kill_workers(),
+            chaos.kill_submit_processes(app),
             chaos.pause_workers(),
             chaos.restart_supervisor(app, args.tasks),
             chaos.watch_processes(),
@@ -429,6 +449,8 @@ def chaos_happened(figures: dict[str, Any]) -> Check:
         "permanent_failures": figures["permanent"],
         "batched_calls": figures["batched_calls"],
     }
+    if figures["sqlite"]:
+        wanted["submit_process_kills"] = figures["submit_process_kills"]
     if figures.get("tasks", 0) >= SHARES_FROM:  # too few tasks may draw none of these
         wanted["pipelines"] = figures["pipelines"]
         wanted["inputs_by_reference"] = figures["by_reference"]
@@ -523,6 +545,9 @@ def report_lines(result: dict[str, Any], args: argparse.Namespace) -> Iterator[s
            f"{figures['worker_kills']} SIGKILLs, {figures['worker_pauses']} paused past the lease, "
            f"{figures['supervisor_restarts']} supervisor restart; "
            f"{figures['processes_started']} processes started")  # fmt: skip
+    if figures["sqlite"]:
+        yield (f"submit process SIGKILLs {figures['submit_process_kills']}; submissions it "
+               f"held, settled by the App's writer {figures['submissions_settled']}")  # fmt: skip
     yield (f"storage faults {figures['storage_faults']} {figures['storage_faults_by_kind']} "
            f"at rate {args.fault_rate}")  # fmt: skip
     if figures["pg_deadlocks"] is not None:

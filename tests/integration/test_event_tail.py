@@ -1,5 +1,6 @@
 """The event tail (kiln.bus.EventHub) reads the log at once after a local write only while
-someone subscribes; with nobody subscribed it keeps its place at its poll interval."""
+someone subscribes; with nobody subscribed it moves to the log's end at its poll interval,
+reading no event."""
 
 from __future__ import annotations
 
@@ -31,21 +32,27 @@ async def test_local_writes_make_no_log_read_while_nobody_subscribes(
     hub = app.hub
     hub.poll_interval_s = 3600.0
     store = app.engine.store
-    reads: list[int] = []
-    tail = store.tail
+    reads: list[str] = []
+    tail, last_seq = store.tail, store.last_seq
 
-    async def counted(*, after: int, limit: int = 1000) -> Any:
-        reads.append(after)
+    async def counted_tail(*, after: int, limit: int = 1000) -> Any:
+        reads.append("tail")
         return await tail(after=after, limit=limit)
 
-    monkeypatch.setattr(store, "tail", counted)
+    async def counted_end() -> int:
+        reads.append("end")
+        return await last_seq()
+
+    monkeypatch.setattr(store, "tail", counted_tail)
+    monkeypatch.setattr(store, "last_seq", counted_end)
     await hub.start()
-    assert len(reads) == 1
+    await asyncio.sleep(0)  # its first poll: to the log's end, no event read
+    assert reads == ["end", "end"]
     # When twenty tasks are submitted with nobody subscribed
     for n in range(20):
         await app.submit("image.generate", {"prompt": f"unwatched {n}"})
-    # Then the tail read nothing more
-    assert len(reads) == 1
+    # Then the tail read nothing more, not even the log's end
+    assert reads == ["end", "end"]
     # And a subscriber is caught up at once, and sees a new task's submit live
     async with hub.subscribe(tenant="default") as sub:
         seen = await app.submit("image.generate", {"prompt": "watched"})

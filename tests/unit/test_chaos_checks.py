@@ -199,11 +199,15 @@ def test_a_run_that_injected_nothing_fails(monkeypatch: pytest.MonkeyPatch) -> N
     figures: dict[str, Any] = {
         "worker_kills": 3, "storage_faults": 9, "cancelled_pending": 2, "cancelled_running": 1,
         "tasks_retried": 5, "permanent": 2, "supervisor_restarts": 1, "finished_in_time": True,
-        "exited_by_themselves": [], "batched_calls": 4,
+        "exited_by_themselves": [], "batched_calls": 4, "sqlite": True,
+        "submit_process_kills": 2,
     }  # fmt: skip
     assert chaos.chaos_happened(figures).ok
-    for quiet in ("worker_kills", "storage_faults", "tasks_retried", "batched_calls"):
+    for quiet in ("worker_kills", "storage_faults", "tasks_retried", "batched_calls",
+                  "submit_process_kills"):  # fmt: skip
         assert not chaos.chaos_happened({**figures, quiet: 0}).ok
+    # PostgreSQL has no submit process to kill.
+    assert chaos.chaos_happened({**figures, "sqlite": False, "submit_process_kills": 0}).ok
     assert not chaos.chaos_happened({**figures, "cancelled_pending": 0, "cancelled_running": 0}).ok
     assert not chaos.chaos_happened({**figures, "supervisor_restarts": 0}).ok
 

@@ -127,6 +127,7 @@ def test_a_run_whose_instances_were_never_killed_fails_ch(monkeypatch: pytest.Mo
         "finished_in_time": True,
         "exited_by_themselves": [],
         "batched_calls": 4,
+        "sqlite": False,
         "comfy_jobs": 10,
         "comfy_failing": 2,
         "comfy_instance_kills": 3,
