@@ -296,3 +296,77 @@ async def test_on_postgres_the_cursor_never_passes_an_event_still_in_flight(
         ]
     finally:
         await store.close()
+
+
+async def test_while_no_task_has_a_webhook_a_scan_passes_the_log_unread(
+    store: Store, clock: SettableClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given tasks without a webhook, and every read of the log's events counted
+    for prompt in ("a", "b", "c"):
+        await drive(store, hooked(prompt, webhook=None), Status.SUCCESS)
+    reads: list[int] = []
+    log_after = store._log_after
+
+    async def counted(after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]:
+        events = await log_after(after, limit, gaps)
+        reads.append(len(events))
+        return events
+
+    monkeypatch.setattr(store, "_log_after", counted)
+    # When the outbox is filled
+    assert await fill_outbox(store, clock()) == 0
+    # Then its cursor stands at the log's end, no event read
+    assert sum(reads) == 0
+    assert (await store.outbox.scan(limit=100)).cursor == await store.last_seq()
+    # And once a task has a webhook, its events are read and queued as before
+    hooked_task = await drive(store, hooked("d"), Status.SUCCESS)
+    assert await fill_outbox(store, clock()) == 1
+    assert sum(reads) > 0
+    assert [d.task_id for d in await store.outbox.deliveries()] == [hooked_task.id]
+
+
+async def test_on_postgres_no_hooked_task_yet_never_passes_one_still_in_flight(
+    postgres_server: PostgresServer,
+) -> None:
+    # Given no task with a webhook committed, and a transaction holding one (a task with a
+    # webhook and its submit event) open while a later task without one commits
+    store = await PostgresStore.open(postgres_server.new_database(), clock=time.time)
+    try:
+        plain = (await store.submit(hooked("a", webhook=None))).task
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            conn.execute("BEGIN")
+            conn.execute(
+                "CREATE TEMP TABLE held ON COMMIT DROP AS SELECT * FROM tasks WHERE id = %s",
+                (plain.id,),
+            )
+            conn.execute(
+                "UPDATE held SET id = %s, dedup_key = NULL, webhook = %s",
+                ("tsk_held", '{"url": "http://h.test/", "events": ["*"]}'),
+            )
+            columns = ", ".join(
+                row[0]
+                for row in conn.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_name ="
+                    " 'tasks' AND is_generated = 'NEVER' ORDER BY ordinal_position"
+                )
+            )
+            conn.execute(f"INSERT INTO tasks ({columns}) SELECT {columns} FROM held")
+            conn.execute(
+                "INSERT INTO events (id, task_id, tenant, event, from_status, to_status, final,"
+                " attempt, epoch, error, at, dwell_s) VALUES ('tsk_held:1', 'tsk_held', 'acme',"
+                " 'submit', NULL, 'PENDING', false, 0, 0, NULL, 0, NULL)"
+            )
+            await store.submit(hooked("b", webhook=None))
+            # When the outbox is filled while that transaction is open
+            await fill_outbox(store, time.time())
+            # Then its cursor stands before the held event
+            (held_seq,) = conn.execute("SELECT seq FROM events WHERE id = 'tsk_held:1'").fetchone()
+            assert (await store.outbox.scan(limit=100)).cursor < held_seq
+            conn.execute("COMMIT")
+        # And once it commits, its event is queued
+        await fill_outbox(store, time.time())
+        assert [(d.task_id, d.event) for d in await store.outbox.deliveries()] == [
+            ("tsk_held", "submit")
+        ]
+    finally:
+        await store.close()

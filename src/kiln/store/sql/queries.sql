@@ -564,6 +564,10 @@ SELECT seq FROM webhook_cursor WHERE name = ?
 INSERT INTO webhook_cursor (name, seq) VALUES (?, ?)
 ON CONFLICT (name) DO UPDATE SET seq = {GREATEST}(webhook_cursor.seq, excluded.seq)
 
+-- any_hooked_task --
+-- Whether any task has a webhook (the partial index tasks_hooked answers it).
+SELECT 1 FROM tasks WHERE webhook IS NOT NULL LIMIT 1
+
 -- hooked_tasks --
 -- The tasks among some that have a webhook: ([ids]).
 SELECT * FROM tasks WHERE id {IN_LIST} AND webhook IS NOT NULL
