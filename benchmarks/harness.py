@@ -70,13 +70,21 @@ class Figure:
 
 
 def build_app(
-    url: str, results: Path, synchronous: str, output_bytes: int, store: Store | None = None
+    url: str,
+    results: Path,
+    synchronous: str,
+    output_bytes: int,
+    store: Store | None = None,
+    submit_process: bool = False,
 ) -> kiln.App:
+    """``submit_process``: plain submissions written by a submit process, as ``kiln serve``
+    does on SQLite with two cores or more (KILN_SQLITE_SUBMIT_PROCESS=auto)."""
     settings = Settings(
         data_dir=results.parent,
         database_url=url,
         storage_url=results.as_uri(),
         sqlite_synchronous=synchronous,
+        sqlite_submit_process="on" if submit_process else "off",
     )
     settle_heap(settings.gc_threshold)  # as kiln serve and kiln worker do at startup
     app = kiln.App(settings=settings, store=store)
