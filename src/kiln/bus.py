@@ -2,9 +2,9 @@
 
 Every status event reaches subscribers through the tail, in ``seq`` order, whichever
 process wrote it; a local write only pokes the tail so it reads at once (while anyone
-subscribes: else the tail moves to the log's end every ``poll_interval_s``, without
-reading the events nobody would get). Progress is not
-persisted on every step: a local worker publishes it directly, and progress saved by
+subscribes: else the tail moves on every ``poll_interval_s``; where events commit in seq
+order (SQLite) straight to the log's end, without reading the events nobody would get).
+Progress is not persisted on every step: a local worker publishes it directly, and progress saved by
 workers in other processes is picked up by the same tail.
 """
 
@@ -145,12 +145,15 @@ class EventHub:
             self._poke.clear()
 
     async def _poll(self) -> None:
-        if not self.subscribers:
-            # Nobody to publish to: move past the log without reading its events (a
-            # tail's start, which no commit still in flight can precede).
-            self.last_seq = max(self.last_seq, await self.store.last_seq())
-            self._progress_since = self.store.clock()
-            return
+        if not self.subscribers and self.store.commits_in_seq_order:
+            # Nobody to publish to: move to the log's end without reading its events
+            # (where they commit in seq order, nothing can still appear before it). A
+            # subscriber that came meanwhile starts where the tail stood: keep it.
+            end = await self.store.last_seq()
+            if not self.subscribers:
+                self.last_seq = max(self.last_seq, end)
+                self._progress_since = self.store.clock()
+                return
         while True:
             batch = await self.store.tail(after=self.last_seq, limit=1000)
             for event in batch:
@@ -158,6 +161,9 @@ class EventHub:
                 self.publish(event)
             if len(batch) < 1000:
                 break
+        if not self.subscribers:
+            self._progress_since = self.store.clock()
+            return
         for task in await self.store.progressed(since=self._progress_since):
             self._progress_since = max(self._progress_since, task.progress_at or 0.0)
             if task.id in self.local_progress or task.status is not Status.GENERATING:

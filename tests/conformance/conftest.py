@@ -33,6 +33,9 @@ async def store(backend: Backend, tmp_path: Path, clock: Clock) -> AsyncIterator
     # First use on the test's own loop: a PostgreSQL pool belongs to the loop that opened
     # it, and must not be opened by a thread's short-lived loop in a race test.
     await opened.last_seq()
+    submitter = getattr(opened, "submitter", None)
+    if submitter is not None:  # every plain submission of the test goes to it
+        assert await submitter.wait_ready(), "the submit process did not start"
     try:
         yield opened
     finally:

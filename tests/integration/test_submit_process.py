@@ -1,8 +1,9 @@
 """SQLite's submit process (kiln.store.submit_process): plain submissions written by a
 process of their own are answered as the API's own writer answers them; when that process
 is SIGKILLed (idle, stopped with submissions in its socket, mid-burst, or after it wrote
-and before it answered) every submission is answered once and written once, and the next
-process takes over; a SIGKILLed API process takes its submit process with it."""
+and before it answered), stalls, or cannot start, every submission is answered once and
+written once, and the next process takes over; closing the store answers what a stopped
+one held; a SIGKILLed API process takes its submit process with it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 
 from conformance.factories import make_new_task
 from kiln.models import SubmitResult
+from kiln.store import submit_process
 from kiln.store.sqlite import SqliteStore
 from kiln.store.submit_process import SubmitProcess
 
@@ -62,7 +64,8 @@ def _gone(pid: int) -> bool:
 
 
 async def _started(store: SqliteStore) -> int:
-    """The submit process's pid, once it answered a first submission."""
+    """The submit process's pid, once it is ready and answered a first submission."""
+    assert await _submitter(store).wait_ready()
     first = await store.submit(make_new_task({"first": True}), place=True)
     assert first.created
     pid = _submitter(store).pid
@@ -134,11 +137,14 @@ async def test_a_stopped_then_killed_submit_process_leaves_its_submissions_to_th
         assert (submitter.lost, submitter.settled) == (1, 50)
         _assert_written_once(path, 51)
 
-        # The next submission starts the next process.
+        # The next submission starts the next process (written here until it is ready).
         after = await store.submit(make_new_task({"after": True}))
         assert after.created
         assert submitter.pid not in (None, pid) and submitter.started == 2
-        _assert_written_once(path, 52)
+        assert await submitter.wait_ready()
+        there = await store.submit(make_new_task({"there": True}))
+        assert there.created and submitter.counts[1] == 2  # one in each process
+        _assert_written_once(path, 53)
     finally:
         await store.close()
 
@@ -255,3 +261,67 @@ async def test_a_killed_api_process_takes_its_submit_process_with_it(tmp_path: P
             api.kill()
             api.wait()
     _assert_written_once(tmp_path / "kiln.db", 1)
+
+
+async def test_a_stalled_submit_process_is_killed_and_its_submissions_settled(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    submitter.stall_s = 0.3
+    try:
+        pid = await _started(store)
+        os.kill(pid, signal.SIGSTOP)  # holds what it is sent, says nothing
+        news = [make_new_task({"n": i}) for i in range(10)]
+        results = await asyncio.gather(*(store.submit(new, place=True) for new in news))
+        assert all(r.created for r in results)
+        assert (submitter.lost, submitter.settled) == (1, 10)
+        assert _gone(pid)
+        _assert_written_once(path, 11)
+    finally:
+        await store.close()
+
+
+async def test_closing_the_store_answers_what_a_stopped_submit_process_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(submit_process, "EXIT_WAIT_S", 0.3)
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    pid = await _started(store)
+    os.kill(pid, signal.SIGSTOP)
+    news = [make_new_task({"n": i}) for i in range(5)]
+    pending = [asyncio.ensure_future(store.submit(new)) for new in news]
+
+    async def sent() -> bool:
+        return len(submitter._held) == 5 and not submitter._out
+
+    await wait_until(sent, what="the 5 submissions in the stopped process's socket")
+    await store.close()  # waits for their answers, then ends the process
+    results: list[SubmitResult] = await asyncio.gather(*pending)
+    assert all(r.created for r in results) and submitter.settled == 5
+    assert _gone(pid)
+    _assert_written_once(path, 6)
+
+
+async def test_a_submit_process_that_cannot_start_leaves_every_submission_to_the_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One started from other code (here: another protocol) refuses to run; the store
+    writes every submission itself and tries again later, each time twice as late."""
+    monkeypatch.setattr(submit_process, "PROTOCOL", "not-this-code")
+    path = tmp_path / "kiln.db"
+    store = SqliteStore(str(path), clock=time.time, submit_process=True)
+    submitter = _submitter(store)
+    submitter.respawn_after_s = 0.05
+    try:
+        assert not await submitter.wait_ready(timeout_s=1.5)
+        assert submitter.started >= 2 and submitter.lost >= submitter.started - 1
+        assert submitter._respawn_delay() == 0.05 * 2 ** (submitter._early_deaths - 1)
+        results = await asyncio.gather(*(store.submit(make_new_task({"n": i})) for i in range(20)))
+        assert all(r.created for r in results) and submitter.counts[1] == 0
+        _assert_written_once(path, 20)
+    finally:
+        await store.close()

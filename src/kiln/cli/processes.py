@@ -329,6 +329,10 @@ def _print_banner(settings: Settings, port: int) -> None:
     extra = process_count(settings)
     if extra:
         out.print(f"worker processes: {extra} (`kiln worker`, {workers} tasks each)")
+    if settings.sqlite_submit_process == "on" and settings.resolved_database_url.startswith(
+        "sqlite:"
+    ):
+        out.print("submit process: on (plain submissions written beside the API)")
 
 
 @cli.command()

@@ -118,6 +118,8 @@ class Host(Driver, Protocol):
 
     async def _log_after(self, after: int, limit: int, gaps: dict[int, int]) -> list[TaskEvent]: ...
 
+    commits_in_seq_order: bool
+
     async def last_seq(self) -> int: ...
 
 
@@ -138,12 +140,13 @@ class Outbox(Concern[Host]):
             return 0 if row is None else int(row[0])
 
         cursor = await self._read(cursor_of)
-        # The log's end first, then whether any task has a webhook: every event up to
-        # that end was committed before the second read, so with no task hooked none of
-        # them is a hooked task's, and the cursor passes them unread.
-        end = await self._store.last_seq()
-        if end > cursor and not await self._count(self.q.any_hooked_task):
-            return WebhookScan(cursor, end, 0, [])
+        if self._store.commits_in_seq_order:
+            # The log's end first, then whether any task has a webhook: every event up to
+            # that end was committed before the second read, so with no task hooked none
+            # of them is a hooked task's, and the cursor passes them unread.
+            end = await self._store.last_seq()
+            if end > cursor and not await self._count(self.q.any_hooked_task):
+                return WebhookScan(cursor, end, 0, [])
         events = await self._store._log_after(cursor, limit, self._gaps)
         ids = sorted({e.task_id for e in events})
 

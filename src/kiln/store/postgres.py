@@ -118,6 +118,8 @@ class _CommitUnknown(Exception):
 class PostgresStore(Store):
     """The store for many processes on many machines. See the module docstring."""
 
+    commits_in_seq_order = False
+
     def __init__(
         self, url: str, *, clock: Clock, pool_size: int = 10, acquire_timeout_s: float = 3.0
     ) -> None:

@@ -603,6 +603,11 @@ class Store(TaskOps, ClaimOps, PreemptOps):
     and ``close``.
     """
 
+    #: Whether events become visible in seq order (one writer at a time: SQLite). Without
+    #: it a seq can show after a higher one (PostgreSQL): only a gap-safe read of the log
+    #: (``_log_after``) may pass events unseen.
+    commits_in_seq_order = True
+
     def __init__(self, queries: Queries, clock: Clock) -> None:
         self.q = queries
         self.clock = clock

@@ -16,21 +16,30 @@ What crosses the socket: frames, each a 4-byte length and a :mod:`marshal` docum
 list of requests, or the child's counts and a list of answers), written once per turn
 of the event loop and once per commit; tasks travel as tuples of their fields.
 
-**When the child dies** (SIGKILL, a crash), the socket reads its end. The submissions
-it held are settled once the process is gone (nothing of it can commit after that): a
-task the child wrote is answered as written (201), any other submission is written by
-the API's own writer, so each is answered once and written once. A new child is started
-after :data:`RESPAWN_AFTER_S`; meanwhile the API's writer takes every submission.
-Closing the store lets the child answer what it holds, then ends it.
+Submissions go to a child only once it said it is ready (a first frame, sent when its
+connection is open); until then, and whenever none runs, the API's own writer takes them.
+
+**When the child dies** (SIGKILL, a crash, a writer thread that broke: the child then
+exits), the socket reads its end. The submissions it held are settled once the process
+is gone (nothing of it can commit after that): a task the child wrote is answered as
+written (201), any other submission is written by the API's own writer, so each is
+answered once and written once. A child that holds a submission and says nothing for
+:data:`STALL_S` (stopped, hung) is killed first. The next child starts
+:data:`RESPAWN_AFTER_S` later, twice as late for each one in a row that died before it was
+ready (up to :data:`RESPAWN_MAX_S`); one started from other code than the API's (an
+upgrade on disk: :data:`PROTOCOL` differs) refuses to run. Closing the store lets the
+child answer what it holds (up to :data:`EXIT_WAIT_S`), then ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import marshal
+import os
 import pickle
 import socket
 import struct
@@ -40,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import StoreUnavailable
@@ -51,10 +61,18 @@ log = logging.getLogger("kiln.store")
 
 #: Each frame's length, before its document.
 HEADER = struct.Struct("<I")
-#: Seconds between the death of a submit process and the start of the next.
+#: Seconds between the death of a submit process and the start of the next, doubled for
+#: each one in a row that died before it was ready, up to :data:`RESPAWN_MAX_S`.
 RESPAWN_AFTER_S = 5.0
-#: Seconds a closing store waits for its submit process to end before it kills it.
+RESPAWN_MAX_S = 300.0
+#: Seconds a closing store waits for its submit process to answer and end before it
+#: kills it.
 EXIT_WAIT_S = 10.0
+#: A submit process that held a submission this long without a word (stopped, hung) is
+#: killed, and what it held settled (SQLite's own lock wait is ``busy_timeout``, 30 s).
+STALL_S = 45.0
+#: The folder that holds the kiln package this process runs.
+_KILN_ROOT = str(Path(__file__).resolve().parents[2])
 #: What an answer says it holds.
 RESULT, ERROR = 0, 1
 
@@ -62,6 +80,10 @@ RESULT, ERROR = 0, 1
 
 _NEW_FIELDS = tuple(f.name for f in fields(NewTask))
 _TASK_FIELDS = tuple(f.name for f in fields(Task))
+#: The wire's shape: a child started from other code (an upgrade on disk) refuses to run.
+PROTOCOL = hashlib.sha256(repr((_NEW_FIELDS, _TASK_FIELDS, HEADER.format)).encode()).hexdigest()[
+    :16
+]
 _new_values = attrgetter(*_NEW_FIELDS)
 _task_values = attrgetter(*_TASK_FIELDS)
 _NEW_TIMEOUTS = _NEW_FIELDS.index("timeouts")
@@ -172,6 +194,7 @@ class _Held:
     place: bool
     policy: ClaimPolicy | None
     future: asyncio.Future[SubmitResult]
+    at: float  # when it was sent (monotonic)
 
 
 #: What settles a submission the child died with: (new, place, policy) → its answer.
@@ -182,7 +205,8 @@ class SubmitProcess:
     """The API process's end of one submit process at a time (see the module docstring).
 
     Bound to the event loop of its first submission; a submission from another loop, or
-    while no child runs, is for the caller's own writer (:meth:`ready` says no)."""
+    while no child is ready (started, its connection open), is for the caller's own
+    writer (:meth:`ready` says no)."""
 
     def __init__(self, path: str, synchronous: str, settle: Settle) -> None:
         self.path = path
@@ -198,6 +222,11 @@ class SubmitProcess:
         self._ids = itertools.count()
         self._start_after = 0.0
         self.respawn_after_s = RESPAWN_AFTER_S
+        self.stall_s = STALL_S
+        self._ready = False  # the running child said it is ready
+        self._early_deaths = 0  # children in a row that died before they were ready
+        self._heard_at = 0.0
+        self._watching: asyncio.TimerHandle | None = None
         self._closing = False
         self._settling: set[asyncio.Task[None]] = set()
         #: The children's (transactions, operations, grouped submissions) so far: those of
@@ -221,7 +250,7 @@ class SubmitProcess:
             return False
         if self._sock is None and time.monotonic() >= self._start_after:
             self._start()
-        return self._sock is not None
+        return self._ready
 
     def _start(self) -> None:
         assert self._loop is not None
@@ -233,23 +262,66 @@ class SubmitProcess:
             str(theirs.fileno()),
             self.path,
             self.synchronous,
+            PROTOCOL,
         ]
+        # The child imports the kiln this process runs, wherever it was found.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_KILN_ROOT, env.get("PYTHONPATH")]))
         try:
             self._proc = subprocess.Popen(
-                command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True
+                command,
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                env=env,
             )
         except OSError as exc:
             ours.close()
-            self._start_after = time.monotonic() + self.respawn_after_s
+            self._early_deaths += 1
+            self._start_after = time.monotonic() + self._respawn_delay()
             log.error("sqlite_submit_process_failed", extra={"error": str(exc)})
             return
         finally:
             theirs.close()
         ours.setblocking(False)
         self._sock = ours
+        self._ready = False
+        self._heard_at = time.monotonic()
         self._loop.add_reader(ours.fileno(), self._readable)
+        self._watching = self._loop.call_later(self.stall_s / 3, self._watch)
         self.started += 1
         log.info("sqlite_submit_process_started", extra={"pid": self._proc.pid})
+
+    def _respawn_delay(self) -> float:
+        doubled = self.respawn_after_s * 2.0 ** max(self._early_deaths - 1, 0)
+        return float(min(doubled, max(RESPAWN_MAX_S, self.respawn_after_s)))
+
+    def _watch(self) -> None:
+        """Kill a child that holds a submission and said nothing for :attr:`stall_s`."""
+        self._watching = None
+        if self._sock is None or self._loop is None:
+            return
+        now = time.monotonic()
+        oldest = min((held.at for held in self._held.values()), default=now)
+        if now - oldest > self.stall_s and now - self._heard_at > self.stall_s:
+            proc = self._proc
+            log.error(
+                "sqlite_submit_process_stalled",
+                extra={"pid": None if proc is None else proc.pid, "held": len(self._held)},
+            )
+            if proc is not None:
+                proc.kill()  # its socket ends with it: the held submissions are settled
+        self._watching = self._loop.call_later(self.stall_s / 3, self._watch)
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Start the child if none runs, and wait until it is ready (for tests and
+        benchmarks that want every plain submission to go there)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     @property
     def pid(self) -> int | None:
@@ -267,11 +339,10 @@ class SubmitProcess:
     async def close(self) -> None:
         """Let the child answer what it holds, then end it."""
         self._closing = True
-        if self._sock is not None:
-            if self._held:
-                await asyncio.gather(
-                    *(held.future for held in self._held.values()), return_exceptions=True
-                )
+        if self._sock is not None and self._held:
+            futures = [held.future for held in self._held.values()]
+            await asyncio.wait(futures, timeout=EXIT_WAIT_S)
+        if self._sock is not None:  # (the child may have died meanwhile)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_WR)  # the child ends once it read everything
         proc = self._proc
@@ -282,7 +353,8 @@ class SubmitProcess:
                 log.error("sqlite_submit_process_killed", extra={"pid": proc.pid})
                 proc.kill()
                 await asyncio.to_thread(proc.wait)
-        self._drop()
+        if self._sock is not None:  # its end not read yet: what it still held is settled
+            self._child_gone()
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
         if self.started:
@@ -309,7 +381,7 @@ class SubmitProcess:
         request_id = next(self._ids)
         future: asyncio.Future[SubmitResult] = self._loop.create_future()
         self._out.append((request_id, new_form(new), now, place, policy_form(policy)))
-        self._held[request_id] = _Held(new, place, policy, future)
+        self._held[request_id] = _Held(new, place, policy, future, time.monotonic())
         if len(self._out) == 1 and not self._unsent:
             self._loop.call_soon(self._flush)
         return await future
@@ -355,9 +427,21 @@ class SubmitProcess:
             self._child_gone()
             return
         self._inbox += data
-        for counts, answers in frames(self._inbox):
+        self._heard_at = time.monotonic()
+        try:
+            documents = frames(self._inbox)
+        except Exception:  # not what a child of this code writes: end it, settle its held
+            log.exception("sqlite_submit_process_garbled")
+            if self._proc is not None:
+                self._proc.kill()
+            self._child_gone()
+            return
+        for counts, answers in documents:
             transactions, operations, grouped = counts
             self._counts = (transactions, operations, grouped)
+            if not self._ready:
+                self._ready = True  # its first frame: its connection is open
+                self._early_deaths = 0
             for answer in answers:
                 self._answer(answer)
 
@@ -365,18 +449,28 @@ class SubmitProcess:
         held = self._held.pop(answer[0], None)
         if held is None or held.future.done():
             return  # its caller went away
-        if answer[1] == ERROR:
-            held.future.set_exception(pickle.loads(answer[2]))
+        try:
+            if answer[1] == ERROR:
+                held.future.set_exception(pickle.loads(answer[2]))
+                return
+            _, _, form, created, replayed, deduplicated, position, placed = answer
+            result = SubmitResult(task_of(form), created, replayed, deduplicated, position, placed)
+        except Exception as exc:  # an answer this process cannot read: its caller is told
+            log.exception("sqlite_submit_answer_unreadable")
+            held.future.set_exception(
+                StoreUnavailable(f"the submit process's answer could not be read: {exc!r}")
+            )
             return
-        _, _, form, created, replayed, deduplicated, position, placed = answer
-        held.future.set_result(
-            SubmitResult(task_of(form), created, replayed, deduplicated, position, placed)
-        )
+        held.future.set_result(result)
 
     # the child's end
 
     def _drop(self) -> None:
         """Forget the socket and the running child (its counts kept)."""
+        if self._watching is not None:
+            self._watching.cancel()
+            self._watching = None
+        self._ready = False
         if self._sock is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
             self._loop.remove_writer(self._sock.fileno())
@@ -391,12 +485,13 @@ class SubmitProcess:
 
     def _child_gone(self) -> None:
         """The socket read its end: settle what the child held, once it is gone."""
-        proc, held = self._proc, list(self._held.values())
+        proc, held, was_ready = self._proc, list(self._held.values()), self._ready
         self._held.clear()
         self._drop()
         if not self._closing:
             self.lost += 1
-            self._start_after = time.monotonic() + self.respawn_after_s
+            self._early_deaths = 0 if was_ready else self._early_deaths + 1
+            self._start_after = time.monotonic() + self._respawn_delay()
             log.error(
                 "sqlite_submit_process_lost",
                 extra={"pid": None if proc is None else proc.pid, "held": len(held)},
@@ -413,9 +508,9 @@ class SubmitProcess:
             if proc.returncode is None:
                 proc.kill()
                 await asyncio.to_thread(proc.wait)
-        for one in held:  # in the order they came
-            if one.future.done():
-                continue
+        # In the order they came; one whose caller went away is settled too, as the
+        # API's own writer writes a submission whose caller went away.
+        for one in held:
             try:
                 result = await self._settle(one.new, one.place, one.policy)
             except Exception as exc:

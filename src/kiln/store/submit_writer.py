@@ -1,11 +1,13 @@
-"""The submit process: ``python -m kiln.store.submit_writer FD PATH SYNCHRONOUS``.
+"""The submit process: ``python -m kiln.store.submit_writer FD PATH SYNCHRONOUS PROTOCOL``.
 
 Started by the API process's store (:mod:`kiln.store.submit_process`) with one end of a
 socket pair as ``FD``. Its main thread reads the submissions from the socket and queues
 them for a writer thread that is the store's own (:class:`~kiln.store.sqlite._DbThread`):
 the same group commit, the same file lock and wake-ups of the other processes, the same
 fall-backs (one by one, savepoints). After each commit the writer sends the answers of
-its batch in one frame, with its counts.
+its batch in one frame, with its counts; its first frame, sent once its connection is
+open, says it is ready. A writer thread that breaks ends the process (exit status 1), so
+that the API process settles what it held.
 
 It lives as long as its socket: it ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a
 service manager's stop reach every process of the group; the API process ends it after
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sqlite3
@@ -31,7 +34,15 @@ from kiln.store.sqlite_share import Wakeups, WriteLock
 from kiln.store.sqlite_submits import Grouped
 from kiln.store.sqlite_tx import kiln_connection
 from kiln.store.sqlstore import Store
-from kiln.store.submit_process import error_form, frame, frames, new_of, policy_of, result_form
+from kiln.store.submit_process import (
+    PROTOCOL,
+    error_form,
+    frame,
+    frames,
+    new_of,
+    policy_of,
+    result_form,
+)
 from kiln.store.tx import Refused
 
 log = logging.getLogger("kiln.store")
@@ -78,11 +89,20 @@ class _Writer(_DbThread):
             wakeups=Wakeups(path),
         )
 
-    @staticmethod
-    def _open(path: str, synchronous: str) -> sqlite3.Connection:
+    def _open(self, path: str, synchronous: str) -> sqlite3.Connection:
         conn = connect(path, synchronous=synchronous)
         conn.execute("PRAGMA busy_timeout=0")  # SQLite's lock is free under the file lock
+        self.sock.sendall(frame(((0, 0, 0), [])))  # ready
         return conn
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException:
+            log.exception("sqlite_submit_writer_failed")
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            os._exit(1)  # the API process reads the socket's end and settles what it held
 
     def request(self, document: list[Any]) -> _Request:
         """The job of one request; one that cannot be read is answered with its error."""
@@ -132,11 +152,16 @@ class _Writer(_DbThread):
 
 
 def main(argv: list[str]) -> int:
-    fd, path, synchronous = int(argv[0]), argv[1], argv[2]
+    fd, path, synchronous, protocol = int(argv[0]), argv[1], argv[2], argv[3]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="kiln submit process: %(message)s")
     sock = socket.socket(fileno=fd)
+    if protocol != PROTOCOL:
+        log.error(
+            "started by an API process of other code (protocol %s, not %s)", protocol, PROTOCOL
+        )
+        return 3
     writer = _Writer(sock, path, synchronous)
     writer.start()
     inbox = bytearray()
