@@ -298,7 +298,7 @@ async def test_on_postgres_the_cursor_never_passes_an_event_still_in_flight(
         await store.close()
 
 
-async def test_while_no_task_has_a_webhook_a_scan_passes_the_log_unread(
+async def test_while_no_task_has_a_webhook_a_scan_passes_the_log_unread_where_it_may(
     store: Store, clock: SettableClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given tasks without a webhook, and every read of the log's events counted
@@ -315,8 +315,9 @@ async def test_while_no_task_has_a_webhook_a_scan_passes_the_log_unread(
     monkeypatch.setattr(store, "_log_after", counted)
     # When the outbox is filled
     assert await fill_outbox(store, clock()) == 0
-    # Then its cursor stands at the log's end, no event read
-    assert sum(reads) == 0
+    # Then its cursor stands at the log's end; where events commit in seq order
+    # (SQLite), with no event read (PostgreSQL reads past its gaps, as always)
+    assert (sum(reads) == 0) is store.commits_in_seq_order
     assert (await store.outbox.scan(limit=100)).cursor == await store.last_seq()
     # And once a task has a webhook, its events are read and queued as before
     hooked_task = await drive(store, hooked("d"), Status.SUCCESS)
