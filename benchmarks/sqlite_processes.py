@@ -88,8 +88,11 @@ async def _drive(
     concurrency: int,
     output_bytes: int,
 ) -> tuple[Figure, dict[str, Any]]:
-    # As kiln serve on this machine: a submit process with two cores or more.
-    app = build_app(url, results, synchronous, output_bytes, submit_process=usable_cores() >= 2)
+    # As kiln serve on this machine: a submit process with two cores or more (unless
+    # KILN_SQLITE_SUBMIT_PROCESS says on or off).
+    chosen = os.environ.get("KILN_SQLITE_SUBMIT_PROCESS", "auto").lower()
+    submit_process = usable_cores() >= 2 if chosen == "auto" else chosen == "on"
+    app = build_app(url, results, synchronous, output_bytes, submit_process=submit_process)
     async with app:
         worker = app.worker(concurrency=concurrency) if concurrency else None
         running = kiln.app.running(worker.run()) if worker else _nothing()
