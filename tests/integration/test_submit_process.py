@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,16 @@ from kiln.store.submit_process import SubmitProcess
 from .conftest import wait_until
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    """A store on ``tmp_path / "kiln.db"`` whose plain submissions go to a submit process."""
+    opened = SqliteStore(str(tmp_path / "kiln.db"), clock=time.time, submit_process=True)
+    try:
+        yield opened
+    finally:
+        await opened.close()
 
 
 def _rows(path: Path, sql: str, *args: object) -> list[tuple[object, ...]]:
@@ -73,6 +84,14 @@ async def _started(store: SqliteStore) -> int:
     return pid
 
 
+async def _stopped(store: SqliteStore) -> int:
+    """The pid of the store's submit process, started and then stopped (SIGSTOP): it holds
+    what it is sent and says nothing."""
+    pid = await _started(store)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 async def test_plain_submissions_are_written_by_the_submit_process(tmp_path: Path) -> None:
     path = tmp_path / "kiln.db"
     store = SqliteStore(str(path), clock=time.time, submit_process=True)
@@ -113,110 +132,97 @@ async def test_plain_submissions_are_written_by_the_submit_process(tmp_path: Pat
 
 
 async def test_a_stopped_then_killed_submit_process_leaves_its_submissions_to_the_api(
+    store: SqliteStore,
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
     submitter.respawn_after_s = 0.0
-    try:
-        pid = await _started(store)
-        os.kill(pid, signal.SIGSTOP)
-        news = [make_new_task({"n": i}) for i in range(50)]
-        pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
+    pid = await _stopped(store)
+    news = [make_new_task({"n": i}) for i in range(50)]
+    pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
 
-        async def sent() -> bool:
-            return len(submitter._held) == 50 and not submitter._out
+    async def sent() -> bool:
+        return len(submitter._held) == 50 and not submitter._out
 
-        await wait_until(sent, what="the 50 submissions in the stopped process's socket")
-        os.kill(pid, signal.SIGKILL)
-        results: list[SubmitResult] = await asyncio.gather(*pending)
-        assert all(r.created for r in results)
-        assert [r.task.id for r in results] == [new.id for new in news]
-        assert sorted(r.queue_position for r in results) == list(range(2, 52))  # type: ignore[type-var]
-        assert (submitter.lost, submitter.settled) == (1, 50)
-        _assert_written_once(path, 51)
+    await wait_until(sent, what="the 50 submissions in the stopped process's socket")
+    os.kill(pid, signal.SIGKILL)
+    results: list[SubmitResult] = await asyncio.gather(*pending)
+    assert all(r.created for r in results)
+    assert [r.task.id for r in results] == [new.id for new in news]
+    assert sorted(r.queue_position for r in results) == list(range(2, 52))  # type: ignore[type-var]
+    assert (submitter.lost, submitter.settled) == (1, 50)
+    _assert_written_once(tmp_path / "kiln.db", 51)
 
-        # The next submission starts the next process (written here until it is ready).
-        after = await store.submit(make_new_task({"after": True}))
-        assert after.created
-        assert submitter.pid not in (None, pid) and submitter.started == 2
-        assert await submitter.wait_ready()
-        there = await store.submit(make_new_task({"there": True}))
-        assert there.created and submitter.counts[1] == 2  # one in each process
-        _assert_written_once(path, 53)
-    finally:
-        await store.close()
+    # The next submission starts the next process (written here until it is ready).
+    after = await store.submit(make_new_task({"after": True}))
+    assert after.created
+    assert submitter.pid not in (None, pid) and submitter.started == 2
+    assert await submitter.wait_ready()
+    there = await store.submit(make_new_task({"there": True}))
+    assert there.created and submitter.counts[1] == 2  # one in each process
+    _assert_written_once(tmp_path / "kiln.db", 53)
 
 
 async def test_what_a_killed_submit_process_wrote_is_answered_as_written(
+    store: SqliteStore,
     tmp_path: Path,
 ) -> None:
     """The process wrote the submissions and died before its answers were read: each is
     answered with the task it wrote (created), none written again."""
     path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
-    try:
-        pid = await _started(store)
-        loop = asyncio.get_running_loop()
-        assert submitter._sock is not None
-        loop.remove_reader(submitter._sock.fileno())  # its answers stay unread
-        news = [make_new_task({"n": i}) for i in range(30)]
-        pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
+    pid = await _started(store)
+    loop = asyncio.get_running_loop()
+    assert submitter._sock is not None
+    loop.remove_reader(submitter._sock.fileno())  # its answers stay unread
+    news = [make_new_task({"n": i}) for i in range(30)]
+    pending = [asyncio.ensure_future(store.submit(new, place=True)) for new in news]
 
-        async def written() -> bool:
-            return _rows(path, "SELECT count(*) FROM tasks") == [(31,)]
+    async def written() -> bool:
+        return _rows(path, "SELECT count(*) FROM tasks") == [(31,)]
 
-        await wait_until(written, what="the submit process to commit the 30 submissions")
-        os.kill(pid, signal.SIGKILL)
-        submitter._child_gone()  # what reading the socket's end does
-        results: list[SubmitResult] = await asyncio.gather(*pending)
-        assert all(r.created and not r.deduplicated for r in results)
-        assert [r.task.id for r in results] == [new.id for new in news]
-        assert sorted(r.queue_position for r in results) == list(range(2, 32))  # type: ignore[type-var]
-        assert submitter.settled == 30
-        _assert_written_once(path, 31)
-    finally:
-        await store.close()
+    await wait_until(written, what="the submit process to commit the 30 submissions")
+    os.kill(pid, signal.SIGKILL)
+    submitter._child_gone()  # what reading the socket's end does
+    results: list[SubmitResult] = await asyncio.gather(*pending)
+    assert all(r.created and not r.deduplicated for r in results)
+    assert [r.task.id for r in results] == [new.id for new in news]
+    assert sorted(r.queue_position for r in results) == list(range(2, 32))  # type: ignore[type-var]
+    assert submitter.settled == 30
+    _assert_written_once(path, 31)
 
 
 async def test_a_submit_process_killed_mid_burst_loses_nothing_and_writes_nothing_twice(
+    store: SqliteStore,
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
-    try:
-        pid = await _started(store)
-        # 600 submissions of 300 contents (each content twice, the copies apart), sent
-        # ten at a time, about 30 in flight; the process is killed after 100 answers.
-        news = [make_new_task({"n": i % 300}) for i in range(600)]
-        pending: list[asyncio.Future[SubmitResult]] = []
-        killed = False
-        for start in range(0, 600, 10):
-            pending += [
-                asyncio.ensure_future(store.submit(new)) for new in news[start : start + 10]
-            ]
-            if start >= 30:  # about 30 in flight
-                await pending[start - 30]
-            if not killed and sum(p.done() for p in pending) >= 100:
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-        results = await asyncio.gather(*pending)
-        assert killed
+    pid = await _started(store)
+    # 600 submissions of 300 contents (each content twice, the copies apart), sent
+    # ten at a time, about 30 in flight; the process is killed after 100 answers.
+    news = [make_new_task({"n": i % 300}) for i in range(600)]
+    pending: list[asyncio.Future[SubmitResult]] = []
+    killed = False
+    for start in range(0, 600, 10):
+        pending += [asyncio.ensure_future(store.submit(new)) for new in news[start : start + 10]]
+        if start >= 30:  # about 30 in flight
+            await pending[start - 30]
+        if not killed and sum(p.done() for p in pending) >= 100:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+    results = await asyncio.gather(*pending)
+    assert killed
 
-        async def noticed() -> bool:
-            return submitter.lost == 1
+    async def noticed() -> bool:
+        return submitter.lost == 1
 
-        await wait_until(noticed, what="the store to notice its submit process died")
-        for i in range(300):  # both copies of a content: one task
-            assert results[i].task.id == results[i + 300].task.id
-        made = Counter(r.task.id for r in results if r.created)
-        assert len(made) == 300 and set(made.values()) == {1}
-        _assert_written_once(path, 301)
-    finally:
-        await store.close()
+    await wait_until(noticed, what="the store to notice its submit process died")
+    for i in range(300):  # both copies of a content: one task
+        assert results[i].task.id == results[i + 300].task.id
+    made = Counter(r.task.id for r in results if r.created)
+    assert len(made) == 300 and set(made.values()) == {1}
+    _assert_written_once(path, 301)
 
 
 API_PROCESS = textwrap.dedent(
@@ -264,34 +270,26 @@ async def test_a_killed_api_process_takes_its_submit_process_with_it(tmp_path: P
 
 
 async def test_a_stalled_submit_process_is_killed_and_its_submissions_settled(
+    store: SqliteStore,
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
     submitter.stall_s = 0.3
-    try:
-        pid = await _started(store)
-        os.kill(pid, signal.SIGSTOP)  # holds what it is sent, says nothing
-        news = [make_new_task({"n": i}) for i in range(10)]
-        results = await asyncio.gather(*(store.submit(new, place=True) for new in news))
-        assert all(r.created for r in results)
-        assert (submitter.lost, submitter.settled) == (1, 10)
-        assert _gone(pid)
-        _assert_written_once(path, 11)
-    finally:
-        await store.close()
+    pid = await _stopped(store)
+    news = [make_new_task({"n": i}) for i in range(10)]
+    results = await asyncio.gather(*(store.submit(new, place=True) for new in news))
+    assert all(r.created for r in results)
+    assert (submitter.lost, submitter.settled) == (1, 10)
+    assert _gone(pid)
+    _assert_written_once(tmp_path / "kiln.db", 11)
 
 
 async def test_closing_the_store_answers_what_a_stopped_submit_process_held(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: SqliteStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(submit_process, "EXIT_WAIT_S", 0.3)
-    path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
-    pid = await _started(store)
-    os.kill(pid, signal.SIGSTOP)
+    pid = await _stopped(store)
     news = [make_new_task({"n": i}) for i in range(5)]
     pending = [asyncio.ensure_future(store.submit(new)) for new in news]
 
@@ -303,25 +301,20 @@ async def test_closing_the_store_answers_what_a_stopped_submit_process_held(
     results: list[SubmitResult] = await asyncio.gather(*pending)
     assert all(r.created for r in results) and submitter.settled == 5
     assert _gone(pid)
-    _assert_written_once(path, 6)
+    _assert_written_once(tmp_path / "kiln.db", 6)
 
 
 async def test_a_submit_process_that_cannot_start_leaves_every_submission_to_the_api(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: SqliteStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One started from other code (here: another protocol) refuses to run; the store
     writes every submission itself and tries again later, each time twice as late."""
     monkeypatch.setattr(submit_process, "PROTOCOL", "not-this-code")
-    path = tmp_path / "kiln.db"
-    store = SqliteStore(str(path), clock=time.time, submit_process=True)
     submitter = _submitter(store)
     submitter.respawn_after_s = 0.05
-    try:
-        assert not await submitter.wait_ready(timeout_s=1.5)
-        assert submitter.started >= 2 and submitter.lost >= submitter.started - 1
-        assert submitter._respawn_delay() == 0.05 * 2 ** (submitter._early_deaths - 1)
-        results = await asyncio.gather(*(store.submit(make_new_task({"n": i})) for i in range(20)))
-        assert all(r.created for r in results) and submitter.counts[1] == 0
-        _assert_written_once(path, 20)
-    finally:
-        await store.close()
+    assert not await submitter.wait_ready(timeout_s=1.5)
+    assert submitter.started >= 2 and submitter.lost >= submitter.started - 1
+    assert submitter._respawn_delay() == 0.05 * 2 ** (submitter._early_deaths - 1)
+    results = await asyncio.gather(*(store.submit(make_new_task({"n": i})) for i in range(20)))
+    assert all(r.created for r in results) and submitter.counts[1] == 0
+    _assert_written_once(tmp_path / "kiln.db", 20)
