@@ -308,28 +308,37 @@ _INSERT_AFFINITY = tuple(
 )
 
 
-def _stored(affinity: str, value: Any) -> tuple[bool, Any]:
-    """(whether ``value`` reads back from its column as the value below, that value)."""
-    kind = type(value)
-    if value is None or (affinity is _TEXT and kind is str):
-        return True, value
-    if affinity is _INTEGER:
-        return kind is int, value
-    if affinity is _REAL and (kind is float or kind is int) and value == value:
-        return True, float(value)
-    return False, value  # a value SQLite would convert another way: read the row back
+#: The places of the ``insert_task`` parameters by their columns' affinity.
+_TEXT_AT = tuple(i for i, affinity in enumerate(_INSERT_AFFINITY) if affinity is _TEXT)
+_INTEGER_AT = tuple(i for i, affinity in enumerate(_INSERT_AFFINITY) if affinity is _INTEGER)
+_REAL_AT = tuple(i for i, affinity in enumerate(_INSERT_AFFINITY) if affinity is _REAL)
 
 
 def inserted_row(args: Sequence[Any]) -> tuple[Any, ...] | None:
     """The ``SELECT *`` row that ``insert_task`` with ``args`` writes, as SQLite reads it
     back (TASK_COLUMNS order; the columns it does not set hold their defaults), or None
-    when a parameter would read back as another value (then the caller reads the row)."""
-    stored = []
-    for affinity, value in zip(_INSERT_AFFINITY, args, strict=True):
-        same, value = _stored(affinity, value)
-        if not same:
+    when a parameter would read back as another value (then the caller reads the row): a
+    TEXT column keeps a str, an INTEGER column an int, a REAL column an int or a float as
+    a float (not NaN), each of them NULL; anything else SQLite converts its own way."""
+    if len(args) != len(_INSERT_AFFINITY):
+        raise ValueError(f"insert_task takes {len(_INSERT_AFFINITY)} parameters")
+    stored = list(args)
+    for i in _TEXT_AT:
+        value = stored[i]
+        if value is not None and type(value) is not str:
             return None
-        stored.append(value)
+    for i in _INTEGER_AT:
+        value = stored[i]
+        if value is not None and type(value) is not int:
+            return None
+    for i in _REAL_AT:
+        value = stored[i]
+        if value is None:
+            continue
+        kind = type(value)
+        if (kind is not float and kind is not int) or value != value:
+            return None
+        stored[i] = float(value)
     (id_, tenant, kind, priority, ready_at, params, metadata, inputs, fingerprint) = stored[:9]
     (idempotency_key, dedup_key, max_attempts, deadline_s, deadline_at, timeouts) = stored[9:15]
     (created_at, updated_at, status_since, webhook, *rest) = stored[15:]

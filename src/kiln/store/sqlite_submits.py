@@ -20,7 +20,7 @@ before it changed a row, and the writer runs the operations one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kiln import counters as names
@@ -102,8 +102,11 @@ def submit_group(tx: SqliteTx, items: Sequence[Grouped]) -> list[SubmitResult] |
         now = store.clock()
         places = _positions(store, tx, [(results[i].task, items[i].policy) for i in placed], now)
         for i in placed:
-            position = places.get(results[i].task.id)
-            results[i] = replace(results[i], queue_position=position, placed=True)
+            was = results[i]
+            position = places.get(was.task.id)
+            results[i] = SubmitResult(
+                was.task, was.created, was.replayed, was.deduplicated, position, placed=True
+            )
     return results
 
 
