@@ -140,8 +140,9 @@ class EventHub:
                 raise
             except Exception:
                 log.exception("event_tail_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), self.poll_interval_s)
+            with contextlib.suppress(TimeoutError):  # (not wait_for: see kiln.webhooks)
+                async with asyncio.timeout(self.poll_interval_s):
+                    await self._poke.wait()
             self._poke.clear()
 
     async def _poll(self) -> None:

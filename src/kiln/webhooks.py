@@ -437,8 +437,11 @@ class Dispatcher:
                     log.exception("webhook_step_failed")
                     more = False
                 if not more:
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+                    # cancel that lands as the wait ends, and the loop would not stop.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._woken.wait(), self.interval_s)
+                        async with asyncio.timeout(self.interval_s):
+                            await self._woken.wait()
                 self._woken.clear()
         finally:
             await self.close()

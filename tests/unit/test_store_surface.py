@@ -73,6 +73,8 @@ CONCERNS = {
 }
 #: What the store holds besides: the dialect's queries and the clock.
 PARTS = frozenset({"q", "clock"})
+#: What its driver says of itself: whether the log's events become visible in seq order.
+TRAITS = frozenset({"commits_in_seq_order"})
 
 
 def public(names: object) -> set[str]:
@@ -88,12 +90,12 @@ def operations(concern: type) -> set[str]:
 
 
 def test_the_store_has_no_flat_method_outside_the_task_and_claim_core() -> None:
-    assert public(Store) == CORE
+    assert public(Store) == CORE | TRAITS
 
 
 def test_every_other_concern_is_an_object_on_the_store() -> None:
     store = Store(queries("sqlite"), time.time)
-    assert public(store) == CORE | PARTS | set(CONCERNS)
+    assert public(store) == CORE | TRAITS | PARTS | set(CONCERNS)
     for name, kind in CONCERNS.items():
         assert type(getattr(store, name)) is kind
         assert issubclass(kind, Concern)

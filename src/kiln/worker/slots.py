@@ -150,9 +150,10 @@ class Slots:
                     attempt.pool_wait = wait
                 ceiling = POOL_HEAD_POLL_S if wait and wait.position == 1 else POOL_POLL_S[1]
                 delay = min(delay, ceiling)
-                with contextlib.suppress(TimeoutError):
-                    pause = delay * self._rng.uniform(0.5, 1.0)
-                    await asyncio.wait_for(attempt.pool_wake.wait(), pause)
+                pause = delay * self._rng.uniform(0.5, 1.0)
+                with contextlib.suppress(TimeoutError):  # (not wait_for: see kiln.webhooks)
+                    async with asyncio.timeout(pause):
+                        await attempt.pool_wake.wait()
                 delay = min(delay * 2, ceiling)
         finally:
             self.waiters.remove(attempt)
