@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import os
@@ -62,6 +61,7 @@ from typing import Any
 
 import httpx
 from http_clients import burst, sse_fanout
+from pg_cluster import server_cpu_s
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -89,21 +89,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds so far of a process and of the processes it started that
-    still run (kiln's submit process)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    children: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children.update(int(c) for c in (task / "children").read_text().split())
-    return own + sum(cpu_s(child) for child in children)
 
 
 # The servers ----------------------------------------------------------------------------
@@ -236,9 +221,10 @@ def wrk(args: argparse.Namespace, server: Server, figure: str, path: str, tag: s
     command = [args.wrk, "-t", str(args.threads), "-c", str(args.connections),
                "-d", f"{args.seconds}s", "--timeout", "10s", "-s", str(script),
                f"{server.url}{path}"]  # fmt: skip
-    before = cpu_s(server.popen.pid)
+    # The server and the processes it started (kiln's submit process).
+    before = server_cpu_s(server.popen.pid) or 0.0
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    used = cpu_s(server.popen.pid) - before
+    used = (server_cpu_s(server.popen.pid) or 0.0) - before
     found = json.loads(done.stdout.strip().splitlines()[-1])
     errors = sum(found[k] for k in ("connect", "read", "write", "status", "timeout"))
     return Run(

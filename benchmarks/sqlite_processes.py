@@ -24,6 +24,7 @@ from harness import (
     transitions_of,
     wait_for_success,
 )
+from pg_cluster import server_cpu_s
 
 import kiln
 from kiln.cli.worker_processes import usable_cores
@@ -101,7 +102,7 @@ async def _drive(
             submitter = getattr(app.engine.store, "submitter", None)
             if submitter is not None:  # started, and ready, before the clock
                 assert await submitter.wait_ready(), "the submit process did not start"
-            child_before = 0.0 if submitter is None else process_cpu_s(submitter.pid)
+            child_before = 0.0 if submitter is None else (server_cpu_s(submitter.pid) or 0.0)
             cpu = os.times()
             started = time.perf_counter()
             created = await submit_all(app, tasks)
@@ -109,7 +110,9 @@ async def _drive(
             finished, _ = await wait_for_success(app, created, timeout_s=max(120.0, tasks / 10))
             end = os.times()
             submitter = getattr(app.engine.store, "submitter", None)
-            child_s = 0.0 if submitter is None else process_cpu_s(submitter.pid) - child_before
+            child_s = (
+                0.0 if submitter is None else (server_cpu_s(submitter.pid) or 0.0) - child_before
+            )
         stats = await app.engine.store.stats(tenant=None, ghost_after_s=60)
         moved = transitions_of(await app.engine.store.counters())
         lock = getattr(app.engine.store, "lock_stats", None)
@@ -179,14 +182,6 @@ def run_sqlite_processes(
     figure.write_batches = (tx, ops)
     locks = [x for x in [seen["lock"], *(r["lock"] for r in reports)] if x]
     return figure, {"processes": processes, "locks": locks}
-
-
-def process_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of a running process so far (0 for None)."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _migrate(url: str, synchronous: str) -> None:

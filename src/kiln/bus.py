@@ -4,8 +4,8 @@ Every status event reaches subscribers through the tail, in ``seq`` order, which
 process wrote it; a local write only pokes the tail so it reads at once (while anyone
 subscribes: else the tail moves on every ``poll_interval_s``; where events commit in seq
 order (SQLite) straight to the log's end, without reading the events nobody would get).
-Progress is not persisted on every step: a local worker publishes it directly, and progress saved by
-workers in other processes is picked up by the same tail.
+Progress is not persisted on every step: a local worker publishes it directly, and
+progress saved by workers in other processes is picked up by the same tail.
 """
 
 from __future__ import annotations

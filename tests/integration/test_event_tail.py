@@ -12,6 +12,7 @@ import pytest
 
 import kiln
 from kiln import demo
+from kiln.bus import Subscription
 from kiln.config import Settings
 from kiln.models import TaskEvent
 
@@ -98,3 +99,29 @@ async def test_a_feed_opened_after_unwatched_writes_replays_them_then_goes_live(
     following.cancel()
     # Then it showed every submit once, in order, the live one last
     assert seen == [*before, after]
+
+
+@pytest.mark.sqlite_only  # PostgreSQL's tail reads the log past its gaps, never its end
+async def test_a_subscriber_that_comes_while_the_tail_finds_the_logs_end_misses_nothing(
+    app: kiln.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a started tail with nobody subscribed, and a task submitted since its last poll
+    hub = app.hub
+    hub.poll_interval_s = 3600.0
+    await hub.start()
+    store = app.engine.store
+    made = await app.submit("image.generate", {"prompt": "submitted unwatched"})
+    # When a subscriber comes while the tail reads where the log ends
+    sub = Subscription(hub, made.task.id, None)
+    last_seq = store.last_seq
+
+    async def subscribed_meanwhile() -> int:
+        hub.subscribers.add(sub)
+        return await last_seq()
+
+    monkeypatch.setattr(store, "last_seq", subscribed_meanwhile)
+    await hub._poll()
+    # Then the tail does not pass the task's events unread: the subscriber gets them
+    event = await asyncio.wait_for(_next_submit(sub.queue, made.task.id), timeout=10)
+    assert event.task_id == made.task.id
+    sub.close()
